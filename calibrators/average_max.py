@@ -1,0 +1,58 @@
+"""AverageMax calibration: moving average of per-batch extrema (robust to rare outliers)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from onnxq.calibration import ObserverCallback
+from onnxq.errors import ConfigError
+
+
+class AverageMaxObserver:
+    """``r ← r + c·(batch extreme − r)`` per batch, ``c = momentum``; ``c = None`` is the mean.
+
+    With ``momentum=None`` (default) the result is the plain mean of per-batch minima and maxima
+    over all batches, independent of batch order.
+    """
+
+    def __init__(self, momentum: float | None = None) -> None:
+        if momentum is not None and not 0.0 < momentum <= 1.0:
+            raise ConfigError(f"AverageMax momentum {momentum} must be in (0, 1]")
+        self.momentum = momentum
+        self.count = 0
+        self.rmin = 0.0
+        self.rmax = 0.0
+
+    def observe(self, x: np.ndarray) -> None:
+        """Fold one batch's extrema into the averages."""
+        if not x.size:
+            return
+        lo, hi = float(np.min(x)), float(np.max(x))
+        self.count += 1
+        c = 1.0 / self.count if self.momentum is None or self.count == 1 else self.momentum
+        self.rmin += c * (lo - self.rmin)
+        self.rmax += c * (hi - self.rmax)
+
+    def compute(self) -> tuple[np.ndarray, np.ndarray]:
+        """The averaged extrema."""
+        return np.asarray(self.rmin), np.asarray(self.rmax)
+
+    def nbytes(self) -> int:
+        """Three numbers."""
+        return 24
+
+
+class AverageMaxCallback(ObserverCallback):
+    """Calibrate every activation with :class:`AverageMaxObserver`."""
+
+    observer_key = "average_max"
+
+    def __init__(self, momentum: float | None = None) -> None:
+        self.momentum = momentum
+        if momentum is not None:
+            self.observer_key = f"average_max@{momentum}"
+        AverageMaxObserver(momentum)  # validate early
+
+    def make_observer(self) -> AverageMaxObserver:
+        """A fresh AverageMax observer."""
+        return AverageMaxObserver(self.momentum)

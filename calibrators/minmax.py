@@ -1,0 +1,41 @@
+"""MinMax calibration: the range is the extreme values seen over all batches."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from onnxq.calibration import ObserverCallback
+
+
+class MinMaxObserver:
+    """Running ``rmin = min over batches of min(x)``, ``rmax = max over batches of max(x)``."""
+
+    def __init__(self) -> None:
+        self.rmin = np.inf
+        self.rmax = -np.inf
+
+    def observe(self, x: np.ndarray) -> None:
+        """Fold one batch into the running extrema."""
+        if x.size:
+            self.rmin = min(self.rmin, float(np.min(x)))
+            self.rmax = max(self.rmax, float(np.max(x)))
+
+    def compute(self) -> tuple[np.ndarray, np.ndarray]:
+        """The extrema seen (0, 0 when nothing was observed)."""
+        if self.rmin > self.rmax:
+            return np.asarray(0.0), np.asarray(0.0)
+        return np.asarray(self.rmin), np.asarray(self.rmax)
+
+    def nbytes(self) -> int:
+        """Two floats."""
+        return 16
+
+
+class MinMaxCallback(ObserverCallback):
+    """Calibrate every activation with :class:`MinMaxObserver`."""
+
+    observer_key = "minmax"
+
+    def make_observer(self) -> MinMaxObserver:
+        """A fresh MinMax observer."""
+        return MinMaxObserver()

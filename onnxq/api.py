@@ -1,0 +1,155 @@
+"""One call from Python: ``onnxq.quantize(model, data, **options) -> (model, report)``."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import onnx
+
+from onnxq.calibration import CalibrationCallback, CalibrationReport, Calibrator
+from onnxq.dataset import as_dataset, model_inputs
+from onnxq.errors import ModelError
+from onnxq.graph import check_model, load_model, save_model
+from onnxq.quantizer import Decision, Quantizer, QuantizerConfig, QuantizerPattern
+from onnxq.requantize import Requantizer, RequantizeStats
+from onnxq.session import make_session
+
+QUANTIZED_OPS = frozenset({"QuantizeLinear", "DequantizeLinear", "QLinearConv", "QLinearMatMul",
+                           "QGemm", "QLinearAdd", "QLinearMul", "MatMulInteger", "ConvInteger",
+                           "DynamicQuantizeLinear"})
+
+
+@dataclass
+class QuantizeReport:
+    """What quantization did, node by node, with timings and calibration statistics."""
+
+    decisions: list[Decision]
+    calibration: CalibrationReport
+    requantize: RequantizeStats
+    seconds: dict[str, float] = field(default_factory=dict)
+    ops_before: dict[str, int] = field(default_factory=dict)
+    ops_after: dict[str, int] = field(default_factory=dict)
+    values: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def quantized_nodes(self) -> list[str]:
+        """Names of float nodes now computed in int8."""
+        return [d.node for d in self.decisions if d.quantized]
+
+    def summary(self) -> str:
+        """A few lines for a terminal."""
+        q = sum(d.quantized for d in self.decisions)
+        cal = self.calibration
+        lines = [
+            f"quantized {q} of {len(self.decisions)} nodes; calibrated on {cal.samples} samples "
+            f"({cal.batches} batches, {cal.tensors_observed} tensors, {cal.observer_bytes} bytes of "
+            "statistics)",
+            f"requantize: {self.requantize.folded_pairs} DQ→Q pairs folded, "
+            f"{self.requantize.rescaled_pairs} rescaled into QLinear ops, "
+            f"{len(self.requantize.crossed_ops)} ops carried int8, "
+            f"{len(self.requantize.relus_removed)} Relus removed",
+            "time: " + ", ".join(f"{k} {v:.2f}s" for k, v in self.seconds.items()),
+        ]
+        for name, count in cal.nonfinite.items():
+            lines.append(f"warning: tensor '{name}' held {count} NaN/Inf values during "
+                         "calibration; they were ignored")
+        lines.extend(f"warning: {c}" for c in cal.conflicts)
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict."""
+        return {
+            "decisions": [asdict(d) for d in self.decisions],
+            "calibration": asdict(self.calibration),
+            "requantize": asdict(self.requantize),
+            "seconds": self.seconds,
+            "ops_before": self.ops_before,
+            "ops_after": self.ops_after,
+        }
+
+
+def op_histogram(model: onnx.ModelProto) -> dict[str, int]:
+    """Count of each op type in the main graph."""
+    return dict(sorted(Counter(n.op_type for n in model.graph.node).items()))
+
+
+def refuse_quantized(model: onnx.ModelProto, where: str) -> None:
+    """Raise when ``model`` already holds quantized ops."""
+    found = sorted({n.op_type for n in model.graph.node if n.op_type in QUANTIZED_OPS})
+    if found:
+        raise ModelError(f"{where} is already quantized (it holds {', '.join(found)}); quantize "
+                         "the float model instead")
+
+
+def quantize(
+    model: str | os.PathLike[str] | onnx.ModelProto,
+    data: Any = None,
+    *,
+    method: str = "minmax",
+    per_channel: bool = True,
+    activation_dtype: str = "uint8",
+    exclude: Sequence[str] = (),
+    patterns: Sequence[QuantizerPattern] | None = None,
+    callback: CalibrationCallback | None = None,
+    batch_size: int | None = None,
+    samples: int | None = None,
+    progress: bool | None = None,
+    output: str | os.PathLike[str] | None = None,
+) -> tuple[onnx.ModelProto, QuantizeReport]:
+    """Quantize ``model`` with calibration ``data``; return the int8 model and a report.
+
+    ``data``: an .npz path, a folder of .npy/.npz files, a dict of arrays (samples on axis 0),
+    an iterable of feed dicts, or an onnxruntime CalibrationDataReader. ``method`` names a
+    calibrator (``minmax``, ``average-max``) unless ``callback`` is given. With ``output`` the
+    model is also written atomically. The input model is never modified.
+    """
+    from onnxq.calibrators import method_callback
+
+    times: dict[str, float] = {}
+    t0 = time.perf_counter()
+    where = f"'{model}'" if not isinstance(model, onnx.ModelProto) else "the given model"
+    float_model = load_model(model)
+    refuse_quantized(float_model, where)
+    config = QuantizerConfig(activation_dtype=activation_dtype, per_channel=per_channel,
+                             exclude=tuple(exclude))
+    cb = callback or method_callback(method)
+    quantizer = Quantizer(float_model, patterns, config)
+    times["match+rewrite"] = time.perf_counter() - t0
+
+    t1 = time.perf_counter()
+    dataset = as_dataset(data, model_inputs(quantizer.float_model), batch_size, samples)
+    calibrator = Calibrator(quantizer, dataset, cb, progress)
+    values = calibrator.calibrate()
+    times["calibrate"] = time.perf_counter() - t1
+
+    t2 = time.perf_counter()
+    requantizer = Requantizer()
+    result = requantizer.requantize(quantizer.materialize(values))
+    times["requantize"] = time.perf_counter() - t2
+
+    t3 = time.perf_counter()
+    verify(result)
+    times["verify"] = time.perf_counter() - t3
+    if output is not None:
+        save_model(result, output)
+    report = QuantizeReport(
+        decisions=list(quantizer.decisions.values()),
+        calibration=calibrator.report,
+        requantize=requantizer.stats,
+        seconds=times,
+        ops_before=op_histogram(float_model),
+        ops_after=op_histogram(result),
+        values={k: v.tolist() for k, v in values.items()},
+    )
+    return result, report
+
+
+def verify(model: onnx.ModelProto) -> None:
+    """The output must pass onnx.checker and load in onnxruntime."""
+    check_model(model, "the quantized model")
+    make_session(model)

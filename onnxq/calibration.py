@@ -1,0 +1,346 @@
+"""Calibration: choose values for the Quantizer's placeholders from data.
+
+* :class:`CalibrationCallback` — ``calibrate_pattern(info) -> {placeholder: value}``.
+* :class:`ObserverCallback` — a callback backed by streaming observers: the Calibrator makes one
+  pass over the data with one onnxruntime session on the float model, feeding every tensor a
+  pattern quantizes to its observer (memory O(tensors), independent of the number of samples),
+  then asks each pattern for its values.
+* :class:`CalibrationInfo` — what a callback sees of one pattern: placeholder names, observers,
+  and ``get_(un)quantized_layer_inputs/outputs(feeds)`` backed by onnxruntime sessions.
+* :class:`Calibrator` — runs the pass and the callbacks in topological order; one set of
+  parameters per tensor: the first pattern to set a shared placeholder wins, later different
+  values are reported as conflicts.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
+
+import numpy as np
+import onnx
+
+from onnxq.errors import CalibrationError
+from onnxq.qparams import params_from_range, weight_params
+from onnxq.session import make_session, output_types
+
+if TYPE_CHECKING:
+    from onnxq.dataset import DatasetManager
+    from onnxq.quantizer import PatternRecord, QTensor, Quantizer
+
+
+class Observer(Protocol):
+    """Accumulate statistics of one tensor (``observe``) and derive a range (``compute``)."""
+
+    def observe(self, x: np.ndarray) -> None:
+        """Fold one batch of values into the statistics."""
+
+    def compute(self) -> tuple[np.ndarray, np.ndarray]:
+        """The calibrated range ``(rmin, rmax)``."""
+
+    def nbytes(self) -> int:
+        """Bytes of statistics retained (independent of the number of batches)."""
+
+
+class CalibrationCallback:
+    """Chooses placeholder values for a pattern: override :meth:`calibrate_pattern`."""
+
+    #: a key shared by callbacks whose observers are interchangeable (None: no streaming pass)
+    observer_key: str | None = None
+
+    def make_observer(self) -> Observer:
+        """A fresh observer for one tensor (only for callbacks with an ``observer_key``)."""
+        raise NotImplementedError
+
+    def calibrate_pattern(self, calibration_info: CalibrationInfo) -> dict[str, np.ndarray]:
+        """Return ``{placeholder name: value}`` for the pattern's scales and zero points."""
+        raise NotImplementedError
+
+
+class ObserverCallback(CalibrationCallback):
+    """Activations from their observers' ranges, weights symmetric per channel from the constant."""
+
+    def calibrate_pattern(self, calibration_info: CalibrationInfo) -> dict[str, np.ndarray]:
+        """Values for every quantized input and output of the pattern."""
+        info = calibration_info
+        values: dict[str, np.ndarray] = {}
+        for qt in [*info.inputs, *info.outputs]:
+            if qt.role == "weight":
+                qp = weight_params(info.constant(qt.tensor), qt.axis, qt.dtype)
+            else:
+                lo, hi = info.observer(qt.tensor).compute()
+                qp = params_from_range(lo, hi, qt.dtype, qt.symmetric)
+            values[qt.scale] = qp.scale
+            values[qt.zero_point] = qp.zero_point
+        return values
+
+
+class CalibrationInfo:
+    """One pattern's view of calibration (the seed API of the TVM RFC)."""
+
+    def __init__(self, calibrator: Calibrator, record: PatternRecord):
+        self.calibrator = calibrator
+        self.record = record
+        self.pattern = record.pattern
+        self.dataset_manager = calibrator.dataset_manager
+        self.default_callback = calibrator.default_callback
+
+    @property
+    def inputs(self) -> list[QTensor]:
+        """The pattern's quantized inputs (activations and weights, op order)."""
+        return self.record.inputs
+
+    @property
+    def outputs(self) -> list[QTensor]:
+        """The pattern's quantized outputs."""
+        return self.record.outputs
+
+    @property
+    def input_scale_zps(self) -> list[tuple[str, str]]:
+        """[(scale placeholder, zero-point placeholder)] per quantized input."""
+        return self.record.input_scale_zps
+
+    @property
+    def output_scale_zps(self) -> list[tuple[str, str]]:
+        """[(scale placeholder, zero-point placeholder)] per quantized output."""
+        return self.record.output_scale_zps
+
+    @property
+    def values(self) -> dict[str, np.ndarray]:
+        """Placeholder values chosen so far (earlier patterns in topological order)."""
+        return self.calibrator.values
+
+    def observer(self, tensor: str) -> Observer:
+        """The streaming observer of ``tensor`` for this pattern's callback."""
+        cb = self.pattern.calibration_callback or self.default_callback
+        try:
+            return self.calibrator.observers[(tensor, cb.observer_key or "")]
+        except KeyError:
+            raise CalibrationError(f"no statistics were collected for tensor '{tensor}'; the "
+                                   "callback has no observer_key") from None
+
+    def constant(self, tensor: str) -> np.ndarray:
+        """Float value of a constant input (a weight)."""
+        return self.calibrator.quantizer.float_value(tensor)
+
+    def get_unquantized_layer_inputs(self, feeds: Mapping[str, np.ndarray]) -> list[np.ndarray]:
+        """Float values of the pattern's inputs for one feed of the float model."""
+        return self.calibrator.run_float([q.tensor for q in self.inputs], feeds)
+
+    def get_unquantized_layer_outputs(self, feeds: Mapping[str, np.ndarray]) -> list[np.ndarray]:
+        """Float values of the pattern's outputs in the float model."""
+        return self.calibrator.run_float([q.tensor for q in self.outputs], feeds)
+
+    def get_quantized_layer_inputs(self, feeds: Mapping[str, np.ndarray]) -> list[np.ndarray]:
+        """Integer inputs of the quantized op, with the values chosen so far."""
+        return self.calibrator.run_quantized([q.quantized for q in self.inputs], feeds)
+
+    def get_quantized_layer_outputs(self, feeds: Mapping[str, np.ndarray]) -> list[np.ndarray]:
+        """Dequantized outputs of the pattern in the partly quantized model."""
+        return self.calibrator.run_quantized([q.tensor for q in self.outputs], feeds)
+
+
+@dataclass
+class CalibrationReport:
+    """What calibration saw: samples, batches, timing, conflicts and data problems."""
+
+    batches: int = 0
+    samples: int = 0
+    seconds: float = 0.0
+    tensors_observed: int = 0
+    observer_bytes: int = 0
+    nonfinite: dict[str, int] = field(default_factory=dict)
+    conflicts: list[str] = field(default_factory=list)
+
+
+class Calibrator:
+    """Calibrate ``quantizer``'s placeholders on ``dataset_manager``.
+
+    ``callback`` is the default CalibrationCallback for patterns created without one.
+    """
+
+    def __init__(
+        self,
+        quantizer: Quantizer,
+        dataset_manager: DatasetManager | None = None,
+        callback: CalibrationCallback | None = None,
+        progress: bool | None = None,
+    ):
+        from onnxq.calibrators import MinMaxCallback
+
+        self.quantizer = quantizer
+        self.dataset_manager = dataset_manager
+        self.default_callback = callback or MinMaxCallback()
+        self.progress = sys.stderr.isatty() if progress is None else progress
+        self.values: dict[str, np.ndarray] = {}
+        self.observers: dict[tuple[str, str], Observer] = {}
+        self.report = CalibrationReport()
+        self._float_session: Any = None
+        self._float_names: list[str] = []
+        self._quant_session: Any = None
+        self._quant_version = -1
+        self._version = 0
+
+    def _callback(self, record: PatternRecord) -> CalibrationCallback:
+        return record.pattern.calibration_callback or self.default_callback
+
+    def calibrate(self) -> dict[str, np.ndarray]:
+        """Collect statistics (one pass), run every pattern's calibrate_pattern, return values."""
+        start = time.perf_counter()
+        records = self.quantizer.records_in_order()
+        self._observe(records)
+        for rec in records:
+            info = CalibrationInfo(self, rec)
+            chosen = rec.pattern.calibrate_pattern(info)
+            self._merge(rec, chosen)
+        missing = [name for name, ph in self.quantizer.placeholders.items()
+                   if ph.kind in ("scale", "zero_point") and name not in self.values]
+        if missing:
+            raise CalibrationError(f"calibration left placeholder(s) {missing[:5]} without a value; "
+                                   "a calibration callback must return every scale and zero point "
+                                   "named in info.input_scale_zps and info.output_scale_zps")
+        self.report.seconds = time.perf_counter() - start
+        return dict(self.values)
+
+    def _merge(self, rec: PatternRecord, chosen: Mapping[str, Any]) -> None:
+        known = self.quantizer.placeholders
+        for name, value in chosen.items():
+            if name not in known:
+                raise CalibrationError(f"callback of {rec.label} '{rec.qop}' returned a value for "
+                                       f"'{name}', which is not a placeholder of the model")
+            arr = np.asarray(value)
+            if name in self.values:
+                if not np.array_equal(self.values[name], arr.astype(self.values[name].dtype)):
+                    self.report.conflicts.append(
+                        f"{rec.label} '{rec.qop}' asked {name}={arr.tolist()}, kept "
+                        f"{self.values[name].tolist()} set by an earlier pattern")
+                continue
+            ph = known[name]
+            if ph.kind == "scale" and (not np.all(np.isfinite(arr)) or np.any(arr <= 0)):
+                raise CalibrationError(f"callback of {rec.label} '{rec.qop}' set scale '{name}' to "
+                                       f"{arr.tolist()}; scales must be finite and > 0")
+            self.values[name] = arr.astype(np.dtype(ph.dtype)).reshape(ph.shape)
+            self._version += 1
+
+    # ----------------------------------------------------------------------------------------
+    # the streaming pass
+
+    def _observe(self, records: list[PatternRecord]) -> None:
+        wanted: dict[tuple[str, str], CalibrationCallback] = {}
+        for rec in records:
+            cb = self._callback(rec)
+            if cb.observer_key is None:
+                continue
+            for qt in [*rec.inputs, *rec.outputs]:
+                if qt.role == "activation":
+                    wanted.setdefault((qt.tensor, cb.observer_key), cb)
+        if not wanted:
+            return
+        if self.dataset_manager is None:
+            raise CalibrationError("calibration needs data: pass a DatasetManager (or --data)")
+        self.observers = {key: cb.make_observer() for key, cb in wanted.items()}
+        names = sorted({t for t, _ in wanted})
+        by_tensor: dict[str, list[Observer]] = {}
+        for (tensor, _), obs in self.observers.items():
+            by_tensor.setdefault(tensor, []).append(obs)
+        session = self._float(names)
+        batches = self.dataset_manager.batches()
+        bar = _progress(batches, self.dataset_manager.num_batches(), self.progress)
+        for feeds in bar:
+            outs = session.run(names, feeds)
+            self.report.batches += 1
+            self.report.samples += _batch_len(feeds)
+            for name, arr in zip(names, outs):
+                arr = np.asarray(arr)
+                if not np.isfinite(arr).all():
+                    bad = int(arr.size - np.count_nonzero(np.isfinite(arr)))
+                    self.report.nonfinite[name] = self.report.nonfinite.get(name, 0) + bad
+                    arr = arr[np.isfinite(arr)]
+                    if arr.size == 0:
+                        continue
+                for obs in by_tensor[name]:
+                    obs.observe(arr)
+        if self.report.batches == 0:
+            raise CalibrationError("the calibration data source yielded no samples; give at "
+                                   "least one sample per model input")
+        self.report.tensors_observed = len(names)
+        self.report.observer_bytes = sum(o.nbytes() for o in self.observers.values())
+
+    # ----------------------------------------------------------------------------------------
+    # sessions for CalibrationInfo
+
+    def _float(self, names: list[str]) -> Any:
+        if self._float_session is None or not set(names) <= set(self._float_names):
+            all_names = sorted({q.tensor for r in self.quantizer.records
+                                for q in [*r.inputs, *r.outputs] if q.role == "activation"}
+                               | set(names))
+            model = expose(self.quantizer.float_model, all_names)
+            self._float_session = make_session(model)
+            self._float_names = all_names
+        return self._float_session
+
+    def run_float(self, names: list[str], feeds: Mapping[str, np.ndarray]) -> list[np.ndarray]:
+        """Values of float-model tensors (constants come from the model) for one feed."""
+        out: dict[str, np.ndarray] = {}
+        dynamic = []
+        for n in names:
+            if n in self.quantizer._float_values:
+                out[n] = self.quantizer.float_value(n)
+            else:
+                dynamic.append(n)
+        if dynamic:
+            res = self._float(dynamic).run(dynamic, dict(feeds))
+            out.update(zip(dynamic, res))
+        return [out[n] for n in names]
+
+    def run_quantized(self, names: list[str], feeds: Mapping[str, np.ndarray]) -> list[np.ndarray]:
+        """Values in the quantized model materialized with the values chosen so far."""
+        if self._quant_session is None or self._quant_version != self._version:
+            model = self.quantizer.materialize(self.values)
+            init = {i.name for i in model.graph.initializer}
+            self._quant_inits = {i.name: i for i in model.graph.initializer}
+            dyn = sorted(n for n in self._all_quant_names() if n not in init)
+            self._quant_session = make_session(expose(model, dyn))
+            self._quant_version = self._version
+        res: dict[str, np.ndarray] = {}
+        dynamic = [n for n in names if n not in self._quant_inits]
+        for n in names:
+            if n in self._quant_inits:
+                res[n] = onnx.numpy_helper.to_array(self._quant_inits[n])
+        if dynamic:
+            res.update(zip(dynamic, self._quant_session.run(dynamic, dict(feeds))))
+        return [res[n] for n in names]
+
+    def _all_quant_names(self) -> set[str]:
+        return {name for r in self.quantizer.records for q in [*r.inputs, *r.outputs]
+                for name in (q.tensor, q.quantized)}
+
+
+def expose(model: onnx.ModelProto, names: Iterable[str]) -> onnx.ModelProto:
+    """A copy of ``model`` whose graph outputs also include the tensors ``names``."""
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    have = {o.name for o in out.graph.output}
+    types = output_types(out)
+    for name in names:
+        if name in have:
+            continue
+        elem = types.get(name, onnx.TensorProto.FLOAT)
+        out.graph.output.append(onnx.helper.make_tensor_value_info(name, elem, None))
+    return out
+
+
+def _batch_len(feeds: Mapping[str, np.ndarray]) -> int:
+    first = next(iter(feeds.values()))
+    return int(first.shape[0]) if getattr(first, "ndim", 0) else 1
+
+
+def _progress(it: Iterable[Any], total: int | None, enabled: bool) -> Iterable[Any]:
+    if not enabled:
+        return it
+    from tqdm import tqdm
+
+    return tqdm(it, total=total, desc="calibrating", unit="batch", leave=False)

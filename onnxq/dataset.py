@@ -1,0 +1,396 @@
+"""Calibration data: DatasetManager and its adapters.
+
+A DatasetManager yields *feeds*, ``{input name: np.ndarray}``, each holding a batch the model
+accepts. Adapters: an ``.npz`` file (arrays keyed by input name, samples stacked on axis 0), a
+folder of ``.npy``/``.npz`` files (one sample each), any Python iterable of feed dicts, and
+onnxruntime's ``CalibrationDataReader``. Every feed is checked against the model's inputs: names,
+rank, fixed dimensions and dtype, with a message that names the input.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+
+from onnxq.errors import DataError
+
+Feed = dict[str, np.ndarray]
+
+
+@dataclass(frozen=True)
+class InputSpec:
+    """One model input: name, numpy dtype, shape (None for symbolic dimensions)."""
+
+    name: str
+    dtype: np.dtype
+    shape: tuple[int | None, ...] | None
+
+    @property
+    def fixed_batch(self) -> int | None:
+        """The batch dimension when it is fixed, else None."""
+        if not self.shape:
+            return None
+        return self.shape[0]
+
+
+def model_inputs(model: onnx.ModelProto) -> list[InputSpec]:
+    """The model's real inputs (graph inputs that are not initializers)."""
+    inits = {i.name for i in model.graph.initializer}
+    specs = []
+    for vi in model.graph.input:
+        if vi.name in inits:
+            continue
+        tt = vi.type.tensor_type
+        dtype = np.dtype(onnx.helper.tensor_dtype_to_np_dtype(tt.elem_type))
+        shape: tuple[int | None, ...] | None = None
+        if tt.HasField("shape"):
+            shape = tuple(d.dim_value if d.HasField("dim_value") else None for d in tt.shape.dim)
+        specs.append(InputSpec(vi.name, dtype, shape))
+    return specs
+
+
+class DatasetManager:
+    """Yields feeds for calibration (seed API: ``get_next_batch``, ``num_batches``, ``reset``).
+
+    Subclasses implement :meth:`_raw`, an iterator of unchecked feeds; :meth:`batches` checks each
+    against the model's inputs and converts dtypes where that is lossless for floats.
+    """
+
+    def __init__(self, inputs: list[InputSpec] | None = None, limit: int | None = None):
+        self.inputs = inputs
+        self.limit = limit
+        self._iter: Iterator[Feed] | None = None
+        self._peek: Feed | None = None
+
+    def _raw(self) -> Iterator[Mapping[str, Any]]:
+        raise NotImplementedError
+
+    def num_batches(self) -> int | None:
+        """Number of batches when known in advance."""
+        return None
+
+    def batch_size(self) -> int | None:
+        """Samples per batch when fixed."""
+        return None
+
+    def bind(self, inputs: list[InputSpec]) -> DatasetManager:
+        """Attach the model's input specification (used for checks and batching)."""
+        self.inputs = inputs
+        return self
+
+    def batches(self) -> Iterator[Feed]:
+        """Checked feeds, from the start."""
+        count = 0
+        for raw in self._raw():
+            yield self.check(raw, count)
+            count += 1
+            if self.limit is not None and count >= self.limit:
+                return
+        if count == 0:
+            raise DataError(f"{self.describe()} holds no samples; give at least one sample for "
+                            "each model input")
+
+    def __iter__(self) -> Iterator[Feed]:
+        return self.batches()
+
+    # seed API ---------------------------------------------------------------------------
+    def get_next_batch(self) -> Feed:
+        """The next feed; raises IndexError when the data is exhausted."""
+        if self._iter is None:
+            self._iter = self.batches()
+        try:
+            return next(self._iter)
+        except StopIteration:
+            raise IndexError("the dataset is exhausted; call reset()") from None
+
+    def is_empty(self) -> bool:
+        """True when :meth:`get_next_batch` has nothing more to give."""
+        if self._iter is None:
+            self._iter = self.batches()
+        if self._peek is None:
+            try:
+                self._peek = next(self._iter)
+            except StopIteration:
+                return True
+            peeked = self._peek
+            rest = self._iter
+
+            def chain() -> Iterator[Feed]:
+                yield peeked
+                yield from rest
+
+            self._iter = chain()
+            self._peek = None
+        return False
+
+    def reset(self) -> None:
+        """Start again from the first batch."""
+        self._iter = None
+        self._peek = None
+
+    def describe(self) -> str:
+        """How the source is named in messages."""
+        return type(self).__name__
+
+    # checks -----------------------------------------------------------------------------
+    def check(self, raw: Mapping[str, Any], index: int) -> Feed:
+        """Validate one feed against the model inputs; convert float64 → float32 and the like."""
+        if not isinstance(raw, Mapping):
+            raise DataError(f"{self.describe()}: item {index} is a {type(raw).__name__}, expected a "
+                            "dict {input name: array}")
+        if self.inputs is None:
+            return {k: np.asarray(v) for k, v in raw.items()}
+        want = {s.name: s for s in self.inputs}
+        unknown = sorted(set(raw) - set(want))
+        missing = sorted(set(want) - set(raw))
+        if unknown or missing:
+            parts = []
+            if unknown:
+                parts.append(f"unexpected input(s) {unknown}")
+            if missing:
+                parts.append(f"missing input(s) {missing}")
+            raise DataError(f"{self.describe()}: item {index} has {' and '.join(parts)}; the model's "
+                            f"inputs are {sorted(want)}")
+        feed: Feed = {}
+        for name, spec in want.items():
+            arr = np.asarray(raw[name])
+            feed[name] = _conform(arr, spec, f"{self.describe()}: item {index}")
+        return feed
+
+
+def _conform(arr: np.ndarray, spec: InputSpec, where: str) -> np.ndarray:
+    if arr.dtype != spec.dtype:
+        same_kind = (np.issubdtype(arr.dtype, np.floating) and np.issubdtype(spec.dtype, np.floating)
+                     ) or (np.issubdtype(arr.dtype, np.integer) and np.issubdtype(spec.dtype,
+                                                                                   np.integer))
+        int_to_float = np.issubdtype(arr.dtype, np.integer) and np.issubdtype(spec.dtype,
+                                                                              np.floating)
+        if not (same_kind or int_to_float):
+            raise DataError(f"{where}: input '{spec.name}' has dtype {arr.dtype}, the model expects "
+                            f"{spec.dtype}")
+        arr = arr.astype(spec.dtype)
+    if spec.shape is not None:
+        if arr.ndim != len(spec.shape):
+            raise DataError(f"{where}: input '{spec.name}' has shape {list(arr.shape)}, the model "
+                            f"expects rank {len(spec.shape)} "
+                            f"{['?' if d is None else d for d in spec.shape]}")
+        for i, (got, exp) in enumerate(zip(arr.shape, spec.shape)):
+            if exp is not None and exp > 0 and got != exp:
+                raise DataError(f"{where}: input '{spec.name}' has shape {list(arr.shape)}, the "
+                                f"model expects {['?' if d is None else d for d in spec.shape]} "
+                                f"(dimension {i} differs)")
+    return np.ascontiguousarray(arr)
+
+
+class ArrayDataset(DatasetManager):
+    """Arrays keyed by input name, samples on axis 0, fed in batches the model accepts.
+
+    ``batch_size`` None picks the model's fixed batch dimension, or 1 when it is dynamic, so the
+    batch statistics of AverageMax match per-sample inference. A trailing partial batch is fed
+    only when the batch dimension is dynamic.
+    """
+
+    def __init__(self, arrays: Mapping[str, np.ndarray], batch_size: int | None = None,
+                 name: str = "arrays", limit: int | None = None):
+        super().__init__(limit=limit)
+        self.arrays = {k: np.asarray(v) for k, v in arrays.items()}
+        self.name = name
+        self.requested_batch = batch_size
+        if batch_size is not None and batch_size < 1:
+            raise DataError(f"batch size {batch_size} must be >= 1")
+        if not self.arrays:
+            raise DataError(f"{name} holds no arrays; store one array per model input")
+        counts = {k: (v.shape[0] if v.ndim else 0) for k, v in self.arrays.items()}
+        if len(set(counts.values())) != 1:
+            raise DataError(f"{name}: arrays hold different sample counts {counts}; stack the same "
+                            "number of samples for every input on axis 0")
+        self.count = next(iter(counts.values()))
+
+    def describe(self) -> str:
+        return self.name
+
+    def batch_size(self) -> int:
+        """Samples per feed."""
+        if self.requested_batch is not None:
+            return self.requested_batch
+        fixed = [s.fixed_batch for s in (self.inputs or []) if s.fixed_batch]
+        return int(fixed[0]) if fixed else 1
+
+    def _dynamic(self) -> bool:
+        return not any(s.fixed_batch for s in (self.inputs or []))
+
+    def num_batches(self) -> int:
+        """Batches per pass (capped by ``limit``)."""
+        bs = self.batch_size()
+        n = -(-self.count // bs) if self._dynamic() else self.count // bs
+        return n if self.limit is None else min(n, self.limit)
+
+    def _raw(self) -> Iterator[Mapping[str, Any]]:
+        bs = self.batch_size()
+        fixed = [s.fixed_batch for s in (self.inputs or []) if s.fixed_batch]
+        if fixed and bs != fixed[0]:
+            raise DataError(f"{self.name}: batch size {bs} differs from the model's fixed batch "
+                            f"dimension {fixed[0]}")
+        if fixed and self.count < bs:
+            raise DataError(f"{self.name}: {self.count} sample(s) cannot fill one batch of the "
+                            f"model's fixed batch size {bs}")
+        stop = self.count if self._dynamic() else self.count - self.count % bs
+        for start in range(0, stop, bs):
+            yield {k: v[start:start + bs] for k, v in self.arrays.items()}
+
+
+class NpzDataset(ArrayDataset):
+    """An ``.npz`` file of arrays keyed by input name, samples stacked on axis 0."""
+
+    def __init__(self, path: str | os.PathLike[str], batch_size: int | None = None,
+                 limit: int | None = None):
+        p = Path(path)
+        try:
+            with np.load(p, allow_pickle=False) as data:
+                arrays = {k: data[k] for k in data.files}
+        except (OSError, ValueError) as exc:
+            raise DataError(f"calibration data '{p}' is not a readable .npz file ({exc}); save it "
+                            "with numpy.savez(path, input_name=array)") from None
+        super().__init__(arrays, batch_size, name=f"'{p}'", limit=limit)
+
+
+class FolderDataset(DatasetManager):
+    """A folder of ``.npy`` (single-input models) or ``.npz`` files, one sample each.
+
+    A sample without the batch axis gets one (``(C, H, W)`` → ``(1, C, H, W)``).
+    """
+
+    def __init__(self, path: str | os.PathLike[str], limit: int | None = None):
+        super().__init__(limit=limit)
+        self.path = Path(path)
+        self.files = sorted(f for f in self.path.iterdir() if f.suffix in (".npy", ".npz"))
+        if not self.files:
+            raise DataError(f"folder '{self.path}' holds no .npy or .npz files; put one sample per "
+                            "file there")
+
+    def describe(self) -> str:
+        return f"folder '{self.path}'"
+
+    def num_batches(self) -> int:
+        """One batch per file."""
+        return len(self.files) if self.limit is None else min(len(self.files), self.limit)
+
+    def _raw(self) -> Iterator[Mapping[str, Any]]:
+        specs = self.inputs or []
+        for f in self.files:
+            try:
+                if f.suffix == ".npy":
+                    if len(specs) != 1:
+                        raise DataError(f"'{f}' is a .npy file but the model has {len(specs)} "
+                                        "inputs; use .npz files keyed by input name")
+                    sample = {specs[0].name: np.load(f, allow_pickle=False)}
+                else:
+                    with np.load(f, allow_pickle=False) as data:
+                        sample = {k: data[k] for k in data.files}
+            except (OSError, ValueError) as exc:
+                raise DataError(f"'{f}' cannot be read as a numpy file ({exc})") from None
+            yield {k: _add_batch(v, _spec(specs, k)) for k, v in sample.items()}
+
+
+def _spec(specs: list[InputSpec], name: str) -> InputSpec | None:
+    return next((s for s in specs if s.name == name), None)
+
+
+def _add_batch(arr: np.ndarray, spec: InputSpec | None) -> np.ndarray:
+    if spec is not None and spec.shape is not None and arr.ndim == len(spec.shape) - 1:
+        return arr[None]
+    return arr
+
+
+class IterableDataset(DatasetManager):
+    """Any iterable of feed dicts; a list (or other re-iterable) can be read more than once."""
+
+    def __init__(self, iterable: Iterable[Mapping[str, Any]] | Callable[[], Iterable[Any]],
+                 limit: int | None = None):
+        super().__init__(limit=limit)
+        self.source = iterable
+        self._used = False
+
+    def describe(self) -> str:
+        return "the calibration iterable"
+
+    def num_batches(self) -> int | None:
+        """Length when the iterable has one."""
+        try:
+            n = len(self.source)  # type: ignore[arg-type]
+        except TypeError:
+            return None
+        return n if self.limit is None else min(n, self.limit)
+
+    def _raw(self) -> Iterator[Mapping[str, Any]]:
+        src = self.source() if callable(self.source) else self.source
+        if iter(src) is src:  # a one-shot iterator
+            if self._used:
+                raise DataError("the calibration iterator was already consumed; pass a list or a "
+                                "function returning a fresh iterator")
+            self._used = True
+        yield from src
+
+
+class ReaderDataset(DatasetManager):
+    """onnxruntime's ``CalibrationDataReader`` (``get_next()`` until None; ``rewind()`` if any)."""
+
+    def __init__(self, reader: Any, limit: int | None = None):
+        super().__init__(limit=limit)
+        self.reader = reader
+        self._passes = 0
+
+    def describe(self) -> str:
+        return f"CalibrationDataReader {type(self.reader).__name__}"
+
+    def _raw(self) -> Iterator[Mapping[str, Any]]:
+        if self._passes:
+            if hasattr(self.reader, "rewind"):
+                self.reader.rewind()
+            else:
+                raise DataError(f"{self.describe()} was already read and has no rewind()")
+        self._passes += 1
+        while True:
+            item = self.reader.get_next()
+            if item is None:
+                return
+            yield item
+
+
+def as_dataset(
+    data: Any,
+    inputs: list[InputSpec],
+    batch_size: int | None = None,
+    limit: int | None = None,
+) -> DatasetManager:
+    """Wrap ``data`` (path, folder, dict of arrays, iterable, reader, DatasetManager) for a model."""
+    if data is None:
+        raise DataError("no calibration data given; pass --data FILE.npz, a folder of .npy/.npz "
+                        "files, or an iterable of feed dicts")
+    if isinstance(data, DatasetManager):
+        ds = data
+    elif isinstance(data, str | os.PathLike):
+        p = Path(data)
+        if p.is_dir():
+            ds = FolderDataset(p, limit=limit)
+        elif p.is_file():
+            ds = NpzDataset(p, batch_size, limit=limit)
+        else:
+            raise DataError(f"calibration data '{p}' does not exist; pass an .npz file or a folder")
+    elif isinstance(data, Mapping) and all(isinstance(v, np.ndarray) for v in data.values()):
+        ds = ArrayDataset(data, batch_size, limit=limit)
+    elif hasattr(data, "get_next"):
+        ds = ReaderDataset(data, limit=limit)
+    elif isinstance(data, Iterable) or callable(data):
+        ds = IterableDataset(data, limit=limit)
+    else:
+        raise DataError(f"calibration data of type {type(data).__name__} is not supported; pass a "
+                        "path, a dict of arrays, an iterable of feed dicts or a "
+                        "CalibrationDataReader")
+    return ds.bind(inputs)

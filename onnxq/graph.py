@@ -1,0 +1,352 @@
+"""Loading, saving and editing ONNX graphs.
+
+This is the one module that mutates graphs: patterns and passes describe what they want through
+:class:`GraphEditor`, which keeps names unique and deterministic and leaves the graph clean and
+topologically sorted after :meth:`GraphEditor.finish`.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+import onnx_graphsurgeon as gs
+
+from onnxq.errors import ModelError
+
+Tensor = gs.Tensor
+Variable = gs.Variable
+Constant = gs.Constant
+Node = gs.Node
+
+MS_DOMAIN = "com.microsoft"
+_TWO_GIB = 2**31
+
+
+# --------------------------------------------------------------------------------------------
+# loading and saving
+
+
+def load_model(model: str | os.PathLike[str] | onnx.ModelProto, check: bool = True) -> onnx.ModelProto:
+    """Return a private copy of ``model`` (a path or a ModelProto), validated by onnx.checker.
+
+    The caller's object or file is never modified. External data next to a file is loaded.
+    """
+    if isinstance(model, onnx.ModelProto):
+        proto = onnx.ModelProto()
+        proto.CopyFrom(model)
+        where = "the given ModelProto"
+    else:
+        path = Path(model)
+        where = f"'{path}'"
+        if not path.is_file():
+            raise ModelError(f"model file {where} does not exist; pass the path of an .onnx file")
+        try:
+            proto = onnx.load(str(path), load_external_data=True)
+        except Exception as exc:  # protobuf raises several unrelated types
+            raise ModelError(
+                f"model file {where} is not a readable ONNX model ({type(exc).__name__}: "
+                f"{_first_line(exc)}); pass an .onnx file exported by an ONNX exporter"
+            ) from None
+        if not proto.graph.node and not proto.graph.output:
+            raise ModelError(f"model file {where} holds no ONNX graph; pass an .onnx model file")
+    if check:
+        check_model(proto, where)
+    return proto
+
+
+def check_model(proto: onnx.ModelProto, where: str = "the model") -> None:
+    """Run onnx.checker (full check, size-aware) and raise ModelError with its first line."""
+    try:
+        if proto.ByteSize() < _TWO_GIB:
+            onnx.checker.check_model(proto)
+        else:  # the in-memory checker refuses protos over 2 GB; check the graph structure only
+            onnx.checker.check_graph(proto.graph, onnx.checker.DEFAULT_CONTEXT)
+    except onnx.checker.ValidationError as exc:
+        raise ModelError(
+            f"{where} is rejected by onnx.checker: {_first_line(exc)}; fix or re-export the model"
+        ) from None
+
+
+def save_model(proto: onnx.ModelProto, path: str | os.PathLike[str]) -> None:
+    """Write ``proto`` to ``path`` atomically (temp file in the same folder, then rename).
+
+    Models over 2 GB are written with their initializers as external data beside the file.
+    """
+    path = Path(path)
+    folder = path.parent if str(path.parent) else Path(".")
+    if not folder.is_dir():
+        raise ModelError(f"output folder '{folder}' does not exist; create it or choose another -o")
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=folder)
+    os.close(fd)
+    try:
+        if proto.ByteSize() >= _TWO_GIB:
+            data_name = path.name + ".data"
+            onnx.save_model(
+                proto,
+                tmp,
+                save_as_external_data=True,
+                all_tensors_to_one_file=True,
+                location=data_name,
+                size_threshold=1024,
+            )
+        else:
+            with open(tmp, "wb") as handle:
+                handle.write(proto.SerializeToString(deterministic=True))
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def serialize(proto: onnx.ModelProto) -> bytes:
+    """Deterministic serialization, used for byte-identical outputs and ORT sessions."""
+    return proto.SerializeToString(deterministic=True)
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0] if text else type(exc).__name__
+
+
+# --------------------------------------------------------------------------------------------
+# conversion
+
+
+def import_graph(proto: onnx.ModelProto) -> gs.Graph:
+    """Import a ModelProto as an onnx-graphsurgeon graph."""
+    return gs.import_onnx(proto)
+
+
+def export_model(graph: gs.Graph, template: onnx.ModelProto | None = None) -> onnx.ModelProto:
+    """Export ``graph`` to a ModelProto with every opset domain it uses imported."""
+    graph.cleanup(remove_unused_graph_inputs=False).toposort()
+    opsets: dict[str, int] = {"": int(graph.opset)}
+    if template is not None:
+        for imp in template.opset_import:
+            opsets.setdefault(imp.domain or "", int(imp.version))
+            if (imp.domain or "") == "":
+                opsets[""] = max(opsets[""], int(graph.opset))
+    for node in graph.nodes:
+        dom = node.domain or ""
+        if dom not in opsets:
+            opsets[dom] = 1
+    imports = [onnx.helper.make_opsetid(d, v) for d, v in sorted(opsets.items())]
+    model = gs.export_onnx(graph, do_type_check=False, opset_imports=imports)
+    needed = onnx.helper.find_min_ir_version_for(list(imports), ignore_unknown=True)
+    # the lowest IR version the opsets allow: newer IRs are refused by older runtimes
+    model.ir_version = max(needed, min(template.ir_version, 8) if template is not None else 8)
+    if template is not None:
+        model.model_version = template.model_version
+        model.doc_string = template.doc_string
+        del model.metadata_props[:]
+        model.metadata_props.extend(template.metadata_props)
+    model.producer_name = "onnxq"
+    from onnxq import __version__
+
+    model.producer_version = __version__
+    return model
+
+
+# --------------------------------------------------------------------------------------------
+# queries (read-only helpers)
+
+
+def producer(tensor: Tensor) -> Node | None:
+    """The node producing ``tensor``, or None for graph inputs and constants."""
+    return tensor.inputs[0] if getattr(tensor, "inputs", None) else None
+
+
+def consumers(tensor: Tensor) -> list[Node]:
+    """The nodes reading ``tensor``, in graph order."""
+    return list(tensor.outputs)
+
+
+def constant_value(tensor: Tensor) -> np.ndarray | None:
+    """The value of an initializer or of a Constant node's output, else None."""
+    if isinstance(tensor, gs.Constant):
+        return np.asarray(tensor.values)
+    node = producer(tensor)
+    if node is not None and node.op == "Constant" and "value" in node.attrs:
+        value = node.attrs["value"]
+        return np.asarray(value.values if isinstance(value, gs.Constant) else value)
+    return None
+
+
+def is_absent(tensor: Tensor | None) -> bool:
+    """True for an omitted optional input (ONNX writes it as an empty name)."""
+    return tensor is None or (isinstance(tensor, gs.Variable) and tensor.name == "")
+
+
+def present_inputs(node: Node) -> list[Tensor]:
+    """The node's inputs with trailing absent optional inputs dropped."""
+    inputs = list(node.inputs)
+    while inputs and is_absent(inputs[-1]):
+        inputs.pop()
+    return inputs
+
+
+def node_label(node: Node) -> str:
+    """How a node is named in messages: its name, or op type and first output."""
+    if node.name:
+        return f"{node.op} node '{node.name}'"
+    out = node.outputs[0].name if node.outputs else "?"
+    return f"{node.op} node producing '{out}'"
+
+
+def graph_output_names(graph: gs.Graph) -> set[str]:
+    """Names of the graph's outputs."""
+    return {t.name for t in graph.outputs}
+
+
+# --------------------------------------------------------------------------------------------
+# editing
+
+
+class GraphEditor:
+    """Make edits to a graph with unique, deterministic names.
+
+    Names are derived from node and tensor names (never from global counters): a clash with an
+    existing name gets the smallest free numeric suffix, which depends only on the graph.
+    """
+
+    def __init__(self, graph: gs.Graph):
+        self.graph = graph
+        self._names: set[str] = set(graph.tensors().keys())
+        self._names.update(n.name for n in graph.nodes if n.name)
+        self.modified = False
+
+    # names ------------------------------------------------------------------------------
+    def unique_name(self, base: str) -> str:
+        """Return ``base`` or ``base_<k>`` for the smallest k that is not taken, and reserve it."""
+        name = base
+        k = 1
+        while name in self._names:
+            name = f"{base}_{k}"
+            k += 1
+        self._names.add(name)
+        return name
+
+    # creation ---------------------------------------------------------------------------
+    def constant(self, name: str, value: np.ndarray, exact: bool = False) -> gs.Constant:
+        """Create an initializer. With ``exact`` the name must be free (placeholders)."""
+        if exact:
+            if name in self._names:
+                raise ModelError(f"tensor name '{name}' is already used in the graph")
+            self._names.add(name)
+        else:
+            name = self.unique_name(name)
+        self.modified = True
+        return gs.Constant(name, np.ascontiguousarray(value))
+
+    def variable(self, name: str, dtype: Any = None, shape: Sequence[Any] | None = None) -> gs.Variable:
+        """Create an intermediate tensor with a unique name."""
+        return gs.Variable(self.unique_name(name), dtype=dtype, shape=shape)
+
+    def add_node(
+        self,
+        op: str,
+        inputs: Sequence[Tensor | None],
+        outputs: Sequence[gs.Variable],
+        name: str,
+        attrs: dict[str, Any] | None = None,
+        domain: str | None = None,
+    ) -> Node:
+        """Append a node; ``None`` inputs become absent optional inputs."""
+        ins = [t if t is not None else gs.Variable.empty() for t in inputs]
+        node = gs.Node(
+            op=op,
+            name=self.unique_name(name),
+            attrs=dict(attrs or {}),
+            inputs=ins,
+            outputs=list(outputs),
+            domain=domain or None,
+        )
+        self.graph.nodes.append(node)
+        self.modified = True
+        return node
+
+    # rewiring ---------------------------------------------------------------------------
+    def replace_producer(self, root: gs.Variable, new: gs.Variable) -> None:
+        """Make ``new``'s producer produce ``root`` instead, so ``root`` keeps its name.
+
+        The old producer of ``root`` is detached and removed by :meth:`finish` once dead.
+        """
+        node = producer(new)
+        if node is None:
+            self.redirect(root, new)
+            return
+        root.inputs.clear()
+        idx = node.outputs.index(new)
+        node.outputs[idx] = root
+        self.modified = True
+
+    def redirect(self, old: Tensor, new: Tensor) -> None:
+        """Every consumer of ``old`` (and the graph outputs) reads ``new`` instead."""
+        for node in list(old.outputs):
+            for i, t in enumerate(node.inputs):
+                if t is old:
+                    node.inputs[i] = new
+        outs = self.graph.outputs
+        for i, t in enumerate(outs):
+            if t is old:
+                if isinstance(new, gs.Variable) and producer(new) is not None:
+                    # keep the graph output's name: move the producer's output slot
+                    self.replace_producer(old, new)  # type: ignore[arg-type]
+                else:
+                    outs[i] = new
+        self.modified = True
+
+    def set_input(self, node: Node, index: int, tensor: Tensor) -> None:
+        """Set one input of a node."""
+        node.inputs[index] = tensor
+        self.modified = True
+
+    def move_after(self, first: Node, second: Node) -> None:
+        """``first → d → second → y`` becomes ``second → y' → first → y``.
+
+        ``first`` reads its data at input 0 and ``second`` reads ``d`` at input 0; ``y'`` takes
+        the dtype of ``first``'s input (used to move a DequantizeLinear past a commuting op).
+        """
+        src = first.inputs[0]
+        y = second.outputs[0]
+        moved = self.variable(y.name + "_quantized", src.dtype, y.shape)
+        second.inputs[0] = src
+        second.outputs[0] = moved
+        first.inputs[0] = moved
+        first.outputs[0] = y
+        self.modified = True
+
+    def remove_node(self, node: Node) -> None:
+        """Detach a node (its outputs lose their producer)."""
+        for out in node.outputs:
+            out.inputs.clear()
+        node.inputs.clear()
+        node.outputs.clear()
+        self.modified = True
+
+    def finish(self) -> gs.Graph:
+        """Drop dead nodes and tensors and sort topologically."""
+        self.graph.cleanup(remove_unused_graph_inputs=False).toposort()
+        return self.graph
+
+
+def nodes_in_order(graph: gs.Graph) -> list[Node]:
+    """The graph's nodes in topological order (the graph is sorted first)."""
+    graph.toposort()
+    return list(graph.nodes)
+
+
+def iter_subgraph_nodes(graph: gs.Graph) -> Iterable[Node]:
+    """Every node of ``graph`` and of its subgraphs (If/Loop/Scan bodies)."""
+    for node in graph.nodes:
+        yield node
+        for value in node.attrs.values():
+            if isinstance(value, gs.Graph):
+                yield from iter_subgraph_nodes(value)

@@ -1,0 +1,163 @@
+"""Quantization parameters and the arithmetic that produces them (pure numpy).
+
+Affine quantization: ``q = clip(round(x / scale) + zero_point, qmin, qmax)`` and
+``x ≈ (q - zero_point) * scale``. Rounding is half-to-even, as in ONNX QuantizeLinear.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from onnxq.errors import CalibrationError
+
+#: smallest scale ever produced; keeps constant or all-zero tensors valid
+MIN_SCALE = float(np.finfo(np.float32).tiny) * 2**20
+INT32_MAX = 2**31 - 1
+
+_RANGES = {
+    "uint8": (0, 255),
+    "int8": (-128, 127),
+    "int16": (-32768, 32767),
+    "uint16": (0, 65535),
+    "int32": (-(2**31), INT32_MAX),
+}
+
+
+def qrange(dtype: str, narrow: bool = False) -> tuple[int, int]:
+    """(qmin, qmax) of an integer type; ``narrow`` drops the lowest value (int8 → [-127, 127])."""
+    try:
+        lo, hi = _RANGES[np.dtype(dtype).name]
+    except KeyError:
+        raise CalibrationError(f"quantized dtype {dtype!r} is not supported; use uint8, int8, "
+                               "int16 or uint16") from None
+    return (lo + 1 if narrow and lo < 0 else lo), hi
+
+
+@dataclass(frozen=True)
+class QParams:
+    """A validated (scale, zero point) pair, per tensor (scalar) or per channel along ``axis``."""
+
+    scale: np.ndarray
+    zero_point: np.ndarray
+    axis: int | None = None
+
+    def __post_init__(self) -> None:
+        scale = np.asarray(self.scale, dtype=np.float32)
+        zp = np.asarray(self.zero_point)
+        if not np.all(np.isfinite(scale)) or np.any(scale <= 0):
+            raise CalibrationError(f"invalid quantization scale {scale.tolist()}: a scale must be "
+                                   "finite and > 0")
+        if scale.shape != zp.shape:
+            raise CalibrationError(f"scale shape {scale.shape} and zero-point shape {zp.shape} "
+                                   "differ")
+        if scale.ndim > 1 or (scale.ndim == 1 and self.axis is None):
+            raise CalibrationError("per-channel parameters must be 1-D with an axis")
+        lo, hi = qrange(zp.dtype.name)
+        if np.any(zp < lo) or np.any(zp > hi):
+            raise CalibrationError(f"zero point {zp.tolist()} is outside [{lo}, {hi}]")
+        object.__setattr__(self, "scale", scale)
+        object.__setattr__(self, "zero_point", zp)
+
+    @property
+    def dtype(self) -> np.dtype:
+        """The quantized integer type (the zero point's type)."""
+        return self.zero_point.dtype
+
+
+def params_from_range(
+    rmin: np.ndarray | float,
+    rmax: np.ndarray | float,
+    dtype: str = "uint8",
+    symmetric: bool = False,
+    axis: int | None = None,
+    narrow: bool = False,
+) -> QParams:
+    """Scale and zero point covering [rmin, rmax] (elementwise for per-channel ranges).
+
+    The range is first widened to contain 0 so that 0 is exactly representable:
+    ``rmin = min(rmin, 0)``, ``rmax = max(rmax, 0)``. Asymmetric:
+    ``scale = (rmax - rmin) / (qmax - qmin)``, ``zp = round(qmin - rmin / scale)``.
+    Symmetric: ``scale = max(|rmin|, |rmax|) / ((qmax - qmin) / 2)`` and ``zp`` the middle of the
+    range (0 for signed types, 128 for uint8). A zero-width range gets scale 1 (any value works).
+    """
+    lo_arr = np.minimum(np.asarray(rmin, dtype=np.float64), 0.0)
+    hi_arr = np.maximum(np.asarray(rmax, dtype=np.float64), 0.0)
+    if not (np.all(np.isfinite(lo_arr)) and np.all(np.isfinite(hi_arr))):
+        raise CalibrationError(f"calibration range [{rmin}, {rmax}] is not finite: the data holds "
+                               "NaN or Inf values")
+    qmin, qmax = qrange(dtype, narrow)
+    if symmetric:
+        absmax = np.maximum(-lo_arr, hi_arr)
+        scale = absmax / ((qmax - qmin) / 2.0)
+        zp = np.full_like(scale, 0.0 if qmin < 0 else (qmin + qmax + 1) // 2)
+    else:
+        scale = (hi_arr - lo_arr) / float(qmax - qmin)
+        safe = np.where(scale > 0, scale, 1.0)
+        zp = np.clip(np.round(qmin - lo_arr / safe), qmin, qmax)
+    scale = np.where(scale > MIN_SCALE, scale, np.where(scale > 0, MIN_SCALE, 1.0))
+    zp_arr = zp.astype(np.dtype(dtype))
+    return QParams(scale.astype(np.float32), zp_arr, axis if scale.ndim == 1 else None)
+
+
+def quantize(x: np.ndarray, qp: QParams) -> np.ndarray:
+    """Quantize ``x`` with ``qp`` (broadcast along ``qp.axis`` when per channel)."""
+    scale, zp = _broadcast(qp, x.ndim)
+    lo, hi = qrange(qp.dtype.name)
+    q = np.round(x.astype(np.float64) / scale) + zp
+    return np.clip(q, lo, hi).astype(qp.dtype)
+
+
+def dequantize(q: np.ndarray, qp: QParams) -> np.ndarray:
+    """Inverse map ``(q - zp) * scale`` in float32."""
+    scale, zp = _broadcast(qp, q.ndim)
+    return ((q.astype(np.float64) - zp) * scale).astype(np.float32)
+
+
+def _broadcast(qp: QParams, ndim: int) -> tuple[np.ndarray, np.ndarray]:
+    scale = qp.scale.astype(np.float64)
+    zp = qp.zero_point.astype(np.float64)
+    if qp.axis is not None and scale.ndim == 1:
+        shape = [1] * ndim
+        shape[qp.axis] = -1
+        scale, zp = scale.reshape(shape), zp.reshape(shape)
+    return scale, zp
+
+
+def weight_params(
+    weight: np.ndarray, axis: int | None, dtype: str = "int8", narrow: bool = True
+) -> QParams:
+    """Symmetric weight parameters: per channel along ``axis`` or per tensor when None.
+
+    ``scale_c = max|W_c| / qmax`` with zero point 0 (narrow range [-127, 127] by default, so
+    that -qmax..qmax is symmetric and the int8×uint8 products cannot saturate asymmetrically).
+    """
+    w = np.asarray(weight, dtype=np.float32)
+    if not np.all(np.isfinite(w)):
+        raise CalibrationError("weight holds NaN or Inf values; fix the model before quantizing")
+    if axis is None:
+        absmax = np.asarray(np.max(np.abs(w)) if w.size else 0.0)
+    else:
+        moved = np.moveaxis(w, axis, 0).reshape(w.shape[axis], -1)
+        absmax = np.max(np.abs(moved), axis=1) if moved.size else np.zeros(w.shape[axis])
+    return params_from_range(-absmax, absmax, dtype, symmetric=True, axis=axis, narrow=narrow)
+
+
+def bias_params(input_scale: np.ndarray, weight_scale: np.ndarray) -> QParams:
+    """Derived bias parameters: ``scale = s_x · s_w`` (per channel), zero point 0, int32."""
+    scale = (np.asarray(input_scale, np.float64) * np.asarray(weight_scale, np.float64))
+    scale = np.maximum(scale, MIN_SCALE).astype(np.float32)
+    return QParams(scale, np.zeros(scale.shape, np.int32), 0 if scale.ndim == 1 else None)
+
+
+def widen_for_bias(
+    bias: np.ndarray, input_scale: np.ndarray, weight_scale: np.ndarray, limit: int = INT32_MAX
+) -> np.ndarray:
+    """Weight scale enlarged (per channel) so that ``|b / (s_x s_w)| <= limit``.
+
+    Clipping an overflowing bias would silently change the model; a larger weight scale costs
+    weight precision on that channel only.
+    """
+    need = np.abs(np.asarray(bias, np.float64)) / (float(np.asarray(input_scale)) * limit)
+    return np.maximum(np.asarray(weight_scale, np.float64), need).astype(np.float32)

@@ -1,0 +1,438 @@
+"""The Quantizer: match QuantizerPatterns, rewrite each group with placeholder parameters.
+
+After rewriting, the graph (the *template*) is a valid ONNX model in which every scale and zero
+point is an initializer with a deterministic name (``<tensor>_scale``, ``<tensor>_zero_point``),
+quantized weights and biases are *derived* initializers (``<weight>_quantized``,
+``<node>.bias_quantized``) computed from the float constants once the scales are known.
+:meth:`Quantizer.materialize` turns values for the placeholders into a concrete model.
+
+One set of parameters exists per tensor edge: a tensor read by two patterns is quantized by one
+QuantizeLinear node whose parameters both patterns share, and a pattern's output placeholder is
+the same one the next pattern's input uses, so the Requantizer can fold the DQ→Q pair.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import onnx
+import onnx_graphsurgeon as gs
+from onnx import numpy_helper
+
+from onnxq._dfpattern import Match, MatchResult, tensor_dtype
+from onnxq._rewrite import DFPatternCallback, Partition, rewrite
+from onnxq.errors import CalibrationError, ConfigError, QuantizationError
+from onnxq.graph import (
+    GraphEditor,
+    constant_value,
+    export_model,
+    import_graph,
+    load_model,
+    node_label,
+    nodes_in_order,
+    producer,
+)
+from onnxq.preprocess import preprocess
+from onnxq.qparams import QParams, qrange, quantize, widen_for_bias
+
+if TYPE_CHECKING:
+    from onnxq.calibration import CalibrationCallback, CalibrationInfo
+
+ACTIVATION_DTYPES = ("uint8", "int8")
+
+
+@dataclass(frozen=True)
+class QuantizerConfig:
+    """What the user asks for. Validated on creation."""
+
+    activation_dtype: str = "uint8"
+    activation_symmetric: bool = False
+    weight_dtype: str = "int8"
+    per_channel: bool = True
+    exclude: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.activation_dtype not in ACTIVATION_DTYPES:
+            raise ConfigError(f"activation dtype {self.activation_dtype!r} is not supported; use "
+                              "uint8 or int8")
+        if self.weight_dtype != "int8":
+            raise ConfigError(f"weight dtype {self.weight_dtype!r} is not supported; use int8")
+        object.__setattr__(self, "exclude", tuple(self.exclude))
+
+
+@dataclass(frozen=True)
+class QTensor:
+    """One quantized edge of a pattern: the float tensor, its quantized twin, its placeholders."""
+
+    tensor: str
+    quantized: str
+    scale: str
+    zero_point: str
+    role: str  # "activation" | "weight"
+    dtype: str
+    axis: int | None = None
+    symmetric: bool = False
+
+
+@dataclass
+class PatternRecord:
+    """What one rewritten group became; the Calibrator builds a CalibrationInfo from it."""
+
+    pattern: QuantizerPattern
+    label: str
+    nodes: list[str]
+    inputs: list[QTensor]
+    outputs: list[QTensor]
+    qop: str
+    relu_folded: bool = False
+    bias: str | None = None
+
+    @property
+    def input_scale_zps(self) -> list[tuple[str, str]]:
+        """(scale, zero point) placeholder names of every quantized input."""
+        return [(q.scale, q.zero_point) for q in self.inputs]
+
+    @property
+    def output_scale_zps(self) -> list[tuple[str, str]]:
+        """(scale, zero point) placeholder names of every quantized output."""
+        return [(q.scale, q.zero_point) for q in self.outputs]
+
+
+@dataclass(frozen=True)
+class Placeholder:
+    """An initializer of the template whose value calibration (or derivation) decides."""
+
+    name: str
+    kind: str  # "scale" | "zero_point" | "weight" | "bias"
+    tensor: str
+    dtype: str
+    shape: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class _WeightDerivation:
+    weight: str
+    scale: str
+    zero_point: str
+    axis: int | None
+
+
+@dataclass(frozen=True)
+class _BiasDerivation:
+    bias: str
+    input_scale: str
+    weight_scale: str
+    weight_axis: int | None
+
+
+@dataclass
+class Decision:
+    """Why one node of the float model is or is not quantized."""
+
+    node: str
+    op: str
+    quantized: bool
+    pattern: str = ""
+    reason: str = ""
+
+
+class QuantizerPattern(DFPatternCallback):
+    """A DFPatternCallback that rewrites its match into Q → QLinear op → DQ.
+
+    Subclasses set ``self.pattern`` and implement :meth:`quantize_match`, which builds the
+    quantized op with the helpers of :class:`Quantizer` and returns the float tensor replacing
+    the match's root (normally a DequantizeLinear output). ``calibrate_pattern`` delegates to the
+    CalibrationCallback given at construction (or the Calibrator's default).
+    """
+
+    quantizer: Quantizer
+
+    def __init__(self, calibration_callback: CalibrationCallback | None = None):
+        super().__init__()
+        self.calibration_callback = calibration_callback
+
+    def calibrate_pattern(self, calibration_info: CalibrationInfo) -> dict[str, np.ndarray]:
+        """Values for this pattern's placeholders: the callback's choice."""
+        cb = self.calibration_callback or calibration_info.default_callback
+        return cb.calibrate_pattern(calibration_info)
+
+    def callback(self, pre: gs.Tensor, post: gs.Tensor, node_map: dict) -> gs.Tensor | None:
+        """Rewrite the current match (``self.match``) through :meth:`quantize_match`."""
+        return self.quantize_match(self.match)
+
+    def quantize_match(self, m: Match) -> gs.Tensor | None:
+        """Build the quantized replacement of ``m``; None leaves it float."""
+        raise NotImplementedError
+
+    def float_output_check(self, m: Match) -> MatchResult:
+        """Shared check: the root must be float32 (or of unknown type)."""
+        dt = tensor_dtype(m.root)
+        if dt is not None and dt != np.float32:
+            return MatchResult.fail(f"output '{m.root.name}' is {dt}; onnxq quantizes float32 ops")
+        return MatchResult(m)
+
+
+class Quantizer:
+    """Match ``patterns`` in ``model`` and rewrite every group with placeholder parameters.
+
+    ``model`` is a path or ModelProto (never modified); ``patterns`` defaults to
+    ``onnxq.patterns.default_patterns()``.
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        patterns: Sequence[QuantizerPattern] | None = None,
+        config: QuantizerConfig | None = None,
+    ):
+        from onnxq.patterns import default_patterns
+
+        self.config = config or QuantizerConfig()
+        self.float_model: onnx.ModelProto = preprocess(load_model(model))
+        self.patterns = list(patterns) if patterns is not None else default_patterns()
+        self.records: list[PatternRecord] = []
+        self.placeholders: dict[str, Placeholder] = {}
+        self.decisions: dict[str, Decision] = {}
+        self._weights: dict[str, _WeightDerivation] = {}
+        self._biases: dict[str, _BiasDerivation] = {}
+        self._qtensors: dict[str, QTensor] = {}
+        self._consts: dict[str, gs.Constant] = {}
+        self._qvars: dict[str, gs.Variable] = {}
+        self._float_values: dict[str, np.ndarray] = {}
+        self._left_float: dict[str, tuple[str, str]] = {}
+
+        graph = import_graph(self.float_model)
+        self._check_exclusions(graph)
+        self._graph = graph
+        self.editor = GraphEditor(graph)
+        for p in self.patterns:
+            p.quantizer = self
+        excluded = set(self.config.exclude)
+        result = rewrite(
+            self.patterns,
+            graph,
+            node_filter=lambda n: (f"{node_label(n)} is excluded by --exclude"
+                                   if n.name in excluded else None),
+            editor=self.editor,
+        )
+        self._explain(result.partitions[0] if result.partitions else Partition())
+        self.template: onnx.ModelProto = export_model(graph, self.float_model)
+
+    # ----------------------------------------------------------------------------------------
+    # helpers used by QuantizerPattern.quantize_match
+
+    @property
+    def activation_qmin(self) -> int:
+        """Lowest quantized value of activations (where a folded Relu clamps)."""
+        return qrange(self.config.activation_dtype)[0]
+
+    def quantize_input(self, tensor: gs.Tensor) -> QTensor:
+        """The activation ``tensor`` quantized (one QuantizeLinear per tensor, shared)."""
+        if tensor.name in self._qtensors:
+            return self._qtensors[tensor.name]
+        qt = self._activation_qtensor(tensor)
+        self.editor.add_node(
+            "QuantizeLinear",
+            [tensor, self._consts[qt.scale], self._consts[qt.zero_point]],
+            [self._variable(qt.quantized, qt.dtype, tensor.shape)],
+            name=f"{tensor.name}_QuantizeLinear",
+        )
+        self._qtensors[tensor.name] = qt
+        return qt
+
+    def operands(self, qt: QTensor) -> list[gs.Tensor]:
+        """``[quantized tensor, scale, zero point]`` of a QTensor, as QLinear ops take them."""
+        quantized: gs.Tensor = (self._consts[qt.quantized] if qt.quantized in self._consts
+                                else self._qvars[qt.quantized])
+        return [quantized, self._consts[qt.scale], self._consts[qt.zero_point]]
+
+    def quantize_output(self, root: gs.Tensor) -> tuple[QTensor, gs.Variable]:
+        """Placeholders for the quantized form of ``root`` and the int tensor to produce."""
+        qt = self._activation_qtensor(root, output=True)
+        return qt, self._variable(qt.quantized, qt.dtype, root.shape)
+
+    def dequantize(self, qt: QTensor, quantized: gs.Variable, like: gs.Tensor) -> gs.Variable:
+        """DequantizeLinear of ``quantized``; the result replaces float tensor ``like``."""
+        out = self.editor.variable(like.name + "_dequantized", np.float32, like.shape)
+        self.editor.add_node(
+            "DequantizeLinear",
+            [quantized, self._consts[qt.scale], self._consts[qt.zero_point]],
+            [out],
+            name=f"{like.name}_DequantizeLinear",
+        )
+        return out
+
+    def quantize_weight(self, tensor: gs.Tensor, axis: int | None) -> QTensor:
+        """A derived int8 initializer for constant ``tensor``, per channel on ``axis``."""
+        value = constant_value(tensor)
+        if value is None:
+            raise QuantizationError(f"weight '{tensor.name}' is not constant; onnxq quantizes only "
+                                    "constant weights — fold it first or exclude the node")
+        axis = axis if self.config.per_channel else None
+        key = f"{tensor.name}@{axis}"
+        if key in self._qtensors:
+            return self._qtensors[key]
+        base = tensor.name
+        shape = (value.shape[axis],) if axis is not None else ()
+        wdt = self.config.weight_dtype
+        scale = self._placeholder(f"{base}_scale", "scale", base, "float32", shape)
+        zp = self._placeholder(f"{base}_zero_point", "zero_point", base, wdt, shape)
+        q = self._placeholder(f"{base}_quantized", "weight", base, wdt, tuple(value.shape))
+        self._float_values[base] = np.asarray(value, np.float32)
+        qt = QTensor(base, q, scale, zp, "weight", wdt, axis, True)
+        self._weights[q] = _WeightDerivation(base, scale, zp, axis)
+        self._qtensors[key] = qt
+        return qt
+
+    def quantize_bias(self, node: gs.Node, bias: np.ndarray, x: QTensor, w: QTensor) -> gs.Constant:
+        """A derived int32 bias with scale ``s_x · s_w`` and zero point 0."""
+        name = f"{node.name or node.outputs[0].name}.bias"
+        self._float_values[name] = np.asarray(bias, np.float32).reshape(-1)
+        q = self._placeholder(f"{name}_quantized", "bias", name, "int32", (int(bias.size),))
+        self._biases[q] = _BiasDerivation(name, x.scale, w.scale, w.axis)
+        return self._consts[q]
+
+    def const(self, name: str) -> gs.Constant:
+        """The template initializer of a placeholder."""
+        return self._consts[name]
+
+    def add_node(self, op: str, inputs: Sequence[gs.Tensor | None], outputs: Sequence[gs.Variable],
+                 name: str, attrs: dict[str, Any] | None = None, domain: str = "") -> gs.Node:
+        """Add a node to the template (thin pass-through to the graph editor)."""
+        return self.editor.add_node(op, inputs, outputs, name, attrs, domain)
+
+    def record(self, rec: PatternRecord) -> None:
+        """Register a rewritten group for calibration and reports."""
+        self.records.append(rec)
+
+    def _activation_qtensor(self, tensor: gs.Tensor, output: bool = False) -> QTensor:
+        name = tensor.name
+        dt = self.config.activation_dtype
+        scale = self._placeholder(f"{name}_scale", "scale", name, "float32", (), reuse=True)
+        zp = self._placeholder(f"{name}_zero_point", "zero_point", name, dt, (), reuse=True)
+        qname = self.editor.unique_name(f"{name}_quantized")
+        return QTensor(name, qname, scale, zp, "activation", dt, None,
+                       self.config.activation_symmetric)
+
+    def _placeholder(self, name: str, kind: str, tensor: str, dtype: str, shape: tuple[int, ...],
+                     reuse: bool = False) -> str:
+        for existing, ph in self.placeholders.items():
+            if reuse and ph.tensor == tensor and ph.kind == kind:
+                return existing
+        final = self.editor.unique_name(name)
+        if kind == "scale":
+            default = np.ones(shape, np.float32)
+        else:
+            default = np.zeros(shape, np.dtype(dtype))
+        self._consts[final] = gs.Constant(final, default)
+        self.placeholders[final] = Placeholder(final, kind, tensor, dtype, shape)
+        return final
+
+    def _variable(self, name: str, dtype: str, shape: Any) -> gs.Variable:
+        var = gs.Variable(name, dtype=np.dtype(dtype), shape=shape)
+        self._qvars[name] = var
+        return var
+
+    # ----------------------------------------------------------------------------------------
+    # bookkeeping
+
+    def _check_exclusions(self, graph: gs.Graph) -> None:
+        names = {n.name for n in graph.nodes}
+        missing = [e for e in self.config.exclude if e not in names]
+        if missing:
+            raise ConfigError(f"--exclude names node(s) {missing} that are not in the model; "
+                              "`onnxq inspect MODEL` lists node names")
+
+    def _explain(self, part: Partition) -> None:
+        quantized = {n: r.label for r in self.records for n in r.nodes}
+        for node in nodes_in_order(import_graph(self.float_model)):
+            name = node.name
+            attempts = part.reasons_for(name)
+            if name in quantized:
+                self.decisions[name] = Decision(name, node.op, True, quantized[name])
+            elif name in self._left_float:
+                pattern, reason = self._left_float[name]
+                self.decisions[name] = Decision(name, node.op, False, pattern, reason)
+            elif attempts:
+                reason = "; ".join(f"{a.pattern}: {a.reason}" for a in attempts)
+                self.decisions[name] = Decision(name, node.op, False, attempts[0].pattern, reason)
+            else:
+                self.decisions[name] = Decision(name, node.op, False, "",
+                                                self._inside_reason(name, part))
+
+    def leave_float(self, pattern: QuantizerPattern, m: Match, reason: str) -> None:
+        """Record why a matched group is left float (the callback then returns None)."""
+        for n in m.nodes:
+            self._left_float[n.name] = (pattern.label(), reason)
+
+    def _inside_reason(self, name: str, part: Partition) -> str:
+        for a in part.attempts:
+            if not a.accepted and f"'{name}'" in a.reason:
+                return f"{a.pattern} (rooted at '{a.node}'): {a.reason}"
+        return "no quantizer pattern handles this op"
+
+    # ----------------------------------------------------------------------------------------
+    # placeholders → concrete model
+
+    def float_value(self, name: str) -> np.ndarray:
+        """The float value of a quantized weight or bias."""
+        return self._float_values[name]
+
+    def materialize(self, values: dict[str, np.ndarray]) -> onnx.ModelProto:
+        """The template with ``values`` for the scale/zero-point placeholders and derived weights.
+
+        Missing placeholders keep their defaults (scale 1, zero point 0). Biases that would
+        overflow int32 enlarge their weight's scale (per channel) instead of being clipped.
+        """
+        full = {}
+        for name, ph in self.placeholders.items():
+            if ph.kind not in ("scale", "zero_point"):
+                continue
+            default = self._consts[name].values
+            value = values.get(name, default)
+            arr = np.asarray(value).astype(np.dtype(ph.dtype)).reshape(ph.shape)
+            full[name] = arr
+        self._check_relu_folds(full)
+        for bname, b in self._biases.items():
+            fb = self._float_values[b.bias]
+            full[b.weight_scale] = widen_for_bias(fb, full[b.input_scale], full[b.weight_scale])
+        for qname, w in self._weights.items():
+            qp = QParams(full[w.scale], full[w.zero_point], w.axis)
+            full[qname] = quantize(self._float_values[w.weight], qp)
+        for bname, b in self._biases.items():
+            s = full[b.input_scale].astype(np.float64) * full[b.weight_scale].astype(np.float64)
+            q = np.round(self._float_values[b.bias] / s)
+            full[bname] = np.clip(q, -(2**31), 2**31 - 1).astype(np.int32)
+        proto = onnx.ModelProto()
+        proto.CopyFrom(self.template)
+        for init in proto.graph.initializer:
+            if init.name in full:
+                init.CopyFrom(numpy_helper.from_array(full[init.name], init.name))
+        return proto
+
+    def _check_relu_folds(self, full: dict[str, np.ndarray]) -> None:
+        for rec in self.records:
+            if not rec.relu_folded:
+                continue
+            for out in rec.outputs:
+                lo = qrange(out.dtype)[0]
+                if int(full[out.zero_point]) != lo:
+                    raise CalibrationError(
+                        f"{rec.label} '{rec.qop}' folds a Relu into output '{out.tensor}', which "
+                        f"needs zero point {lo}, but calibration set {int(full[out.zero_point])}; "
+                        "calibrate the output with a range starting at 0")
+
+    def records_in_order(self) -> list[PatternRecord]:
+        """Records in the float model's topological order."""
+        order = {}
+        for i, node in enumerate(self.float_model.graph.node):
+            order[node.name or node.output[0]] = i
+        return sorted(self.records, key=lambda r: min(order.get(n, 0) for n in r.nodes))
+
+    def producer_of(self, name: str) -> gs.Node | None:
+        """Node of the template graph producing ``name``."""
+        t = self._graph.tensors().get(name)
+        return producer(t) if t is not None else None

@@ -1,0 +1,188 @@
+"""The requantize pass: keep int8 data int8 between quantized ops.
+
+Contract: requires a materialized model (constant scales and zero points); ensures a model
+computing the same function up to rounding in which
+
+* DQ(x, s, z) → Q(·, s, z) pairs are removed (identity);
+* DQ(x, s1, z1) → Q(·, s2, z2) feeding only QLinear ops is replaced by those ops reading ``x``
+  with ``s1, z1`` directly (they take their input's scale as an argument, so nothing is lost);
+* a DequantizeLinear moves past ops that commute with the affine map (MaxPool, Reshape,
+  Flatten, Transpose, Squeeze, Unsqueeze), so the pair it forms with a later Q can fold;
+* a Relu after a DQ whose zero point is the type's minimum is dropped (provably a no-op).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import onnx
+import onnx_graphsurgeon as gs
+
+from onnxq.graph import GraphEditor, constant_value, export_model, import_graph, producer
+from onnxq.preprocess import default_opset
+from onnxq.qparams import qrange
+
+#: quantized ops and the input positions of their (tensor, scale, zero point) operand triples
+QLINEAR_INPUTS: dict[str, tuple[int, ...]] = {
+    "QLinearConv": (0, 3),
+    "QLinearMatMul": (0, 3),
+    "QGemm": (0, 3),
+    "QLinearAdd": (0, 3),
+    "QLinearMul": (0, 3),
+}
+#: ops that commute with y = (q - z) * s on their first input (minimum opset for int8 inputs)
+PASS_THROUGH: dict[str, int] = {
+    "MaxPool": 12,
+    "Reshape": 5,
+    "Flatten": 1,
+    "Transpose": 1,
+    "Squeeze": 1,
+    "Unsqueeze": 1,
+}
+
+
+@dataclass
+class RequantizeStats:
+    """What the pass changed."""
+
+    folded_pairs: int = 0
+    rescaled_pairs: int = 0
+    crossed_ops: list[str] = field(default_factory=list)
+    relus_removed: list[str] = field(default_factory=list)
+    iterations: int = 0
+
+
+class Requantizer:
+    """Fold DQ→Q pairs and move DQ past commuting ops until nothing changes."""
+
+    def __init__(self, max_iterations: int = 16):
+        self.max_iterations = max_iterations
+        self.stats = RequantizeStats()
+
+    def requantize(self, model: onnx.ModelProto) -> onnx.ModelProto:
+        """Return the requantized model (``model`` is not modified)."""
+        graph = import_graph(model)
+        opset = default_opset(model)
+        editor = GraphEditor(graph)
+        for _ in range(self.max_iterations):
+            self.stats.iterations += 1
+            changed = self._cross(graph, editor, opset)
+            changed |= self._drop_relus(graph, editor)
+            changed |= self._fold(graph, editor)
+            editor.finish()
+            if not changed:
+                break
+        return export_model(graph, model)
+
+    # ----------------------------------------------------------------------------------------
+    def _cross(self, graph: gs.Graph, editor: GraphEditor, opset: int) -> bool:
+        changed = False
+        outputs = {id(t) for t in graph.outputs}
+        for dq in list(graph.nodes):
+            if dq.op != "DequantizeLinear" or not _per_tensor(dq):
+                continue
+            d = dq.outputs[0]
+            if id(d) in outputs or len(d.outputs) != 1:
+                continue
+            op = d.outputs[0]
+            if op.op not in PASS_THROUGH or opset < PASS_THROUGH[op.op] or len(op.outputs) != 1:
+                continue
+            if op.inputs[0] is not d or any(t is d for t in op.inputs[1:]):
+                continue
+            editor.move_after(dq, op)
+            self.stats.crossed_ops.append(op.name)
+            changed = True
+        return changed
+
+    def _drop_relus(self, graph: gs.Graph, editor: GraphEditor) -> bool:
+        changed = False
+        outputs = {id(t) for t in graph.outputs}
+        for relu in list(graph.nodes):
+            if relu.op != "Relu" or not relu.inputs:
+                continue
+            dq = producer(relu.inputs[0])
+            if dq is None or dq.op != "DequantizeLinear" or not _per_tensor(dq):
+                continue
+            zp = _zero_point(dq)
+            if zp is None or int(zp.reshape(-1)[0]) != qrange(zp.dtype.name)[0]:
+                continue
+            r = relu.outputs[0]
+            d = relu.inputs[0]
+            if id(r) in outputs:
+                if len(d.outputs) != 1 or id(d) in outputs:
+                    continue
+                editor.remove_node(relu)
+                editor.replace_producer(r, d)
+            else:
+                editor.redirect(r, d)
+                editor.remove_node(relu)
+            self.stats.relus_removed.append(relu.name)
+            changed = True
+        return changed
+
+    def _fold(self, graph: gs.Graph, editor: GraphEditor) -> bool:
+        changed = False
+        for q in list(graph.nodes):
+            if q.op != "QuantizeLinear" or not q.outputs:
+                continue
+            dq = producer(q.inputs[0])
+            if dq is None or dq.op != "DequantizeLinear":
+                continue
+            src = dq.inputs[0]
+            q_out = q.outputs[0]
+            if _same_params(dq, q):
+                editor.redirect(q_out, src)
+                editor.remove_node(q)
+                self.stats.folded_pairs += 1
+                changed = True
+            elif _per_tensor(dq) and _dtype(dq) == _dtype(q) and _all_qlinear(q_out):
+                for user in list(q_out.outputs):
+                    for pos in QLINEAR_INPUTS[user.op]:
+                        if user.inputs[pos] is q_out:
+                            editor.set_input(user, pos, src)
+                            editor.set_input(user, pos + 1, dq.inputs[1])
+                            editor.set_input(user, pos + 2, dq.inputs[2])
+                editor.remove_node(q)
+                self.stats.rescaled_pairs += 1
+                changed = True
+        return changed
+
+
+def _zero_point(node: gs.Node) -> np.ndarray | None:
+    if len(node.inputs) < 3:
+        return None
+    return constant_value(node.inputs[2])
+
+
+def _per_tensor(node: gs.Node) -> bool:
+    scale = constant_value(node.inputs[1])
+    return scale is not None and scale.size == 1
+
+
+def _dtype(node: gs.Node) -> np.dtype | None:
+    zp = _zero_point(node)
+    return None if zp is None else zp.dtype
+
+
+def _same_params(dq: gs.Node, q: gs.Node) -> bool:
+    s1, s2 = constant_value(dq.inputs[1]), constant_value(q.inputs[1])
+    z1, z2 = _zero_point(dq), _zero_point(q)
+    if s1 is None or s2 is None or z1 is None or z2 is None:
+        return False
+    if z1.dtype != z2.dtype or s1.shape != s2.shape or z1.shape != z2.shape:
+        return False
+    if dq.attrs.get("axis", 1) != q.attrs.get("axis", 1) and s1.size > 1:
+        return False
+    return bool(np.array_equal(s1, s2) and np.array_equal(z1, z2))
+
+
+def _all_qlinear(t: gs.Tensor) -> bool:
+    users = list(t.outputs)
+    return bool(users) and all(u.op in QLINEAR_INPUTS for u in users)
+
+
+def requantize(model: onnx.ModelProto) -> tuple[onnx.ModelProto, RequantizeStats]:
+    """Run the :class:`Requantizer` and return the model with its statistics."""
+    r = Requantizer()
+    return r.requantize(model), r.stats

@@ -1,0 +1,39 @@
+"""onnxruntime sessions, built one way everywhere (CPU, all optimisations, quiet logs)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import onnx
+
+from onnxq.errors import ModelError
+from onnxq.graph import serialize
+
+
+def make_session(model: onnx.ModelProto, threads: int = 0, optimize: bool = True) -> Any:
+    """An onnxruntime CPU InferenceSession for ``model`` (``threads`` 0 = onnxruntime's choice)."""
+    import onnxruntime as ort
+
+    opts = ort.SessionOptions()
+    opts.log_severity_level = 3
+    opts.intra_op_num_threads = threads
+    opts.inter_op_num_threads = 1
+    if not optimize:
+        opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    try:
+        return ort.InferenceSession(serialize(model), opts, providers=["CPUExecutionProvider"])
+    except Exception as exc:  # onnxruntime raises its own exception types
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ModelError(f"onnxruntime cannot load the model: {first}") from None
+
+
+def output_types(model: onnx.ModelProto) -> dict[str, int]:
+    """Element type of every tensor whose type the model records."""
+    g = model.graph
+    types: dict[str, int] = {}
+    for vi in [*g.input, *g.value_info, *g.output]:
+        if vi.type.HasField("tensor_type"):
+            types[vi.name] = vi.type.tensor_type.elem_type
+    for init in g.initializer:
+        types[init.name] = init.data_type
+    return types

@@ -1,0 +1,54 @@
+"""Conv patterns: Conv(x, W[, b]) [→ Relu] → QLinearConv."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx_graphsurgeon as gs
+
+from onnxq.pattern import Match, is_constant, is_op, wildcard
+from onnxq.quantizer import QTensor
+from onnxq.patterns.base import WeightedPattern, with_relu
+
+
+class _ConvBase(WeightedPattern):
+    def weight_channel_axis(self, node: gs.Node, weight: np.ndarray) -> int:
+        """Conv weights are (M, C/group, k...): output channels on axis 0."""
+        return 0
+
+    def emit(self, m: Match, node: gs.Node, x: QTensor, w: QTensor, bias: gs.Tensor | None,
+             y: QTensor, y_var: gs.Variable) -> gs.Node:
+        """QLinearConv(x, xs, xz, w, ws, wz, ys, yz[, b]) with the Conv's attributes."""
+        q = self.quantizer
+        inputs = [*q.operands(x), *q.operands(w), q.const(y.scale), q.const(y.zero_point)]
+        if bias is not None:
+            inputs.append(bias)
+        return q.add_node("QLinearConv", inputs, [y_var], f"{node.name}_quant", dict(node.attrs))
+
+
+class ConvPattern(_ConvBase):
+    """Conv without bias, optionally followed by Relu."""
+
+    name = "conv"
+
+    def __init__(self, calibration_callback=None):
+        super().__init__(calibration_callback)
+        self.x, self.w, self.b = wildcard(), is_constant(), None
+        self.core = is_op("Conv")(self.x, self.w, None)
+        self.pattern, self.relu = with_relu(self.core)
+
+
+class ConvBiasPattern(_ConvBase):
+    """Conv with a constant bias, optionally followed by Relu."""
+
+    name = "conv+bias"
+
+    def __init__(self, calibration_callback=None):
+        super().__init__(calibration_callback)
+        self.x, self.w, self.b = wildcard(), is_constant(), is_constant()
+        self.core = is_op("Conv")(self.x, self.w, self.b)
+        self.pattern, self.relu = with_relu(self.core)
+
+
+# Conv(x, W) [→ Relu]     -> DQ(QLinearConv(Q(x), Wq, ys, yz))            (Relu: yz = qmin)
+# Conv(x, W, b) [→ Relu]  -> DQ(QLinearConv(Q(x), Wq, ys, yz, bq)),  bq = round(b / (sx·sw))
+RULES = [ConvBiasPattern, ConvPattern]
