@@ -137,8 +137,14 @@ def quantize(
     times["verify"] = time.perf_counter() - t3
     if output is not None:
         save_model(result, output)
+    decisions = list(quantizer.decisions.values())
+    carried = set(requantizer.stats.crossed_ops)
+    for d in decisions:
+        if d.node in carried:
+            d.quantized, d.pattern = True, "requantize"
+            d.reason = "carries int8 through (commutes with the affine map)"
     report = QuantizeReport(
-        decisions=list(quantizer.decisions.values()),
+        decisions=decisions,
         calibration=calibrator.report,
         requantize=requantizer.stats,
         seconds=times,

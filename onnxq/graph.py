@@ -105,6 +105,20 @@ def save_model(proto: onnx.ModelProto, path: str | os.PathLike[str]) -> None:
         raise
 
 
+def write_text_atomic(path: str | os.PathLike[str], text: str) -> None:
+    """Write a text file atomically (temp file in the same folder, then rename)."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent or ".")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as handle:
+            handle.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
 def serialize(proto: onnx.ModelProto) -> bytes:
     """Deterministic serialization, used for byte-identical outputs and ORT sessions."""
     return proto.SerializeToString(deterministic=True)

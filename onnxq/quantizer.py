@@ -372,6 +372,12 @@ class Quantizer:
         for a in part.attempts:
             if not a.accepted and f"'{name}'" in a.reason:
                 return f"{a.pattern} (rooted at '{a.node}'): {a.reason}"
+        from onnxq.requantize import PASS_THROUGH
+
+        op = next((n.op for n in self._graph.nodes if n.name == name), "")
+        if op in PASS_THROUGH:
+            return ("no pattern: it carries int8 through when its input comes from a quantized op "
+                    "(requantize pass)")
         return "no quantizer pattern handles this op"
 
     # ----------------------------------------------------------------------------------------

@@ -1,0 +1,159 @@
+"""The ``onnxq`` command line: quantize, inspect, demo.
+
+Bad input ends with one line ``onnxq: error: ...`` on stderr and exit code 2; no output file is
+written (outputs are written atomically, after verification).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from onnxq.errors import ConfigError, OnnxqError
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="onnxq", description="Post-training int8 quantization of "
+                                "ONNX models.")
+    p.add_argument("--version", action="store_true", help="print the version and exit")
+    sub = p.add_subparsers(dest="command")
+
+    q = sub.add_parser("quantize", help="quantize a float model with calibration data")
+    q.add_argument("model", help="float .onnx model (never modified)")
+    q.add_argument("-o", "--output", required=True, help="where to write the int8 model")
+    q.add_argument("--data", required=True,
+                   help="calibration data: an .npz (arrays keyed by input name, samples on axis "
+                        "0) or a folder of .npy/.npz files (one sample each)")
+    q.add_argument("--method", default="minmax", choices=["minmax", "average-max"],
+                   help="calibration method (default minmax)")
+    pc = q.add_mutually_exclusive_group()
+    pc.add_argument("--per-channel", dest="per_channel", action="store_true", default=True,
+                    help="per-channel weight scales (default)")
+    pc.add_argument("--per-tensor", dest="per_channel", action="store_false",
+                    help="one scale per weight tensor")
+    q.add_argument("--activation-dtype", default="uint8", choices=["uint8", "int8"],
+                   help="activation type (default uint8, the fast U8S8 path of onnxruntime CPU)")
+    q.add_argument("--exclude", nargs="+", default=[], metavar="NODE",
+                   help="node names to keep in float")
+    q.add_argument("--batch-size", type=int, default=None,
+                   help="calibration batch size for models with a dynamic batch axis")
+    q.add_argument("--samples", type=int, default=None, help="use at most N calibration batches")
+    q.add_argument("--report", default=None, help="write the quantization report as JSON here")
+    q.add_argument("--quiet", action="store_true", help="no progress bar or summary")
+
+    i = sub.add_parser("inspect", help="op histogram and what each pattern matches, and why not")
+    i.add_argument("model")
+    i.add_argument("--explain", action="store_true", help="list every node with its reason")
+    i.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    i.add_argument("--exclude", nargs="+", default=[], metavar="NODE")
+
+    d = sub.add_parser("demo", help="quantize the bundled digits CNN and compare fp32 vs int8")
+    d.add_argument("-o", "--output", default=None, help="also write the int8 demo model here")
+    d.add_argument("--runs", type=int, default=300, help="latency runs per model (default 300)")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``onnxq`` console script."""
+    parser = _parser()
+    args = parser.parse_args(argv)
+    try:
+        if args.version:
+            from onnxq import __version__
+
+            print(f"onnxq {__version__}")
+            return 0
+        if args.command == "quantize":
+            return _quantize(args)
+        if args.command == "inspect":
+            return _inspect(args)
+        if args.command == "demo":
+            from onnxq.demo import run_demo
+
+            return run_demo(output=args.output, runs=args.runs)
+        parser.print_help()
+        return 2
+    except OnnxqError as exc:
+        print(f"onnxq: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        print("onnxq: interrupted; no output written", file=sys.stderr)
+        return 130
+    except Exception as exc:  # an onnxq bug: one line unless debugging
+        if os.environ.get("ONNXQ_DEBUG"):
+            raise
+        print(f"onnxq: internal error: {type(exc).__name__}: {exc} (set ONNXQ_DEBUG=1 for the "
+              "traceback and please report it)", file=sys.stderr)
+        return 1
+
+
+def _quantize(args: argparse.Namespace) -> int:
+    from onnxq.api import quantize
+
+    src, dst = Path(args.model), Path(args.output)
+    if dst.exists() and src.exists() and dst.resolve() == src.resolve():
+        raise ConfigError(f"output '{dst}' is the input model; onnxq never overwrites its input — "
+                          "choose another -o")
+    if args.batch_size is not None and args.batch_size < 1:
+        raise ConfigError(f"--batch-size {args.batch_size} must be >= 1")
+    if args.samples is not None and args.samples < 1:
+        raise ConfigError(f"--samples {args.samples} must be >= 1")
+    _, report = quantize(
+        str(src),
+        args.data,
+        method=args.method,
+        per_channel=args.per_channel,
+        activation_dtype=args.activation_dtype,
+        exclude=args.exclude,
+        batch_size=args.batch_size,
+        samples=args.samples,
+        progress=None if not args.quiet else False,
+        output=str(dst),
+    )
+    if args.report:
+        from onnxq.graph import write_text_atomic
+
+        write_text_atomic(args.report, json.dumps(report.to_dict(), indent=2))
+    if not args.quiet:
+        print(report.summary())
+        print(f"wrote {dst}")
+    return 0
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    from onnxq.api import op_histogram
+    from onnxq.quantizer import Quantizer, QuantizerConfig
+
+    quantizer = Quantizer(args.model, config=QuantizerConfig(exclude=tuple(args.exclude)))
+    hist = op_histogram(quantizer.float_model)
+    decisions = list(quantizer.decisions.values())
+    if args.json:
+        from dataclasses import asdict
+
+        print(json.dumps({"ops": hist, "nodes": [asdict(d) for d in decisions]}, indent=2))
+        return 0
+    print("ops: " + ", ".join(f"{k} {v}" for k, v in hist.items()))
+    by_pattern: dict[str, list[str]] = {}
+    for d in decisions:
+        if d.quantized:
+            by_pattern.setdefault(d.pattern, []).append(d.node)
+    for pattern, nodes in by_pattern.items():
+        print(f"{pattern}: {', '.join(nodes)}")
+    left = [d for d in decisions if not d.quantized]
+    shown = left if args.explain else [d for d in left if d.pattern]
+    if shown:
+        print("not quantized:")
+        width = max(len(d.node) for d in shown)
+        for d in shown:
+            print(f"  {d.node:<{width}}  {d.op:<12} {d.reason}")
+    q = sum(d.quantized for d in decisions)
+    print(f"{q} of {len(decisions)} nodes would be quantized")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
