@@ -150,7 +150,7 @@ def quantize(
         seconds=times,
         ops_before=op_histogram(float_model),
         ops_after=op_histogram(result),
-        values={k: v.tolist() for k, v in values.items()},
+        values={k: v.tolist() for k, v in quantizer.final_values.items()},
     )
     return result, report
 

@@ -160,4 +160,8 @@ def widen_for_bias(
     weight precision on that channel only.
     """
     need = np.abs(np.asarray(bias, np.float64)) / (float(np.asarray(input_scale)) * limit)
-    return np.maximum(np.asarray(weight_scale, np.float64), need).astype(np.float32)
+    need = need * (1 + 1e-6)  # stay below the limit after rounding the scale to float32
+    ws = np.asarray(weight_scale, np.float64)
+    if ws.ndim == 0:  # per-tensor weight scale: the worst channel decides
+        need = np.asarray(need.max() if need.size else 0.0)
+    return np.maximum(ws, need).astype(np.float32)

@@ -203,6 +203,8 @@ class Quantizer:
         self._qvars: dict[str, gs.Variable] = {}
         self._float_values: dict[str, np.ndarray] = {}
         self._left_float: dict[str, tuple[str, str]] = {}
+        #: scales and zero points of the last materialized model (after bias widening)
+        self.final_values: dict[str, np.ndarray] = {}
 
         graph = import_graph(self.float_model)
         self._check_exclusions(graph)
@@ -412,6 +414,8 @@ class Quantizer:
             s = full[b.input_scale].astype(np.float64) * full[b.weight_scale].astype(np.float64)
             q = np.round(self._float_values[b.bias] / s)
             full[bname] = np.clip(q, -(2**31), 2**31 - 1).astype(np.int32)
+        self.final_values = {k: v for k, v in full.items()
+                             if self.placeholders[k].kind in ("scale", "zero_point")}
         proto = onnx.ModelProto()
         proto.CopyFrom(self.template)
         for init in proto.graph.initializer:

@@ -1,0 +1,75 @@
+"""Shared test helpers: tiny models built with onnx.helper, onnxruntime runs, graph checks."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+from onnx import TensorProto
+from onnx import helper as h
+from onnx import numpy_helper as nh
+
+ROOT = Path(__file__).resolve().parents[1]
+MODELS = ROOT / "models"
+QUANTIZED_OPS = {"QLinearConv", "QLinearMatMul", "QGemm", "QLinearAdd", "QLinearMul"}
+
+
+def make_model(nodes, inputs, outputs, inits=None, opset=13) -> onnx.ModelProto:
+    """inputs/outputs: [(name, shape)] float32; inits: {name: array}."""
+    graph = h.make_graph(
+        nodes, "test",
+        [h.make_tensor_value_info(n, TensorProto.FLOAT, s) for n, s in inputs],
+        [h.make_tensor_value_info(n, TensorProto.FLOAT, s) for n, s in outputs],
+        [nh.from_array(np.asarray(v), k) for k, v in (inits or {}).items()])
+    model = h.make_model(graph, opset_imports=[h.make_opsetid("", opset)])
+    model.ir_version = 8
+    if any(s is None for _, s in outputs):  # fill unknown output shapes by shape inference
+        inferred = onnx.shape_inference.infer_shapes(model)
+        types = {vi.name: vi.type for vi in [*inferred.graph.value_info, *inferred.graph.output]}
+        for out in model.graph.output:
+            if not out.type.tensor_type.HasField("shape") and out.name in types:
+                out.type.CopyFrom(types[out.name])
+    onnx.checker.check_model(model)
+    return model
+
+
+def run(model: onnx.ModelProto | str | Path, feeds: dict) -> list[np.ndarray]:
+    src = model.SerializeToString() if isinstance(model, onnx.ModelProto) else str(model)
+    opts = ort.SessionOptions()
+    opts.log_severity_level = 3
+    return ort.InferenceSession(src, opts, providers=["CPUExecutionProvider"]).run(None, feeds)
+
+
+def ops(model: onnx.ModelProto) -> list[str]:
+    return [n.op_type for n in model.graph.node]
+
+
+def dq_q_pairs_between_quantized(model: onnx.ModelProto) -> list[str]:
+    """DequantizeLinear → QuantizeLinear pairs whose ends are both quantized ops."""
+    producers = {o: n for n in model.graph.node for o in n.output}
+    bad = []
+    for q in model.graph.node:
+        if q.op_type != "QuantizeLinear":
+            continue
+        dq = producers.get(q.input[0])
+        if dq is not None and dq.op_type == "DequantizeLinear":
+            src = producers.get(dq.input[0])
+            if src is not None and src.op_type in QUANTIZED_OPS:
+                bad.append(f"{dq.name} -> {q.name}")
+    return bad
+
+
+def rng(seed: int = 0) -> np.random.Generator:
+    return np.random.default_rng(seed)
+
+
+def zoo_datasets():
+    """The models/datasets.py module (digits and Fashion-MNIST loaders)."""
+    if str(MODELS) not in sys.path:
+        sys.path.insert(0, str(MODELS))
+    import datasets
+
+    return datasets

@@ -1,0 +1,230 @@
+"""Every quantizer pattern: match / no-match, expected op counts, numerics through onnxruntime."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from helpers import dq_q_pairs_between_quantized, make_model, ops, rng, run
+from onnx import helper as h
+
+import onnxq
+from onnxq.quantizer import Quantizer
+
+R = rng(0)
+
+
+def weights(*shape, scale=0.3):
+    return R.normal(0, scale, shape).astype(np.float32)
+
+
+def close_enough(model, qmodel, feeds, tol=0.04):
+    """Quantized output within ``tol`` of the float output's range, cosine > 0.999."""
+    f = run(model, feeds)[0].ravel()
+    q = run(qmodel, feeds)[0].ravel()
+    span = float(f.max() - f.min()) or 1.0
+    err = float(np.abs(f - q).max()) / span
+    cos = float(f @ q / (np.linalg.norm(f) * np.linalg.norm(q) + 1e-12))
+    assert err < tol, f"max error {err:.4f} of the output range"
+    assert cos > 0.999, f"cosine {cos:.5f}"
+
+
+def quantize_random(model, input_shapes, n=16, **kw):
+    data = {k: R.normal(0, 1, (n, *s[1:])).astype(np.float32) for k, s in input_shapes.items()}
+    q, report = onnxq.quantize(model, data, progress=False, **kw)
+    feeds = {k: v[:2] for k, v in data.items()}  # inside the calibrated range
+    return q, report, feeds
+
+
+CONV_CASES = {
+    "conv": ([h.make_node("Conv", ["x", "W"], ["y"], pads=[1, 1, 1, 1], name="conv")],
+             {"W": weights(8, 3, 3, 3)}, ["QLinearConv"]),
+    "conv+bias": ([h.make_node("Conv", ["x", "W", "B"], ["y"], pads=[1, 1, 1, 1], name="conv")],
+                  {"W": weights(8, 3, 3, 3), "B": weights(8)}, ["QLinearConv"]),
+    "conv+bias+relu": ([h.make_node("Conv", ["x", "W", "B"], ["c"], name="conv"),
+                        h.make_node("Relu", ["c"], ["y"], name="relu")],
+                       {"W": weights(8, 3, 3, 3), "B": weights(8)}, ["QLinearConv"]),
+    "conv+relu (no bias)": ([h.make_node("Conv", ["x", "W"], ["c"], name="conv"),
+                             h.make_node("Relu", ["c"], ["y"], name="relu")],
+                            {"W": weights(8, 3, 3, 3)}, ["QLinearConv"]),
+    "depthwise": ([h.make_node("Conv", ["x", "W", "B"], ["y"], group=3, pads=[1, 1, 1, 1],
+                               name="conv")],
+                  {"W": weights(3, 1, 3, 3), "B": weights(3)}, ["QLinearConv"]),
+}
+
+
+@pytest.mark.parametrize("case", list(CONV_CASES))
+@pytest.mark.parametrize("per_channel", [True, False])
+def test_conv_patterns(case, per_channel):
+    nodes, inits, expected = CONV_CASES[case]
+    model = make_model(nodes, [("x", ["N", 3, 8, 8])], [("y", None)], inits)
+    q, report, feeds = quantize_random(model, {"x": [1, 3, 8, 8]}, per_channel=per_channel)
+    assert ops(q) == ["QuantizeLinear", *expected, "DequantizeLinear"]
+    assert all(d.quantized for d in report.decisions)
+    close_enough(model, q, feeds)
+
+
+DENSE_CASES = {
+    "matmul": ([h.make_node("MatMul", ["x", "W"], ["y"], name="mm")], {"W": weights(16, 8)},
+               "QLinearMatMul"),
+    "matmul+add": ([h.make_node("MatMul", ["x", "W"], ["m"], name="mm"),
+                    h.make_node("Add", ["m", "B"], ["y"], name="add")],
+                   {"W": weights(16, 8), "B": weights(8)}, "QGemm"),
+    "bias+matmul (bias first)": ([h.make_node("MatMul", ["x", "W"], ["m"], name="mm"),
+                                  h.make_node("Add", ["B", "m"], ["y"], name="add")],
+                                 {"W": weights(16, 8), "B": weights(8)}, "QGemm"),
+    "gemm transB=0": ([h.make_node("Gemm", ["x", "W", "B"], ["y"], name="gemm")],
+                      {"W": weights(16, 8), "B": weights(8)}, "QGemm"),
+    "gemm transB=1 alpha beta": ([h.make_node("Gemm", ["x", "W", "B"], ["y"], transB=1,
+                                              alpha=0.5, beta=2.0, name="gemm")],
+                                 {"W": weights(8, 16), "B": weights(8)}, "QGemm"),
+    "gemm no bias": ([h.make_node("Gemm", ["x", "W"], ["y"], transB=1, name="gemm")],
+                     {"W": weights(8, 16)}, "QGemm"),
+    "gemm+relu": ([h.make_node("Gemm", ["x", "W", "B"], ["g"], name="gemm"),
+                   h.make_node("Relu", ["g"], ["y"], name="relu")],
+                  {"W": weights(16, 8), "B": weights(8)}, "QGemm"),
+}
+
+
+@pytest.mark.parametrize("case", list(DENSE_CASES))
+@pytest.mark.parametrize("per_channel", [True, False])
+def test_dense_patterns(case, per_channel):
+    nodes, inits, qop = DENSE_CASES[case]
+    model = make_model(nodes, [("x", ["N", 16])], [("y", None)], inits)
+    q, report, feeds = quantize_random(model, {"x": [1, 16]}, per_channel=per_channel)
+    assert ops(q) == ["QuantizeLinear", qop, "DequantizeLinear"]
+    close_enough(model, q, feeds)
+
+
+def test_per_channel_scales_follow_output_axis():
+    w = weights(8, 16)
+    w[3] *= 50  # one output row of a transB=1 weight is much larger
+    model = make_model([h.make_node("Gemm", ["x", "W"], ["y"], transB=1, name="gemm")],
+                       [("x", ["N", 16])], [("y", None)], {"W": w})
+    _, report, _ = quantize_random(model, {"x": [1, 16]})
+    scale = np.asarray(report.values["W_scale"])
+    assert scale.shape == (8,) and scale.argmax() == 3
+    assert scale[3] / np.delete(scale, 3).max() > 10
+
+
+def test_matmul_3d_input_keeps_bias_float_with_reason():
+    model = make_model([h.make_node("MatMul", ["x", "W"], ["m"], name="mm"),
+                        h.make_node("Add", ["m", "B"], ["y"], name="add")],
+                       [("x", ["N", 4, 16])], [("y", None)],
+                       {"W": weights(16, 8), "B": weights(8)})
+    q, report, feeds = quantize_random(model, {"x": [1, 4, 16]})
+    assert ops(q) == ["QuantizeLinear", "QLinearMatMul", "DequantizeLinear", "Add"]
+    add = next(d for d in report.decisions if d.node == "add")
+    assert not add.quantized and "2-D input" in add.reason
+    close_enough(model, q, feeds)
+
+
+def test_conv_with_dynamic_weight_is_not_matched():
+    model = make_model([h.make_node("Conv", ["x", "w"], ["y"], name="conv")],
+                       [("x", ["N", 3, 8, 8]), ("w", [4, 3, 3, 3])], [("y", None)])
+    decision = Quantizer(model).decisions["conv"]
+    assert not decision.quantized and "'w' is not a constant" in decision.reason
+
+
+BINARY_CASES = {
+    "add": ("Add", "QLinearAdd", False),
+    "mul": ("Mul", "QLinearMul", False),
+    "add+relu": ("Add", "QLinearAdd", True),
+    "mul+relu": ("Mul", "QLinearMul", True),
+}
+
+
+@pytest.mark.parametrize("case", list(BINARY_CASES))
+def test_binary_patterns_between_convs(case):
+    op, qop, relu = BINARY_CASES[case]
+    nodes = [h.make_node("Conv", ["x", "W1", "B1"], ["a"], pads=[1, 1, 1, 1], name="c1"),
+             h.make_node("Conv", ["x", "W2", "B2"], ["b"], pads=[1, 1, 1, 1], name="c2"),
+             h.make_node(op, ["a", "b"], ["s" if relu else "t"], name="bin")]
+    if relu:
+        nodes.append(h.make_node("Relu", ["s"], ["t"], name="relu"))
+    nodes.append(h.make_node("Conv", ["t", "W3"], ["y"], name="c3"))
+    inits = {"W1": weights(4, 3, 3, 3), "B1": weights(4), "W2": weights(4, 3, 3, 3),
+             "B2": weights(4), "W3": weights(2, 4, 1, 1)}
+    model = make_model(nodes, [("x", ["N", 3, 8, 8])], [("y", None)], inits)
+    q, report, feeds = quantize_random(model, {"x": [1, 3, 8, 8]})
+    hist = ops(q)
+    assert hist.count(qop) == 1 and hist.count("QLinearConv") == 3
+    assert hist.count("QuantizeLinear") == 1 and hist.count("DequantizeLinear") == 1
+    assert op not in hist and "Relu" not in hist
+    assert dq_q_pairs_between_quantized(q) == []
+    close_enough(model, q, feeds, tol=0.06)
+
+
+def test_add_with_constant_is_not_a_binary_pattern():
+    model = make_model([h.make_node("Add", ["x", "k"], ["y"], name="add")],
+                       [("x", ["N", 4])], [("y", None)], {"k": weights(4)})
+    d = Quantizer(model).decisions["add"]
+    assert not d.quantized and "is a constant" in d.reason
+
+
+def test_isolated_add_stays_float():
+    model = make_model([h.make_node("Add", ["x", "z"], ["y"], name="add")],
+                       [("x", ["N", 4]), ("z", ["N", 4])], [("y", None)])
+    qz = Quantizer(model)
+    d = qz.decisions["add"]
+    assert not d.quantized and "round trip" in d.reason
+    assert qz.records == []
+
+
+def test_shared_input_is_quantized_once():
+    nodes = [h.make_node("Conv", ["x", "W1"], ["a"], name="c1"),
+             h.make_node("Conv", ["x", "W2"], ["b"], name="c2"),
+             h.make_node("Add", ["a", "b"], ["y"], name="add")]
+    model = make_model(nodes, [("x", ["N", 3, 8, 8])], [("y", None)],
+                       {"W1": weights(4, 3, 3, 3), "W2": weights(4, 3, 3, 3)})
+    q, report, feeds = quantize_random(model, {"x": [1, 3, 8, 8]})
+    assert ops(q).count("QuantizeLinear") == 1
+    assert [k for k in report.values if k.startswith("x_")] == ["x_scale", "x_zero_point"]
+    close_enough(model, q, feeds)
+
+
+def test_relu_folded_output_has_zero_point_at_qmin():
+    model = make_model([h.make_node("Conv", ["x", "W", "B"], ["c"], name="conv"),
+                        h.make_node("Relu", ["c"], ["y"], name="relu")],
+                       [("x", ["N", 3, 8, 8])], [("y", None)],
+                       {"W": weights(8, 3, 3, 3), "B": weights(8)})
+    q, report, feeds = quantize_random(model, {"x": [1, 3, 8, 8]})
+    assert report.values["y_zero_point"] == 0
+    assert run(q, feeds)[0].min() >= 0
+    q8, report8, _ = quantize_random(model, {"x": [1, 3, 8, 8]}, activation_dtype="int8")
+    assert report8.values["y_zero_point"] == -128
+    close_enough(model, q8, feeds)
+
+
+def test_excluded_node_stays_float():
+    nodes = [h.make_node("Conv", ["x", "W1"], ["a"], name="c1"),
+             h.make_node("Conv", ["a", "W2"], ["y"], name="c2")]
+    model = make_model(nodes, [("x", ["N", 3, 8, 8])], [("y", None)],
+                       {"W1": weights(4, 3, 3, 3), "W2": weights(4, 4, 3, 3)})
+    q, report, feeds = quantize_random(model, {"x": [1, 3, 8, 8]}, exclude=["c2"])
+    assert ops(q) == ["QuantizeLinear", "QLinearConv", "DequantizeLinear", "Conv"]
+    d = next(d for d in report.decisions if d.node == "c2")
+    assert not d.quantized and "excluded" in d.reason
+    close_enough(model, q, feeds)
+
+
+def test_placeholder_names_are_deterministic():
+    model = make_model([h.make_node("Conv", ["x", "W", "B"], ["y"], name="conv")],
+                       [("x", ["N", 3, 8, 8])], [("y", None)],
+                       {"W": weights(4, 3, 3, 3), "B": weights(4)})
+    names = [sorted(Quantizer(model).placeholders) for _ in range(2)]
+    assert names[0] == names[1]
+    assert names[0] == ["W_quantized", "W_scale", "W_zero_point", "conv.bias_quantized",
+                        "x_scale", "x_zero_point", "y_scale", "y_zero_point"]
+
+
+def test_bias_overflow_widens_weight_scale_instead_of_clipping():
+    w = np.full((2, 4), 1e-6, np.float32)
+    b = np.array([1e6, 1.0], np.float32)
+    model = make_model([h.make_node("Gemm", ["x", "W", "B"], ["y"], transB=1, name="gemm")],
+                       [("x", ["N", 4])], [("y", None)], {"W": w, "B": b})
+    data = {"x": np.full((4, 4), 1e-3, np.float32)}
+    q, report = onnxq.quantize(model, data, progress=False)
+    ws = np.asarray(report.values["W_scale"])
+    xs = float(report.values["x_scale"])
+    assert abs(1e6 / (xs * ws[0])) <= 2**31 - 1
+    np.testing.assert_allclose(run(q, data)[0][:, 0], run(model, data)[0][:, 0], rtol=1e-3)
