@@ -222,6 +222,10 @@ class Calibrator:
             if ph.kind == "scale" and (not np.all(np.isfinite(arr)) or np.any(arr <= 0)):
                 raise CalibrationError(f"callback of {rec.label} '{rec.qop}' set scale '{name}' to "
                                        f"{arr.tolist()}; scales must be finite and > 0")
+            if arr.size != int(np.prod(ph.shape)):
+                raise CalibrationError(f"callback of {rec.label} '{rec.qop}' set '{name}' with "
+                                       f"shape {list(arr.shape)}; expected {list(ph.shape)} "
+                                       f"({'per channel' if ph.shape else 'a scalar'})")
             self.values[name] = arr.astype(np.dtype(ph.dtype)).reshape(ph.shape)
             self._version += 1
 
@@ -300,9 +304,9 @@ class Calibrator:
         """Values in the quantized model materialized with the values chosen so far."""
         if self._quant_session is None or self._quant_version != self._version:
             model = self.quantizer.materialize(self.values)
-            init = {i.name for i in model.graph.initializer}
             self._quant_inits = {i.name: i for i in model.graph.initializer}
-            dyn = sorted(n for n in self._all_quant_names() if n not in init)
+            produced = {o for n in model.graph.node for o in n.output}
+            dyn = sorted(n for n in self._all_quant_names() if n in produced)
             self._quant_session = make_session(expose(model, dyn))
             self._quant_version = self._version
         res: dict[str, np.ndarray] = {}

@@ -1,0 +1,284 @@
+"""Observers, callbacks, CalibrationInfo and the data adapters."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from helpers import make_model, rng, run
+from onnx import helper as h
+
+import onnxq
+from onnxq.calibration import CalibrationCallback, Calibrator
+from onnxq.calibrators import AverageMaxObserver, MinMaxCallback, MinMaxObserver
+from onnxq.dataset import (
+    ArrayDataset,
+    FolderDataset,
+    IterableDataset,
+    as_dataset,
+    model_inputs,
+)
+from onnxq.errors import CalibrationError, DataError
+from onnxq.qparams import QParams, dequantize, params_from_range, quantize, weight_params
+from onnxq.quantizer import Quantizer
+
+R = rng(1)
+
+
+def conv_model(fixed_batch=None):
+    w = R.normal(0, 0.3, (4, 3, 3, 3)).astype(np.float32)
+    return make_model([h.make_node("Conv", ["x", "W", "B"], ["c"], name="conv"),
+                       h.make_node("Relu", ["c"], ["y"], name="relu")],
+                      [("x", [fixed_batch or "N", 3, 6, 6])], [("y", None)],
+                      {"W": w, "B": np.zeros(4, np.float32)})
+
+
+# qparams ------------------------------------------------------------------------------------
+
+
+def test_range_always_contains_zero_and_zero_is_exact():
+    qp = params_from_range(2.0, 5.0, "uint8")
+    assert qp.zero_point == 0  # rmin widened to 0
+    qp = params_from_range(-5.0, -1.0, "uint8")
+    assert qp.zero_point == 255
+    for lo, hi in [(-1.3, 2.7), (0.1, 9.0), (-3.0, -0.2)]:
+        qp = params_from_range(lo, hi, "uint8")
+        assert dequantize(quantize(np.zeros(1, np.float32), qp), qp)[0] == 0.0
+
+
+def test_scale_is_never_zero_for_constant_tensors():
+    qp = params_from_range(0.0, 0.0, "uint8")
+    assert qp.scale > 0 and np.isfinite(qp.scale)
+    wp = weight_params(np.zeros((3, 4), np.float32), axis=0)
+    assert np.all(wp.scale > 0)
+
+
+def test_nan_range_is_an_error_not_a_scale():
+    with pytest.raises(CalibrationError, match="NaN or Inf"):
+        params_from_range(np.nan, 1.0)
+
+
+def test_qparams_validates():
+    with pytest.raises(CalibrationError):
+        QParams(np.float32(0.0), np.uint8(0))
+    with pytest.raises(CalibrationError):
+        QParams(np.float32(-1.0), np.uint8(0))
+
+
+def test_weight_params_symmetric_per_channel():
+    w = np.array([[1.0, -2.0], [0.5, 0.25]], np.float32)
+    qp = weight_params(w, axis=0)
+    np.testing.assert_allclose(qp.scale, [2 / 127, 0.5 / 127], rtol=1e-6)
+    assert np.all(qp.zero_point == 0) and qp.zero_point.dtype == np.int8
+    assert quantize(w, qp)[0, 1] == -127
+
+
+# observers ----------------------------------------------------------------------------------
+
+
+def test_minmax_observer_matches_numpy():
+    obs = MinMaxObserver()
+    chunks = [R.normal(0, s, 100).astype(np.float32) for s in (1, 3, 0.5)]
+    for c in chunks:
+        obs.observe(c)
+    lo, hi = obs.compute()
+    allv = np.concatenate(chunks)
+    assert lo == allv.min() and hi == allv.max()
+
+
+def test_average_max_observer_is_mean_of_batch_extrema():
+    obs = AverageMaxObserver()
+    chunks = [R.normal(0, s, 50).astype(np.float32) for s in (1, 2, 4, 8)]
+    for c in chunks:
+        obs.observe(c)
+    lo, hi = obs.compute()
+    assert np.isclose(lo, np.mean([c.min() for c in chunks]))
+    assert np.isclose(hi, np.mean([c.max() for c in chunks]))
+    mm = MinMaxObserver()
+    for c in chunks:
+        mm.observe(c)
+    assert hi < mm.compute()[1]  # differs from MinMax on spread data
+
+
+def test_streaming_statistics_stay_bounded_over_many_samples():
+    model = conv_model()
+    quantizer = Quantizer(model)
+
+    def many():
+        for i in range(2000):
+            yield {"x": np.full((1, 3, 6, 6), (i % 7) - 3, np.float32)}
+
+    cal = Calibrator(quantizer, as_dataset(many(), model_inputs(quantizer.float_model)),
+                     MinMaxCallback(), progress=False)
+    values = cal.calibrate()
+    assert cal.report.samples == 2000 and cal.report.batches == 2000
+    assert cal.report.observer_bytes <= 16 * cal.report.tensors_observed
+    assert float(values["x_scale"]) == pytest.approx(6 / 255, rel=1e-6)
+
+
+def test_nonfinite_calibration_values_are_reported_and_ignored():
+    model = conv_model()
+    x = R.normal(0, 1, (4, 3, 6, 6)).astype(np.float32)
+    x[0, 0, 0, 0] = np.nan
+    q, report = onnxq.quantize(model, {"x": x}, progress=False)
+    assert report.calibration.nonfinite["x"] == 1
+    assert np.isfinite(report.values["x_scale"])
+    assert "NaN/Inf" in report.summary()
+
+
+# callbacks and CalibrationInfo --------------------------------------------------------------
+
+
+class FixedCallback(CalibrationCallback):
+    """Every activation in [0, 8] (uint8), weights per tensor; records what info exposes."""
+
+    def __init__(self):
+        self.seen = []
+
+    def calibrate_pattern(self, calibration_info):
+        info = calibration_info
+        feeds = {"x": np.ones((1, 3, 6, 6), np.float32)}
+        x, w = info.get_unquantized_layer_inputs(feeds)
+        (y,) = info.get_unquantized_layer_outputs(feeds)
+        self.seen.append((x.shape, w.shape, y.shape))
+        values = {}
+        for (scale, zp), qt in zip(info.input_scale_zps + info.output_scale_zps,
+                                   info.inputs + info.outputs):
+            if qt.role == "weight":
+                qp = weight_params(info.constant(qt.tensor), qt.axis)
+                values[scale], values[zp] = qp.scale, qp.zero_point
+            else:
+                values[scale], values[zp] = np.float32(8 / 255), np.uint8(0)
+        return values
+
+
+def test_custom_callback_and_layer_values():
+    cb = FixedCallback()
+    q, report = onnxq.quantize(conv_model(), {"x": R.normal(0, 1, (2, 3, 6, 6))
+                                              .astype(np.float32)}, callback=cb, progress=False)
+    assert cb.seen == [((1, 3, 6, 6), (4, 3, 3, 3), (1, 4, 4, 4))]
+    assert report.values["x_scale"] == pytest.approx(8 / 255)
+
+
+def test_quantized_layer_values_track_calibration():
+    model = conv_model()
+    quantizer = Quantizer(model)
+    data = {"x": R.normal(0, 1, (8, 3, 6, 6)).astype(np.float32)}
+    cal = Calibrator(quantizer, as_dataset(data, model_inputs(quantizer.float_model)),
+                     progress=False)
+    cal.calibrate()
+    from onnxq.calibration import CalibrationInfo
+
+    info = CalibrationInfo(cal, quantizer.records[0])
+    feeds = {"x": data["x"][:1]}
+    xq, wq = info.get_quantized_layer_inputs(feeds)
+    assert xq.dtype == np.uint8 and wq.dtype == np.int8
+    (yq,) = info.get_quantized_layer_outputs(feeds)
+    (yf,) = info.get_unquantized_layer_outputs(feeds)
+    assert np.abs(yq - yf).max() < 3 * float(cal.values["y_scale"])
+
+
+def test_callback_returning_bad_scale_is_rejected():
+    class Bad(CalibrationCallback):
+        def calibrate_pattern(self, calibration_info):
+            return {calibration_info.input_scale_zps[0][0]: np.float32(0.0)}
+
+    with pytest.raises(CalibrationError, match="finite and > 0"):
+        onnxq.quantize(conv_model(), {"x": np.ones((1, 3, 6, 6), np.float32)}, callback=Bad(),
+                       progress=False)
+
+
+def test_callback_with_wrong_shape_is_rejected():
+    class Wrong(FixedCallback):
+        def calibrate_pattern(self, calibration_info):
+            values = super().calibrate_pattern(calibration_info)
+            values["W_scale"] = np.float32(0.1)  # per-channel placeholder of 4 values
+            return values
+
+    with pytest.raises(CalibrationError, match=r"expected \[4\] \(per channel\)"):
+        onnxq.quantize(conv_model(), {"x": np.ones((1, 3, 6, 6), np.float32)}, callback=Wrong(),
+                       progress=False)
+
+
+def test_callback_leaving_placeholders_unset_is_rejected():
+    class Lazy(CalibrationCallback):
+        def calibrate_pattern(self, calibration_info):
+            return {}
+
+    with pytest.raises(CalibrationError, match="without a value"):
+        onnxq.quantize(conv_model(), {"x": np.ones((1, 3, 6, 6), np.float32)}, callback=Lazy(),
+                       progress=False)
+
+
+# data adapters ------------------------------------------------------------------------------
+
+
+def test_npz_batches_follow_fixed_batch_of_model(tmp_path):
+    model = conv_model(fixed_batch=1)
+    path = tmp_path / "calib.npz"
+    np.savez(path, x=R.normal(0, 1, (5, 3, 6, 6)).astype(np.float64))  # float64 is converted
+    ds = as_dataset(str(path), model_inputs(model))
+    feeds = list(ds)
+    assert len(feeds) == 5 and all(f["x"].shape == (1, 3, 6, 6) for f in feeds)
+    assert feeds[0]["x"].dtype == np.float32
+
+
+def test_array_batches_for_dynamic_batch():
+    ds = ArrayDataset({"x": np.zeros((10, 3, 6, 6), np.float32)}, batch_size=4).bind(
+        model_inputs(conv_model()))
+    assert [f["x"].shape[0] for f in ds] == [4, 4, 2] and ds.num_batches() == 3
+
+
+def test_folder_of_npy_adds_batch_axis(tmp_path):
+    for i in range(3):
+        np.save(tmp_path / f"{i}.npy", np.full((3, 6, 6), i, np.float32))
+    ds = FolderDataset(tmp_path).bind(model_inputs(conv_model()))
+    assert [f["x"].shape for f in ds] == [(1, 3, 6, 6)] * 3
+
+
+def test_iterable_and_seed_api():
+    items = [{"x": np.zeros((1, 3, 6, 6), np.float32)} for _ in range(2)]
+    ds = IterableDataset(items).bind(model_inputs(conv_model()))
+    assert not ds.is_empty()
+    ds.get_next_batch()
+    ds.get_next_batch()
+    assert ds.is_empty()
+    with pytest.raises(IndexError):
+        ds.get_next_batch()
+    ds.reset()
+    assert ds.get_next_batch()["x"].shape == (1, 3, 6, 6)
+
+
+def test_onnxruntime_calibration_data_reader():
+    from onnxruntime.quantization import CalibrationDataReader
+
+    class Reader(CalibrationDataReader):
+        def __init__(self):
+            self.it = iter([{"x": R.normal(0, 1, (1, 3, 6, 6)).astype(np.float32)}
+                            for _ in range(4)])
+
+        def get_next(self):
+            return next(self.it, None)
+
+    model = conv_model()
+    q, report = onnxq.quantize(model, Reader(), progress=False)
+    assert report.calibration.samples == 4
+    run(q, {"x": np.zeros((1, 3, 6, 6), np.float32)})
+
+
+@pytest.mark.parametrize("feed, message", [
+    ({"image": np.zeros((1, 3, 6, 6), np.float32)}, "unexpected input(s) ['image']"),
+    ({"x": np.zeros((1, 3, 7, 6), np.float32)}, "dimension 2 differs"),
+    ({"x": np.zeros((3, 6, 6), np.float32)}, "expects rank 4"),
+    ({"x": np.zeros((1, 3, 6, 6), np.complex64)}, "dtype complex64"),
+])
+def test_bad_feeds_name_the_input(feed, message):
+    with pytest.raises(DataError, match=message.replace("[", r"\[").replace("]", r"\]")
+                       .replace("(", r"\(").replace(")", r"\)")):
+        onnxq.quantize(conv_model(), [feed], progress=False)
+
+
+def test_empty_data_is_an_error():
+    with pytest.raises(DataError, match="no samples"):
+        onnxq.quantize(conv_model(), [], progress=False)
+    with pytest.raises(DataError, match="no calibration data"):
+        onnxq.quantize(conv_model(), None, progress=False)
