@@ -35,11 +35,18 @@ def residual_cnn(size: int = 64, ch: int = 32, seed: int = 0) -> onnx.ModelProto
     inits: dict[str, np.ndarray] = {}
 
     def conv(name: str, cin: int, cout: int, x: str, y: str, stride: int = 1) -> onnx.NodeProto:
-        inits[f"{name}.W"] = (rng.normal(0, np.sqrt(2 / (cin * 9)), (cout, cin, 3, 3))
-                              .astype(np.float32))
+        inits[f"{name}.W"] = rng.normal(0, np.sqrt(2 / (cin * 9)), (cout, cin, 3, 3)).astype(
+            np.float32
+        )
         inits[f"{name}.B"] = rng.normal(0, 0.05, cout).astype(np.float32)
-        return h.make_node("Conv", [x, f"{name}.W", f"{name}.B"], [y], pads=[1, 1, 1, 1],
-                           strides=[stride, stride], name=name)
+        return h.make_node(
+            "Conv",
+            [x, f"{name}.W", f"{name}.B"],
+            [y],
+            pads=[1, 1, 1, 1],
+            strides=[stride, stride],
+            name=name,
+        )
 
     inits["bn.scale"] = rng.uniform(0.5, 1.5, ch).astype(np.float32)
     inits["bn.bias"] = rng.normal(0, 0.1, ch).astype(np.float32)
@@ -49,8 +56,12 @@ def residual_cnn(size: int = 64, ch: int = 32, seed: int = 0) -> onnx.ModelProto
     inits["fc.B"] = np.zeros(10, np.float32)
     nodes = [
         conv("stem", 3, ch, "x", "s0", stride=2),
-        h.make_node("BatchNormalization", ["s0", "bn.scale", "bn.bias", "bn.mean", "bn.var"],
-                    ["s1"], name="bn"),
+        h.make_node(
+            "BatchNormalization",
+            ["s0", "bn.scale", "bn.bias", "bn.mean", "bn.var"],
+            ["s1"],
+            name="bn",
+        ),
         h.make_node("Relu", ["s1"], ["a0"], name="relu0"),
     ]
     prev = "a0"
@@ -69,10 +80,12 @@ def residual_cnn(size: int = 64, ch: int = 32, seed: int = 0) -> onnx.ModelProto
         h.make_node("Gemm", ["flat", "fc.W", "fc.B"], ["y"], transB=1, name="fc"),
     ]
     graph = h.make_graph(
-        nodes, "residual_cnn",
+        nodes,
+        "residual_cnn",
         [h.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 3, size, size])],
         [h.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 10])],
-        [nh.from_array(v, k) for k, v in inits.items()])
+        [nh.from_array(v, k) for k, v in inits.items()],
+    )
     model = h.make_model(graph, opset_imports=[h.make_opsetid("", 13)])
     model.ir_version = 8
     return model
@@ -86,13 +99,18 @@ def ort_qoperator(model_path: Path, calib: np.ndarray, out: Path, per_channel: b
 
     class Reader(CalibrationDataReader):
         def __init__(self) -> None:
-            self.items = iter([{name: calib[i:i + 1]} for i in range(len(calib))])
+            self.items = iter([{name: calib[i : i + 1]} for i in range(len(calib))])
 
         def get_next(self):  # noqa: ANN201
             return next(self.items, None)
 
-    quantize_static(str(model_path), str(out), Reader(), quant_format=QuantFormat.QOperator,
-                    per_channel=per_channel)
+    quantize_static(
+        str(model_path),
+        str(out),
+        Reader(),
+        quant_format=QuantFormat.QOperator,
+        per_channel=per_channel,
+    )
 
 
 def session(path: Path) -> ort.InferenceSession:
@@ -139,10 +157,11 @@ def bench(name: str, model_path: Path, calib: np.ndarray, runs: int, tmp: Path) 
     print(f"  {'variant':<8} {'latency ms':>11} {'vs fp32':>8} {'vs ort':>7} {'size KiB':>9}")
     for k, ms in lat.items():
         size = paths[k].stat().st_size / 1024
-        print(f"  {k:<8} {ms:>11.3f} {ms / lat['fp32']:>8.2f} {ms / lat['ort']:>7.2f} "
-              f"{size:>9.1f}")
-    print(f"  quantization wall time: onnxq {t_onnxq:.2f}s, ort {ort_times['ort']:.2f}s, "
-          f"ort per-channel {ort_times['ort-pc']:.2f}s")
+        print(f"  {k:<8} {ms:>11.3f} {ms / lat['fp32']:>8.2f} {ms / lat['ort']:>7.2f} {size:>9.1f}")
+    print(
+        f"  quantization wall time: onnxq {t_onnxq:.2f}s, ort {ort_times['ort']:.2f}s, "
+        f"ort per-channel {ort_times['ort-pc']:.2f}s"
+    )
 
 
 def main() -> int:
@@ -159,8 +178,13 @@ def main() -> int:
         if args.model is not None:
             m = onnx.load(str(args.model))
             dims = [d.dim_value or 1 for d in m.graph.input[0].type.tensor_type.shape.dim][1:]
-            bench(args.model.stem, args.model,
-                  rng.normal(0, 1, (args.calib, *dims)).astype(np.float32), args.runs, tmp)
+            bench(
+                args.model.stem,
+                args.model,
+                rng.normal(0, 1, (args.calib, *dims)).astype(np.float32),
+                args.runs,
+                tmp,
+            )
             return 0
         cnn = tmp / "residual_cnn.onnx"
         onnx.save(residual_cnn(args.size, args.channels), str(cnn))
@@ -170,11 +194,16 @@ def main() -> int:
         import datasets
 
         xtr, _, _, _ = datasets.digits()
-        bench("digits_cnn", ROOT / "models" / "digits_cnn.onnx", xtr[:args.calib], args.runs, tmp)
-        bench("digits_mlp", ROOT / "models" / "digits_mlp.onnx",
-              datasets.nhwc(xtr[:args.calib]), args.runs, tmp)
+        bench("digits_cnn", ROOT / "models" / "digits_cnn.onnx", xtr[: args.calib], args.runs, tmp)
+        bench(
+            "digits_mlp",
+            ROOT / "models" / "digits_mlp.onnx",
+            datasets.nhwc(xtr[: args.calib]),
+            args.runs,
+            tmp,
+        )
         if datasets.fashion_available():
-            fx = datasets.fashion()[0][:args.calib]
+            fx = datasets.fashion()[0][: args.calib]
             bench("fashion_cnn", ROOT / "models" / "fashion_cnn.onnx", fx, args.runs, tmp)
     return 0
 

@@ -25,7 +25,8 @@ __all__ = [
 def method_callback(method: str) -> CalibrationCallback:
     """The callback of a named method (``minmax``, ``average-max``)."""
     try:
-        return METHODS[method]()  # type: ignore[abstract]
+        return METHODS[method]()
     except KeyError:
-        raise ConfigError(f"calibration method {method!r} is unknown; choose one of "
-                          f"{', '.join(METHODS)}") from None
+        raise ConfigError(
+            f"calibration method {method!r} is unknown; choose one of {', '.join(METHODS)}"
+        ) from None

@@ -471,8 +471,10 @@ class Match:
         """The node producing the tensor bound to ``pattern``."""
         node = producer(self.bindings[pattern])
         if node is None:
-            raise PatternError(f"pattern {pattern!r} matched '{self.bindings[pattern].name}', "
-                               "which no node produces")
+            raise PatternError(
+                f"pattern {pattern!r} matched '{self.bindings[pattern].name}', "
+                "which no node produces"
+            )
         return node
 
     def get(self, pattern: DFPattern) -> gs.Tensor | None:
@@ -518,7 +520,7 @@ class _Matcher:
         self.best_depth = -1
         self.graph_inputs = {id(t) for t in graph_inputs} if graph_inputs is not None else None
 
-    def fail(self, state: _State, reason: str, node: gs.Node | None = None) -> None:
+    def fail(self, state: _State, reason: str, node: gs.Node | None = None) -> _State | None:
         depth = len(state.bindings) + len(state.nodes)
         if depth >= self.best_depth:
             self.best_depth, self.best_reason, self.best_node = depth, reason, node
@@ -528,20 +530,25 @@ class _Matcher:
         if p in s.bindings:
             if s.bindings[p] is t:
                 return s
-            return self.fail(s, f"'{t.name}' differs from '{s.bindings[p].name}' bound earlier "
-                             f"to the same pattern {p!r}")
+            return self.fail(
+                s,
+                f"'{t.name}' differs from '{s.bindings[p].name}' bound earlier "
+                f"to the same pattern {p!r}",
+            )
         if is_absent(t):
             return self.fail(s, f"an optional input is absent, expected {p.describe()}")
         if isinstance(p, WildcardPattern):
             return s.bind(p, t)
         if isinstance(p, ConstantPattern):
             if constant_value(t) is None:
-                return self.fail(s, f"'{t.name}' is not a constant (initializer or Constant node)",
-                                 producer(t))
+                return self.fail(
+                    s, f"'{t.name}' is not a constant (initializer or Constant node)", producer(t)
+                )
             return s.bind(p, t)
         if isinstance(p, InputPattern):
             is_graph_input = (
-                id(t) in self.graph_inputs if self.graph_inputs is not None
+                id(t) in self.graph_inputs
+                if self.graph_inputs is not None
                 else isinstance(t, gs.Variable) and not t.inputs
             )
             if not is_graph_input or (p.name is not None and t.name != p.name):
@@ -579,12 +586,19 @@ class _Matcher:
         if reason is not None:
             return self.fail(s, reason, node)
         if node.outputs.index(t) != p.output_index:
-            return self.fail(s, f"'{t.name}' is output {node.outputs.index(t)} of "
-                             f"{node_label(node)}, expected output {p.output_index}", node)
+            return self.fail(
+                s,
+                f"'{t.name}' is output {node.outputs.index(t)} of "
+                f"{node_label(node)}, expected output {p.output_index}",
+                node,
+            )
         inputs = present_inputs(node)
         if len(inputs) > len(p.args):
-            return self.fail(s, f"{node_label(node)} has {len(inputs)} inputs, the pattern "
-                             f"expects {len(p.args)}", node)
+            return self.fail(
+                s,
+                f"{node_label(node)} has {len(inputs)} inputs, the pattern expects {len(p.args)}",
+                node,
+            )
         orders = [list(p.args)]
         if len(p.args) >= 2 and _is_commutative(p.op, node):
             orders.append([p.args[1], p.args[0], *p.args[2:]])
@@ -595,13 +609,20 @@ class _Matcher:
                 assert cur is not None
                 if ap is None:
                     if not is_absent(inp):
-                        cur = self.fail(cur, f"input {i} of {node_label(node)} is present, the "
-                                        "pattern expects it absent", node)
+                        cur = self.fail(
+                            cur,
+                            f"input {i} of {node_label(node)} is present, the "
+                            "pattern expects it absent",
+                            node,
+                        )
                         break
                     continue
                 if inp is None or is_absent(inp):
-                    cur = self.fail(cur, f"input {i} of {node_label(node)} is absent, expected "
-                                    f"{ap.describe()}", node)
+                    cur = self.fail(
+                        cur,
+                        f"input {i} of {node_label(node)} is absent, expected {ap.describe()}",
+                        node,
+                    )
                     break
                 cur = self.run(ap, inp, cur)
                 if cur is None:

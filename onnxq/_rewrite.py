@@ -64,8 +64,7 @@ class DFPatternCallback:
     def in_group(self, node: gs.Node | None) -> bool:
         """True when ``node`` belongs to a group of the partition being rewritten."""
         part = getattr(self, "partition", None)
-        return node is not None and part is not None and any(
-            node in g.nodes for g in part.groups)
+        return node is not None and part is not None and any(node in g.nodes for g in part.groups)
 
 
 @dataclass
@@ -122,8 +121,10 @@ def _escapes(m: Match, graph_outputs: set[int]) -> str | None:
                 return f"interior value '{out.name}' of the match is a graph output"
             for user in out.outputs:
                 if id(user) not in inside:
-                    return (f"interior value '{out.name}' of the match is also read by "
-                            f"{node_label(user)}")
+                    return (
+                        f"interior value '{out.name}' of the match is also read by "
+                        f"{node_label(user)}"
+                    )
     return None
 
 

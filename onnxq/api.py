@@ -19,9 +19,20 @@ from onnxq.quantizer import Decision, Quantizer, QuantizerConfig, QuantizerPatte
 from onnxq.requantize import Requantizer, RequantizeStats
 from onnxq.session import make_session
 
-QUANTIZED_OPS = frozenset({"QuantizeLinear", "DequantizeLinear", "QLinearConv", "QLinearMatMul",
-                           "QGemm", "QLinearAdd", "QLinearMul", "MatMulInteger", "ConvInteger",
-                           "DynamicQuantizeLinear"})
+QUANTIZED_OPS = frozenset(
+    {
+        "QuantizeLinear",
+        "DequantizeLinear",
+        "QLinearConv",
+        "QLinearMatMul",
+        "QGemm",
+        "QLinearAdd",
+        "QLinearMul",
+        "MatMulInteger",
+        "ConvInteger",
+        "DynamicQuantizeLinear",
+    }
+)
 
 
 @dataclass
@@ -47,7 +58,8 @@ class QuantizeReport:
         cal = self.calibration
         lines = [
             f"quantized {q} of {len(self.decisions)} nodes; calibrated on {cal.samples} samples "
-            f"({cal.batches} batches, {cal.tensors_observed} tensors, {cal.observer_bytes} bytes of "
+            f"({cal.batches} batches, {cal.tensors_observed} tensors, "
+            f"{cal.observer_bytes} bytes of "
             "statistics)",
             f"requantize: {self.requantize.folded_pairs} DQ→Q pairs folded, "
             f"{self.requantize.rescaled_pairs} rescaled into QLinear ops, "
@@ -56,8 +68,10 @@ class QuantizeReport:
             "time: " + ", ".join(f"{k} {v:.2f}s" for k, v in self.seconds.items()),
         ]
         for name, count in cal.nonfinite.items():
-            lines.append(f"warning: tensor '{name}' held {count} NaN/Inf values during "
-                         "calibration; they were ignored")
+            lines.append(
+                f"warning: tensor '{name}' held {count} NaN/Inf values during "
+                "calibration; they were ignored"
+            )
         lines.extend(f"warning: {c}" for c in cal.conflicts)
         return "\n".join(lines)
 
@@ -82,8 +96,10 @@ def refuse_quantized(model: onnx.ModelProto, where: str) -> None:
     """Raise when ``model`` already holds quantized ops."""
     found = sorted({n.op_type for n in model.graph.node if n.op_type in QUANTIZED_OPS})
     if found:
-        raise ModelError(f"{where} is already quantized (it holds {', '.join(found)}); quantize "
-                         "the float model instead")
+        raise ModelError(
+            f"{where} is already quantized (it holds {', '.join(found)}); quantize "
+            "the float model instead"
+        )
 
 
 def quantize(
@@ -115,8 +131,9 @@ def quantize(
     where = f"'{model}'" if not isinstance(model, onnx.ModelProto) else "the given model"
     float_model = load_model(model)
     refuse_quantized(float_model, where)
-    config = QuantizerConfig(activation_dtype=activation_dtype, per_channel=per_channel,
-                             exclude=tuple(exclude))
+    config = QuantizerConfig(
+        activation_dtype=activation_dtype, per_channel=per_channel, exclude=tuple(exclude)
+    )
     cb = callback or method_callback(method)
     quantizer = Quantizer(float_model, patterns, config)
     times["match+rewrite"] = time.perf_counter() - t0

@@ -119,8 +119,10 @@ class CalibrationInfo:
         try:
             return self.calibrator.observers[(tensor, cb.observer_key or "")]
         except KeyError:
-            raise CalibrationError(f"no statistics were collected for tensor '{tensor}'; the "
-                                   "callback has no observer_key") from None
+            raise CalibrationError(
+                f"no statistics were collected for tensor '{tensor}'; the "
+                "callback has no observer_key"
+            ) from None
 
     def constant(self, tensor: str) -> np.ndarray:
         """Float value of a constant input (a weight)."""
@@ -196,12 +198,17 @@ class Calibrator:
             info = CalibrationInfo(self, rec)
             chosen = rec.pattern.calibrate_pattern(info)
             self._merge(rec, chosen)
-        missing = [name for name, ph in self.quantizer.placeholders.items()
-                   if ph.kind in ("scale", "zero_point") and name not in self.values]
+        missing = [
+            name
+            for name, ph in self.quantizer.placeholders.items()
+            if ph.kind in ("scale", "zero_point") and name not in self.values
+        ]
         if missing:
-            raise CalibrationError(f"calibration left placeholder(s) {missing[:5]} without a value; "
-                                   "a calibration callback must return every scale and zero point "
-                                   "named in info.input_scale_zps and info.output_scale_zps")
+            raise CalibrationError(
+                f"calibration left placeholder(s) {missing[:5]} without a value; "
+                "a calibration callback must return every scale and zero point "
+                "named in info.input_scale_zps and info.output_scale_zps"
+            )
         self.report.seconds = time.perf_counter() - start
         return dict(self.values)
 
@@ -209,23 +216,30 @@ class Calibrator:
         known = self.quantizer.placeholders
         for name, value in chosen.items():
             if name not in known:
-                raise CalibrationError(f"callback of {rec.label} '{rec.qop}' returned a value for "
-                                       f"'{name}', which is not a placeholder of the model")
+                raise CalibrationError(
+                    f"callback of {rec.label} '{rec.qop}' returned a value for "
+                    f"'{name}', which is not a placeholder of the model"
+                )
             arr = np.asarray(value)
             if name in self.values:
                 if not np.array_equal(self.values[name], arr.astype(self.values[name].dtype)):
                     self.report.conflicts.append(
                         f"{rec.label} '{rec.qop}' asked {name}={arr.tolist()}, kept "
-                        f"{self.values[name].tolist()} set by an earlier pattern")
+                        f"{self.values[name].tolist()} set by an earlier pattern"
+                    )
                 continue
             ph = known[name]
             if ph.kind == "scale" and (not np.all(np.isfinite(arr)) or np.any(arr <= 0)):
-                raise CalibrationError(f"callback of {rec.label} '{rec.qop}' set scale '{name}' to "
-                                       f"{arr.tolist()}; scales must be finite and > 0")
+                raise CalibrationError(
+                    f"callback of {rec.label} '{rec.qop}' set scale '{name}' to "
+                    f"{arr.tolist()}; scales must be finite and > 0"
+                )
             if arr.size != int(np.prod(ph.shape)):
-                raise CalibrationError(f"callback of {rec.label} '{rec.qop}' set '{name}' with "
-                                       f"shape {list(arr.shape)}; expected {list(ph.shape)} "
-                                       f"({'per channel' if ph.shape else 'a scalar'})")
+                raise CalibrationError(
+                    f"callback of {rec.label} '{rec.qop}' set '{name}' with "
+                    f"shape {list(arr.shape)}; expected {list(ph.shape)} "
+                    f"({'per channel' if ph.shape else 'a scalar'})"
+                )
             self.values[name] = arr.astype(np.dtype(ph.dtype)).reshape(ph.shape)
             self._version += 1
 
@@ -268,8 +282,10 @@ class Calibrator:
                 for obs in by_tensor[name]:
                     obs.observe(arr)
         if self.report.batches == 0:
-            raise CalibrationError("the calibration data source yielded no samples; give at "
-                                   "least one sample per model input")
+            raise CalibrationError(
+                "the calibration data source yielded no samples; give at "
+                "least one sample per model input"
+            )
         self.report.tensors_observed = len(names)
         self.report.observer_bytes = sum(o.nbytes() for o in self.observers.values())
 
@@ -278,9 +294,15 @@ class Calibrator:
 
     def _float(self, names: list[str]) -> Any:
         if self._float_session is None or not set(names) <= set(self._float_names):
-            all_names = sorted({q.tensor for r in self.quantizer.records
-                                for q in [*r.inputs, *r.outputs] if q.role == "activation"}
-                               | set(names))
+            all_names = sorted(
+                {
+                    q.tensor
+                    for r in self.quantizer.records
+                    for q in [*r.inputs, *r.outputs]
+                    if q.role == "activation"
+                }
+                | set(names)
+            )
             model = expose(self.quantizer.float_model, all_names)
             self._float_session = make_session(model)
             self._float_names = all_names
@@ -319,8 +341,12 @@ class Calibrator:
         return [res[n] for n in names]
 
     def _all_quant_names(self) -> set[str]:
-        return {name for r in self.quantizer.records for q in [*r.inputs, *r.outputs]
-                for name in (q.tensor, q.quantized)}
+        return {
+            name
+            for r in self.quantizer.records
+            for q in [*r.inputs, *r.outputs]
+            for name in (q.tensor, q.quantized)
+        }
 
 
 def expose(model: onnx.ModelProto, names: Iterable[str]) -> onnx.ModelProto:

@@ -17,30 +17,53 @@ from onnxq.errors import ConfigError, OnnxqError
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="onnxq", description="Post-training int8 quantization of "
-                                "ONNX models.")
+    p = argparse.ArgumentParser(
+        prog="onnxq", description="Post-training int8 quantization of ONNX models."
+    )
     p.add_argument("--version", action="store_true", help="print the version and exit")
     sub = p.add_subparsers(dest="command")
 
     q = sub.add_parser("quantize", help="quantize a float model with calibration data")
     q.add_argument("model", help="float .onnx model (never modified)")
     q.add_argument("-o", "--output", required=True, help="where to write the int8 model")
-    q.add_argument("--data", required=True,
-                   help="calibration data: an .npz (arrays keyed by input name, samples on axis "
-                        "0) or a folder of .npy/.npz files (one sample each)")
-    q.add_argument("--method", default="minmax", choices=["minmax", "average-max"],
-                   help="calibration method (default minmax)")
+    q.add_argument(
+        "--data",
+        required=True,
+        help="calibration data: an .npz (arrays keyed by input name, samples on axis "
+        "0) or a folder of .npy/.npz files (one sample each)",
+    )
+    q.add_argument(
+        "--method",
+        default="minmax",
+        choices=["minmax", "average-max"],
+        help="calibration method (default minmax)",
+    )
     pc = q.add_mutually_exclusive_group()
-    pc.add_argument("--per-channel", dest="per_channel", action="store_true", default=True,
-                    help="per-channel weight scales (default)")
-    pc.add_argument("--per-tensor", dest="per_channel", action="store_false",
-                    help="one scale per weight tensor")
-    q.add_argument("--activation-dtype", default="uint8", choices=["uint8", "int8"],
-                   help="activation type (default uint8, the fast U8S8 path of onnxruntime CPU)")
-    q.add_argument("--exclude", nargs="+", default=[], metavar="NODE",
-                   help="node names to keep in float")
-    q.add_argument("--batch-size", type=int, default=None,
-                   help="calibration batch size for models with a dynamic batch axis")
+    pc.add_argument(
+        "--per-channel",
+        dest="per_channel",
+        action="store_true",
+        default=True,
+        help="per-channel weight scales (default)",
+    )
+    pc.add_argument(
+        "--per-tensor", dest="per_channel", action="store_false", help="one scale per weight tensor"
+    )
+    q.add_argument(
+        "--activation-dtype",
+        default="uint8",
+        choices=["uint8", "int8"],
+        help="activation type (default uint8, the fast U8S8 path of onnxruntime CPU)",
+    )
+    q.add_argument(
+        "--exclude", nargs="+", default=[], metavar="NODE", help="node names to keep in float"
+    )
+    q.add_argument(
+        "--batch-size",
+        type=int,
+        default=None,
+        help="calibration batch size for models with a dynamic batch axis",
+    )
     q.add_argument("--samples", type=int, default=None, help="use at most N calibration batches")
     q.add_argument("--report", default=None, help="write the quantization report as JSON here")
     q.add_argument("--quiet", action="store_true", help="no progress bar or summary")
@@ -86,8 +109,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Exception as exc:  # an onnxq bug: one line unless debugging
         if os.environ.get("ONNXQ_DEBUG"):
             raise
-        print(f"onnxq: internal error: {type(exc).__name__}: {exc} (set ONNXQ_DEBUG=1 for the "
-              "traceback and please report it)", file=sys.stderr)
+        print(
+            f"onnxq: internal error: {type(exc).__name__}: {exc} (set ONNXQ_DEBUG=1 for the "
+            "traceback and please report it)",
+            file=sys.stderr,
+        )
         return 1
 
 
@@ -96,8 +122,10 @@ def _quantize(args: argparse.Namespace) -> int:
 
     src, dst = Path(args.model), Path(args.output)
     if dst.exists() and src.exists() and dst.resolve() == src.resolve():
-        raise ConfigError(f"output '{dst}' is the input model; onnxq never overwrites its input — "
-                          "choose another -o")
+        raise ConfigError(
+            f"output '{dst}' is the input model; onnxq never overwrites its input — "
+            "choose another -o"
+        )
     if args.batch_size is not None and args.batch_size < 1:
         raise ConfigError(f"--batch-size {args.batch_size} must be >= 1")
     if args.samples is not None and args.samples < 1:

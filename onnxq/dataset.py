@@ -93,8 +93,9 @@ class DatasetManager:
             if self.limit is not None and count >= self.limit:
                 return
         if count == 0:
-            raise DataError(f"{self.describe()} holds no samples; give at least one sample for "
-                            "each model input")
+            raise DataError(
+                f"{self.describe()} holds no samples; give at least one sample for each model input"
+            )
 
     def __iter__(self) -> Iterator[Feed]:
         return self.batches()
@@ -142,8 +143,10 @@ class DatasetManager:
     def check(self, raw: Mapping[str, Any], index: int) -> Feed:
         """Validate one feed against the model inputs; convert float64 → float32 and the like."""
         if not isinstance(raw, Mapping):
-            raise DataError(f"{self.describe()}: item {index} is a {type(raw).__name__}, expected a "
-                            "dict {input name: array}")
+            raise DataError(
+                f"{self.describe()}: item {index} is a {type(raw).__name__}, expected a "
+                "dict {input name: array}"
+            )
         if self.inputs is None:
             return {k: np.asarray(v) for k, v in raw.items()}
         want = {s.name: s for s in self.inputs}
@@ -155,8 +158,10 @@ class DatasetManager:
                 parts.append(f"unexpected input(s) {unknown}")
             if missing:
                 parts.append(f"missing input(s) {missing}")
-            raise DataError(f"{self.describe()}: item {index} has {' and '.join(parts)}; the model's "
-                            f"inputs are {sorted(want)}")
+            raise DataError(
+                f"{self.describe()}: item {index} has {' and '.join(parts)}; the model's "
+                f"inputs are {sorted(want)}"
+            )
         feed: Feed = {}
         for name, spec in want.items():
             arr = np.asarray(raw[name])
@@ -166,25 +171,32 @@ class DatasetManager:
 
 def _conform(arr: np.ndarray, spec: InputSpec, where: str) -> np.ndarray:
     if arr.dtype != spec.dtype:
-        same_kind = (np.issubdtype(arr.dtype, np.floating) and np.issubdtype(spec.dtype, np.floating)
-                     ) or (np.issubdtype(arr.dtype, np.integer) and np.issubdtype(spec.dtype,
-                                                                                   np.integer))
-        int_to_float = np.issubdtype(arr.dtype, np.integer) and np.issubdtype(spec.dtype,
-                                                                              np.floating)
+        same_kind = (
+            np.issubdtype(arr.dtype, np.floating) and np.issubdtype(spec.dtype, np.floating)
+        ) or (np.issubdtype(arr.dtype, np.integer) and np.issubdtype(spec.dtype, np.integer))
+        int_to_float = np.issubdtype(arr.dtype, np.integer) and np.issubdtype(
+            spec.dtype, np.floating
+        )
         if not (same_kind or int_to_float):
-            raise DataError(f"{where}: input '{spec.name}' has dtype {arr.dtype}, the model expects "
-                            f"{spec.dtype}")
+            raise DataError(
+                f"{where}: input '{spec.name}' has dtype {arr.dtype}, the model expects "
+                f"{spec.dtype}"
+            )
         arr = arr.astype(spec.dtype)
     if spec.shape is not None:
         if arr.ndim != len(spec.shape):
-            raise DataError(f"{where}: input '{spec.name}' has shape {list(arr.shape)}, the model "
-                            f"expects rank {len(spec.shape)} "
-                            f"{['?' if d is None else d for d in spec.shape]}")
+            raise DataError(
+                f"{where}: input '{spec.name}' has shape {list(arr.shape)}, the model "
+                f"expects rank {len(spec.shape)} "
+                f"{['?' if d is None else d for d in spec.shape]}"
+            )
         for i, (got, exp) in enumerate(zip(arr.shape, spec.shape)):
             if exp is not None and exp > 0 and got != exp:
-                raise DataError(f"{where}: input '{spec.name}' has shape {list(arr.shape)}, the "
-                                f"model expects {['?' if d is None else d for d in spec.shape]} "
-                                f"(dimension {i} differs)")
+                raise DataError(
+                    f"{where}: input '{spec.name}' has shape {list(arr.shape)}, the "
+                    f"model expects {['?' if d is None else d for d in spec.shape]} "
+                    f"(dimension {i} differs)"
+                )
     return np.ascontiguousarray(arr)
 
 
@@ -196,8 +208,13 @@ class ArrayDataset(DatasetManager):
     only when the batch dimension is dynamic.
     """
 
-    def __init__(self, arrays: Mapping[str, np.ndarray], batch_size: int | None = None,
-                 name: str = "arrays", limit: int | None = None):
+    def __init__(
+        self,
+        arrays: Mapping[str, np.ndarray],
+        batch_size: int | None = None,
+        name: str = "arrays",
+        limit: int | None = None,
+    ):
         super().__init__(limit=limit)
         self.arrays = {k: np.asarray(v) for k, v in arrays.items()}
         self.name = name
@@ -208,11 +225,14 @@ class ArrayDataset(DatasetManager):
             raise DataError(f"{name} holds no arrays; store one array per model input")
         counts = {k: (v.shape[0] if v.ndim else 0) for k, v in self.arrays.items()}
         if len(set(counts.values())) != 1:
-            raise DataError(f"{name}: arrays hold different sample counts {counts}; stack the same "
-                            "number of samples for every input on axis 0")
+            raise DataError(
+                f"{name}: arrays hold different sample counts {counts}; stack the same "
+                "number of samples for every input on axis 0"
+            )
         self.count = next(iter(counts.values()))
 
     def describe(self) -> str:
+        """How the source is named in messages."""
         return self.name
 
     def batch_size(self) -> int:
@@ -235,28 +255,35 @@ class ArrayDataset(DatasetManager):
         bs = self.batch_size()
         fixed = [s.fixed_batch for s in (self.inputs or []) if s.fixed_batch]
         if fixed and bs != fixed[0]:
-            raise DataError(f"{self.name}: batch size {bs} differs from the model's fixed batch "
-                            f"dimension {fixed[0]}")
+            raise DataError(
+                f"{self.name}: batch size {bs} differs from the model's fixed batch "
+                f"dimension {fixed[0]}"
+            )
         if fixed and self.count < bs:
-            raise DataError(f"{self.name}: {self.count} sample(s) cannot fill one batch of the "
-                            f"model's fixed batch size {bs}")
+            raise DataError(
+                f"{self.name}: {self.count} sample(s) cannot fill one batch of the "
+                f"model's fixed batch size {bs}"
+            )
         stop = self.count if self._dynamic() else self.count - self.count % bs
         for start in range(0, stop, bs):
-            yield {k: v[start:start + bs] for k, v in self.arrays.items()}
+            yield {k: v[start : start + bs] for k, v in self.arrays.items()}
 
 
 class NpzDataset(ArrayDataset):
     """An ``.npz`` file of arrays keyed by input name, samples stacked on axis 0."""
 
-    def __init__(self, path: str | os.PathLike[str], batch_size: int | None = None,
-                 limit: int | None = None):
+    def __init__(
+        self, path: str | os.PathLike[str], batch_size: int | None = None, limit: int | None = None
+    ):
         p = Path(path)
         try:
             with np.load(p, allow_pickle=False) as data:
                 arrays = {k: data[k] for k in data.files}
         except (OSError, ValueError) as exc:
-            raise DataError(f"calibration data '{p}' is not a readable .npz file ({exc}); save it "
-                            "with numpy.savez(path, input_name=array)") from None
+            raise DataError(
+                f"calibration data '{p}' is not a readable .npz file ({exc}); save it "
+                "with numpy.savez(path, input_name=array)"
+            ) from None
         super().__init__(arrays, batch_size, name=f"'{p}'", limit=limit)
 
 
@@ -271,10 +298,12 @@ class FolderDataset(DatasetManager):
         self.path = Path(path)
         self.files = sorted(f for f in self.path.iterdir() if f.suffix in (".npy", ".npz"))
         if not self.files:
-            raise DataError(f"folder '{self.path}' holds no .npy or .npz files; put one sample per "
-                            "file there")
+            raise DataError(
+                f"folder '{self.path}' holds no .npy or .npz files; put one sample per file there"
+            )
 
     def describe(self) -> str:
+        """How the source is named in messages."""
         return f"folder '{self.path}'"
 
     def num_batches(self) -> int:
@@ -287,8 +316,10 @@ class FolderDataset(DatasetManager):
             try:
                 if f.suffix == ".npy":
                     if len(specs) != 1:
-                        raise DataError(f"'{f}' is a .npy file but the model has {len(specs)} "
-                                        "inputs; use .npz files keyed by input name")
+                        raise DataError(
+                            f"'{f}' is a .npy file but the model has {len(specs)} "
+                            "inputs; use .npz files keyed by input name"
+                        )
                     sample = {specs[0].name: np.load(f, allow_pickle=False)}
                 else:
                     with np.load(f, allow_pickle=False) as data:
@@ -311,13 +342,17 @@ def _add_batch(arr: np.ndarray, spec: InputSpec | None) -> np.ndarray:
 class IterableDataset(DatasetManager):
     """Any iterable of feed dicts; a list (or other re-iterable) can be read more than once."""
 
-    def __init__(self, iterable: Iterable[Mapping[str, Any]] | Callable[[], Iterable[Any]],
-                 limit: int | None = None):
+    def __init__(
+        self,
+        iterable: Iterable[Mapping[str, Any]] | Callable[[], Iterable[Any]],
+        limit: int | None = None,
+    ):
         super().__init__(limit=limit)
         self.source = iterable
         self._used = False
 
     def describe(self) -> str:
+        """How the source is named in messages."""
         return "the calibration iterable"
 
     def num_batches(self) -> int | None:
@@ -332,8 +367,10 @@ class IterableDataset(DatasetManager):
         src = self.source() if callable(self.source) else self.source
         if iter(src) is src:  # a one-shot iterator
             if self._used:
-                raise DataError("the calibration iterator was already consumed; pass a list or a "
-                                "function returning a fresh iterator")
+                raise DataError(
+                    "the calibration iterator was already consumed; pass a list or a "
+                    "function returning a fresh iterator"
+                )
             self._used = True
         yield from src
 
@@ -347,6 +384,7 @@ class ReaderDataset(DatasetManager):
         self._passes = 0
 
     def describe(self) -> str:
+        """How the source is named in messages."""
         return f"CalibrationDataReader {type(self.reader).__name__}"
 
     def _raw(self) -> Iterator[Mapping[str, Any]]:
@@ -369,10 +407,12 @@ def as_dataset(
     batch_size: int | None = None,
     limit: int | None = None,
 ) -> DatasetManager:
-    """Wrap ``data`` (path, folder, dict of arrays, iterable, reader, DatasetManager) for a model."""
+    """Wrap ``data`` (path, folder, arrays, iterable, reader, DatasetManager) for a model."""
     if data is None:
-        raise DataError("no calibration data given; pass --data FILE.npz, a folder of .npy/.npz "
-                        "files, or an iterable of feed dicts")
+        raise DataError(
+            "no calibration data given; pass --data FILE.npz, a folder of .npy/.npz "
+            "files, or an iterable of feed dicts"
+        )
     if isinstance(data, DatasetManager):
         ds = data
     elif isinstance(data, str | os.PathLike):
@@ -390,7 +430,9 @@ def as_dataset(
     elif isinstance(data, Iterable) or callable(data):
         ds = IterableDataset(data, limit=limit)
     else:
-        raise DataError(f"calibration data of type {type(data).__name__} is not supported; pass a "
-                        "path, a dict of arrays, an iterable of feed dicts or a "
-                        "CalibrationDataReader")
+        raise DataError(
+            f"calibration data of type {type(data).__name__} is not supported; pass a "
+            "path, a dict of arrays, an iterable of feed dicts or a "
+            "CalibrationDataReader"
+        )
     return ds.bind(inputs)

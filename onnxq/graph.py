@@ -19,11 +19,6 @@ import onnx_graphsurgeon as gs
 
 from onnxq.errors import ModelError
 
-Tensor = gs.Tensor
-Variable = gs.Variable
-Constant = gs.Constant
-Node = gs.Node
-
 MS_DOMAIN = "com.microsoft"
 _TWO_GIB = 2**31
 
@@ -32,7 +27,9 @@ _TWO_GIB = 2**31
 # loading and saving
 
 
-def load_model(model: str | os.PathLike[str] | onnx.ModelProto, check: bool = True) -> onnx.ModelProto:
+def load_model(
+    model: str | os.PathLike[str] | onnx.ModelProto, check: bool = True
+) -> onnx.ModelProto:
     """Return a private copy of ``model`` (a path or a ModelProto), validated by onnx.checker.
 
     The caller's object or file is never modified. External data next to a file is loaded.
@@ -172,17 +169,17 @@ def export_model(graph: gs.Graph, template: onnx.ModelProto | None = None) -> on
 # queries (read-only helpers)
 
 
-def producer(tensor: Tensor) -> Node | None:
+def producer(tensor: gs.Tensor) -> gs.Node | None:
     """The node producing ``tensor``, or None for graph inputs and constants."""
     return tensor.inputs[0] if getattr(tensor, "inputs", None) else None
 
 
-def consumers(tensor: Tensor) -> list[Node]:
+def consumers(tensor: gs.Tensor) -> list[gs.Node]:
     """The nodes reading ``tensor``, in graph order."""
     return list(tensor.outputs)
 
 
-def constant_value(tensor: Tensor) -> np.ndarray | None:
+def constant_value(tensor: gs.Tensor) -> np.ndarray | None:
     """The value of an initializer or of a Constant node's output, else None."""
     if isinstance(tensor, gs.Constant):
         return np.asarray(tensor.values)
@@ -193,12 +190,12 @@ def constant_value(tensor: Tensor) -> np.ndarray | None:
     return None
 
 
-def is_absent(tensor: Tensor | None) -> bool:
+def is_absent(tensor: gs.Tensor | None) -> bool:
     """True for an omitted optional input (ONNX writes it as an empty name)."""
     return tensor is None or (isinstance(tensor, gs.Variable) and tensor.name == "")
 
 
-def present_inputs(node: Node) -> list[Tensor]:
+def present_inputs(node: gs.Node) -> list[gs.Tensor]:
     """The node's inputs with trailing absent optional inputs dropped."""
     inputs = list(node.inputs)
     while inputs and is_absent(inputs[-1]):
@@ -206,7 +203,7 @@ def present_inputs(node: Node) -> list[Tensor]:
     return inputs
 
 
-def node_label(node: Node) -> str:
+def node_label(node: gs.Node) -> str:
     """How a node is named in messages: its name, or op type and first output."""
     if node.name:
         return f"{node.op} node '{node.name}'"
@@ -259,19 +256,21 @@ class GraphEditor:
         self.modified = True
         return gs.Constant(name, np.ascontiguousarray(value))
 
-    def variable(self, name: str, dtype: Any = None, shape: Sequence[Any] | None = None) -> gs.Variable:
+    def variable(
+        self, name: str, dtype: Any = None, shape: Sequence[Any] | None = None
+    ) -> gs.Variable:
         """Create an intermediate tensor with a unique name."""
         return gs.Variable(self.unique_name(name), dtype=dtype, shape=shape)
 
     def add_node(
         self,
         op: str,
-        inputs: Sequence[Tensor | None],
+        inputs: Sequence[gs.Tensor | None],
         outputs: Sequence[gs.Variable],
         name: str,
         attrs: dict[str, Any] | None = None,
         domain: str | None = None,
-    ) -> Node:
+    ) -> gs.Node:
         """Append a node; ``None`` inputs become absent optional inputs."""
         ins = [t if t is not None else gs.Variable.empty() for t in inputs]
         node = gs.Node(
@@ -301,7 +300,7 @@ class GraphEditor:
         node.outputs[idx] = root
         self.modified = True
 
-    def redirect(self, old: Tensor, new: Tensor) -> None:
+    def redirect(self, old: gs.Tensor, new: gs.Tensor) -> None:
         """Every consumer of ``old`` (and the graph outputs) reads ``new`` instead."""
         for node in list(old.outputs):
             for i, t in enumerate(node.inputs):
@@ -312,17 +311,17 @@ class GraphEditor:
             if t is old:
                 if isinstance(new, gs.Variable) and producer(new) is not None:
                     # keep the graph output's name: move the producer's output slot
-                    self.replace_producer(old, new)  # type: ignore[arg-type]
+                    self.replace_producer(old, new)
                 else:
                     outs[i] = new
         self.modified = True
 
-    def set_input(self, node: Node, index: int, tensor: Tensor) -> None:
+    def set_input(self, node: gs.Node, index: int, tensor: gs.Tensor) -> None:
         """Set one input of a node."""
         node.inputs[index] = tensor
         self.modified = True
 
-    def move_after(self, first: Node, second: Node) -> None:
+    def move_after(self, first: gs.Node, second: gs.Node) -> None:
         """``first → d → second → y`` becomes ``second → y' → first → y``.
 
         ``first`` reads its data at input 0 and ``second`` reads ``d`` at input 0; ``y'`` takes
@@ -337,7 +336,7 @@ class GraphEditor:
         first.outputs[0] = y
         self.modified = True
 
-    def remove_node(self, node: Node) -> None:
+    def remove_node(self, node: gs.Node) -> None:
         """Detach a node (its outputs lose their producer)."""
         for out in node.outputs:
             out.inputs.clear()
@@ -351,13 +350,13 @@ class GraphEditor:
         return self.graph
 
 
-def nodes_in_order(graph: gs.Graph) -> list[Node]:
+def nodes_in_order(graph: gs.Graph) -> list[gs.Node]:
     """The graph's nodes in topological order (the graph is sorted first)."""
     graph.toposort()
     return list(graph.nodes)
 
 
-def iter_subgraph_nodes(graph: gs.Graph) -> Iterable[Node]:
+def iter_subgraph_nodes(graph: gs.Graph) -> Iterable[gs.Node]:
     """Every node of ``graph`` and of its subgraphs (If/Loop/Scan bodies)."""
     for node in graph.nodes:
         yield node

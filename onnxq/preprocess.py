@@ -40,7 +40,8 @@ def preprocess(model: onnx.ModelProto) -> onnx.ModelProto:
                 f"the model uses opset {default_opset(model)}, below the {MIN_OPSET} that "
                 f"QLinear ops need, and converting it to opset {TARGET_OPSET} failed "
                 f"({str(exc).splitlines()[0] if str(exc) else type(exc).__name__}); re-export "
-                f"the model with opset >= {TARGET_OPSET}") from None
+                f"the model with opset >= {TARGET_OPSET}"
+            ) from None
     graph = import_graph(model)
     _name_nodes(graph)
     _fold_constants(graph)
@@ -83,7 +84,8 @@ def _fold_constants(graph: gs.Graph) -> None:
     try:
         logging.getLogger("onnx_graphsurgeon").setLevel(logging.ERROR)
         graph.fold_constants(error_ok=True, fold_shapes=True).cleanup(
-            remove_unused_graph_inputs=False)
+            remove_unused_graph_inputs=False
+        )
     except Exception as exc:  # graphsurgeon folding is an optimisation, never required
         logging.getLogger("onnxq").info("constant folding skipped: %s", exc)
     graph.toposort()
@@ -109,8 +111,11 @@ def _fold_batchnorm(graph: gs.Graph) -> None:
         gamma, beta, mean, var = (np.asarray(t.values, np.float64) for t in params)
         eps = float(bn.attrs.get("epsilon", 1e-5))
         w = np.asarray(conv.inputs[1].values, np.float64)
-        b = (np.asarray(conv.inputs[2].values, np.float64) if len(conv.inputs) > 2
-             else np.zeros(w.shape[0]))
+        b = (
+            np.asarray(conv.inputs[2].values, np.float64)
+            if len(conv.inputs) > 2
+            else np.zeros(w.shape[0])
+        )
         factor = gamma / np.sqrt(var + eps)
         new_w = (w * factor.reshape(-1, *([1] * (w.ndim - 1)))).astype(np.float32)
         new_b = ((b - mean) * factor + beta).astype(np.float32)

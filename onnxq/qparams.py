@@ -30,8 +30,9 @@ def qrange(dtype: str, narrow: bool = False) -> tuple[int, int]:
     try:
         lo, hi = _RANGES[np.dtype(dtype).name]
     except KeyError:
-        raise CalibrationError(f"quantized dtype {dtype!r} is not supported; use uint8, int8, "
-                               "int16 or uint16") from None
+        raise CalibrationError(
+            f"quantized dtype {dtype!r} is not supported; use uint8, int8, int16 or uint16"
+        ) from None
     return (lo + 1 if narrow and lo < 0 else lo), hi
 
 
@@ -47,11 +48,13 @@ class QParams:
         scale = np.asarray(self.scale, dtype=np.float32)
         zp = np.asarray(self.zero_point)
         if not np.all(np.isfinite(scale)) or np.any(scale <= 0):
-            raise CalibrationError(f"invalid quantization scale {scale.tolist()}: a scale must be "
-                                   "finite and > 0")
+            raise CalibrationError(
+                f"invalid quantization scale {scale.tolist()}: a scale must be finite and > 0"
+            )
         if scale.shape != zp.shape:
-            raise CalibrationError(f"scale shape {scale.shape} and zero-point shape {zp.shape} "
-                                   "differ")
+            raise CalibrationError(
+                f"scale shape {scale.shape} and zero-point shape {zp.shape} differ"
+            )
         if scale.ndim > 1 or (scale.ndim == 1 and self.axis is None):
             raise CalibrationError("per-channel parameters must be 1-D with an axis")
         lo, hi = qrange(zp.dtype.name)
@@ -85,8 +88,9 @@ def params_from_range(
     lo_arr = np.minimum(np.asarray(rmin, dtype=np.float64), 0.0)
     hi_arr = np.maximum(np.asarray(rmax, dtype=np.float64), 0.0)
     if not (np.all(np.isfinite(lo_arr)) and np.all(np.isfinite(hi_arr))):
-        raise CalibrationError(f"calibration range [{rmin}, {rmax}] is not finite: the data holds "
-                               "NaN or Inf values")
+        raise CalibrationError(
+            f"calibration range [{rmin}, {rmax}] is not finite: the data holds NaN or Inf values"
+        )
     qmin, qmax = qrange(dtype, narrow)
     if symmetric:
         absmax = np.maximum(-lo_arr, hi_arr)
@@ -146,7 +150,7 @@ def weight_params(
 
 def bias_params(input_scale: np.ndarray, weight_scale: np.ndarray) -> QParams:
     """Derived bias parameters: ``scale = s_x · s_w`` (per channel), zero point 0, int32."""
-    scale = (np.asarray(input_scale, np.float64) * np.asarray(weight_scale, np.float64))
+    scale = np.asarray(input_scale, np.float64) * np.asarray(weight_scale, np.float64)
     scale = np.maximum(scale, MIN_SCALE).astype(np.float32)
     return QParams(scale, np.zeros(scale.shape, np.int32), 0 if scale.ndim == 1 else None)
 

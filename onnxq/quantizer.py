@@ -14,7 +14,7 @@ the same one the next pattern's input uses, so the Requantizer can fold the DQ�
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -56,8 +56,9 @@ class QuantizerConfig:
 
     def __post_init__(self) -> None:
         if self.activation_dtype not in ACTIVATION_DTYPES:
-            raise ConfigError(f"activation dtype {self.activation_dtype!r} is not supported; use "
-                              "uint8 or int8")
+            raise ConfigError(
+                f"activation dtype {self.activation_dtype!r} is not supported; use uint8 or int8"
+            )
         if self.weight_dtype != "int8":
             raise ConfigError(f"weight dtype {self.weight_dtype!r} is not supported; use int8")
         object.__setattr__(self, "exclude", tuple(self.exclude))
@@ -216,8 +217,9 @@ class Quantizer:
         result = rewrite(
             self.patterns,
             graph,
-            node_filter=lambda n: (f"{node_label(n)} is excluded by --exclude"
-                                   if n.name in excluded else None),
+            node_filter=lambda n: (
+                f"{node_label(n)} is excluded by --exclude" if n.name in excluded else None
+            ),
             editor=self.editor,
         )
         self._explain(result.partitions[0] if result.partitions else Partition())
@@ -247,8 +249,11 @@ class Quantizer:
 
     def operands(self, qt: QTensor) -> list[gs.Tensor]:
         """``[quantized tensor, scale, zero point]`` of a QTensor, as QLinear ops take them."""
-        quantized: gs.Tensor = (self._consts[qt.quantized] if qt.quantized in self._consts
-                                else self._qvars[qt.quantized])
+        quantized: gs.Tensor = (
+            self._consts[qt.quantized]
+            if qt.quantized in self._consts
+            else self._qvars[qt.quantized]
+        )
         return [quantized, self._consts[qt.scale], self._consts[qt.zero_point]]
 
     def quantize_output(self, root: gs.Tensor) -> tuple[QTensor, gs.Variable]:
@@ -271,8 +276,10 @@ class Quantizer:
         """A derived int8 initializer for constant ``tensor``, per channel on ``axis``."""
         value = constant_value(tensor)
         if value is None:
-            raise QuantizationError(f"weight '{tensor.name}' is not constant; onnxq quantizes only "
-                                    "constant weights — fold it first or exclude the node")
+            raise QuantizationError(
+                f"weight '{tensor.name}' is not constant; onnxq quantizes only "
+                "constant weights — fold it first or exclude the node"
+            )
         axis = axis if self.config.per_channel else None
         key = f"{tensor.name}@{axis}"
         if key in self._qtensors:
@@ -301,8 +308,15 @@ class Quantizer:
         """The template initializer of a placeholder."""
         return self._consts[name]
 
-    def add_node(self, op: str, inputs: Sequence[gs.Tensor | None], outputs: Sequence[gs.Variable],
-                 name: str, attrs: dict[str, Any] | None = None, domain: str = "") -> gs.Node:
+    def add_node(
+        self,
+        op: str,
+        inputs: Sequence[gs.Tensor | None],
+        outputs: Sequence[gs.Variable],
+        name: str,
+        attrs: dict[str, Any] | None = None,
+        domain: str = "",
+    ) -> gs.Node:
         """Add a node to the template (thin pass-through to the graph editor)."""
         return self.editor.add_node(op, inputs, outputs, name, attrs, domain)
 
@@ -316,11 +330,19 @@ class Quantizer:
         scale = self._placeholder(f"{name}_scale", "scale", name, "float32", (), reuse=True)
         zp = self._placeholder(f"{name}_zero_point", "zero_point", name, dt, (), reuse=True)
         qname = self.editor.unique_name(f"{name}_quantized")
-        return QTensor(name, qname, scale, zp, "activation", dt, None,
-                       self.config.activation_symmetric)
+        return QTensor(
+            name, qname, scale, zp, "activation", dt, None, self.config.activation_symmetric
+        )
 
-    def _placeholder(self, name: str, kind: str, tensor: str, dtype: str, shape: tuple[int, ...],
-                     reuse: bool = False) -> str:
+    def _placeholder(
+        self,
+        name: str,
+        kind: str,
+        tensor: str,
+        dtype: str,
+        shape: tuple[int, ...],
+        reuse: bool = False,
+    ) -> str:
         for existing, ph in self.placeholders.items():
             if reuse and ph.tensor == tensor and ph.kind == kind:
                 return existing
@@ -345,8 +367,10 @@ class Quantizer:
         names = {n.name for n in graph.nodes}
         missing = [e for e in self.config.exclude if e not in names]
         if missing:
-            raise ConfigError(f"--exclude names node(s) {missing} that are not in the model; "
-                              "`onnxq inspect MODEL` lists node names")
+            raise ConfigError(
+                f"--exclude names node(s) {missing} that are not in the model; "
+                "`onnxq inspect MODEL` lists node names"
+            )
 
     def _explain(self, part: Partition) -> None:
         quantized = {n: r.label for r in self.records for n in r.nodes}
@@ -362,8 +386,9 @@ class Quantizer:
                 reason = "; ".join(f"{a.pattern}: {a.reason}" for a in attempts)
                 self.decisions[name] = Decision(name, node.op, False, attempts[0].pattern, reason)
             else:
-                self.decisions[name] = Decision(name, node.op, False, "",
-                                                self._inside_reason(name, part))
+                self.decisions[name] = Decision(
+                    name, node.op, False, "", self._inside_reason(name, part)
+                )
 
     def leave_float(self, pattern: QuantizerPattern, m: Match, reason: str) -> None:
         """Record why a matched group is left float (the callback then returns None)."""
@@ -378,8 +403,10 @@ class Quantizer:
 
         op = next((n.op for n in self._graph.nodes if n.name == name), "")
         if op in PASS_THROUGH:
-            return ("no pattern: it carries int8 through when its input comes from a quantized op "
-                    "(requantize pass)")
+            return (
+                "no pattern: it carries int8 through when its input comes from a quantized op "
+                "(requantize pass)"
+            )
         return "no quantizer pattern handles this op"
 
     # ----------------------------------------------------------------------------------------
@@ -404,7 +431,7 @@ class Quantizer:
             arr = np.asarray(value).astype(np.dtype(ph.dtype)).reshape(ph.shape)
             full[name] = arr
         self._check_relu_folds(full)
-        for bname, b in self._biases.items():
+        for b in self._biases.values():
             fb = self._float_values[b.bias]
             full[b.weight_scale] = widen_for_bias(fb, full[b.input_scale], full[b.weight_scale])
         for qname, w in self._weights.items():
@@ -414,8 +441,9 @@ class Quantizer:
             s = full[b.input_scale].astype(np.float64) * full[b.weight_scale].astype(np.float64)
             q = np.round(self._float_values[b.bias] / s)
             full[bname] = np.clip(q, -(2**31), 2**31 - 1).astype(np.int32)
-        self.final_values = {k: v for k, v in full.items()
-                             if self.placeholders[k].kind in ("scale", "zero_point")}
+        self.final_values = {
+            k: v for k, v in full.items() if self.placeholders[k].kind in ("scale", "zero_point")
+        }
         proto = onnx.ModelProto()
         proto.CopyFrom(self.template)
         for init in proto.graph.initializer:
@@ -433,7 +461,8 @@ class Quantizer:
                     raise CalibrationError(
                         f"{rec.label} '{rec.qop}' folds a Relu into output '{out.tensor}', which "
                         f"needs zero point {lo}, but calibration set {int(full[out.zero_point])}; "
-                        "calibrate the output with a range starting at 0")
+                        "calibrate the output with a range starting at 0"
+                    )
 
     def records_in_order(self) -> list[PatternRecord]:
         """Records in the float model's topological order."""

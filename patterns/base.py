@@ -39,8 +39,16 @@ class WeightedPattern(QuantizerPattern):
         """The axis of ``weight`` that indexes output channels (per-channel scales run on it)."""
         raise NotImplementedError
 
-    def emit(self, m: Match, node: gs.Node, x: QTensor, w: QTensor, bias: gs.Tensor | None,
-             y: QTensor, y_var: gs.Variable) -> gs.Node:
+    def emit(
+        self,
+        m: Match,
+        node: gs.Node,
+        x: QTensor,
+        w: QTensor,
+        bias: gs.Tensor | None,
+        y: QTensor,
+        y_var: gs.Variable,
+    ) -> gs.Node:
         """Add the QLinear node computing ``y_var`` from the quantized operands."""
         raise NotImplementedError
 
@@ -48,8 +56,12 @@ class WeightedPattern(QuantizerPattern):
         """The float bias as a 1-D array of output channels, or None."""
         if self.b is None:
             return None
-        return np.asarray(m.tensor(self.b).values if isinstance(m.tensor(self.b), gs.Constant)
-                          else _const(m.tensor(self.b)), np.float32).reshape(-1)
+        return np.asarray(
+            m.tensor(self.b).values
+            if isinstance(m.tensor(self.b), gs.Constant)
+            else _const(m.tensor(self.b)),
+            np.float32,
+        ).reshape(-1)
 
     def check(self, m: Match) -> MatchResult:
         """The weight must be float32 and the Relu foldable."""
@@ -57,12 +69,15 @@ class WeightedPattern(QuantizerPattern):
         if not res.ok:
             return res
         if self.relu in m and self.quantizer.config.activation_symmetric:
-            return MatchResult.fail("a Relu folds only into an asymmetric output range (zero "
-                                    "point at qmin); activations are symmetric")
+            return MatchResult.fail(
+                "a Relu folds only into an asymmetric output range (zero "
+                "point at qmin); activations are symmetric"
+            )
         w = _const(m.tensor(self.w))
         if w.dtype != np.float32:
-            return MatchResult.fail(f"weight '{m.tensor(self.w).name}' is {w.dtype}, expected "
-                                    "float32")
+            return MatchResult.fail(
+                f"weight '{m.tensor(self.w).name}' is {w.dtype}, expected float32"
+            )
         return MatchResult(m)
 
     def quantize_match(self, m: Match) -> gs.Tensor | None:
@@ -76,9 +91,18 @@ class WeightedPattern(QuantizerPattern):
         bias = q.quantize_bias(node, bias_value, xq, wq) if bias_value is not None else None
         yq, y_var = q.quantize_output(m.root)
         qnode = self.emit(m, node, xq, wq, bias, yq, y_var)
-        q.record(PatternRecord(self, self.label(), [n.name for n in m.nodes], [xq, wq], [yq],
-                               qnode.name, relu_folded=self.relu in m,
-                               bias=None if bias is None else bias.name))
+        q.record(
+            PatternRecord(
+                self,
+                self.label(),
+                [n.name for n in m.nodes],
+                [xq, wq],
+                [yq],
+                qnode.name,
+                relu_folded=self.relu in m,
+                bias=None if bias is None else bias.name,
+            )
+        )
         return q.dequantize(yq, y_var, m.root)
 
 
@@ -102,5 +126,11 @@ def is_constant_tensor(t: gs.Tensor) -> bool:
     return bool(t.inputs) and t.inputs[0].op == "Constant"
 
 
-__all__ = ["WeightedPattern", "attrs_without", "is_constant_tensor", "node_attr", "tensor_shape",
-           "with_relu"]
+__all__ = [
+    "WeightedPattern",
+    "attrs_without",
+    "is_constant_tensor",
+    "node_attr",
+    "tensor_shape",
+    "with_relu",
+]

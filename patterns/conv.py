@@ -6,8 +6,8 @@ import numpy as np
 import onnx_graphsurgeon as gs
 
 from onnxq.pattern import Match, is_constant, is_op, wildcard
-from onnxq.quantizer import QTensor
 from onnxq.patterns.base import WeightedPattern, with_relu
+from onnxq.quantizer import QTensor
 
 
 class _ConvBase(WeightedPattern):
@@ -15,8 +15,16 @@ class _ConvBase(WeightedPattern):
         """Conv weights are (M, C/group, k...): output channels on axis 0."""
         return 0
 
-    def emit(self, m: Match, node: gs.Node, x: QTensor, w: QTensor, bias: gs.Tensor | None,
-             y: QTensor, y_var: gs.Variable) -> gs.Node:
+    def emit(
+        self,
+        m: Match,
+        node: gs.Node,
+        x: QTensor,
+        w: QTensor,
+        bias: gs.Tensor | None,
+        y: QTensor,
+        y_var: gs.Variable,
+    ) -> gs.Node:
         """QLinearConv(x, xs, xz, w, ws, wz, ys, yz[, b]) with the Conv's attributes."""
         q = self.quantizer
         inputs = [*q.operands(x), *q.operands(w), q.const(y.scale), q.const(y.zero_point)]

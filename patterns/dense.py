@@ -7,8 +7,8 @@ import onnx_graphsurgeon as gs
 
 from onnxq.graph import MS_DOMAIN
 from onnxq.pattern import Match, MatchResult, is_constant, is_op, node_attr, tensor_shape, wildcard
-from onnxq.quantizer import QTensor
 from onnxq.patterns.base import WeightedPattern, with_relu
+from onnxq.quantizer import QTensor
 
 
 class _DenseBase(WeightedPattern):
@@ -28,34 +28,47 @@ class _DenseBase(WeightedPattern):
         if wshape is None or len(wshape) != 2:
             return MatchResult.fail(f"weight '{weight.name}' has shape {wshape}, expected 2-D")
         node = m.node(self.core)
-        n_out = wshape[self.weight_channel_axis(node, np.empty(wshape))]
+        n_out = wshape[self.weight_channel_axis(node, _value(weight))]
         if self.uses_qgemm(m):
             xshape = tensor_shape(m.tensor(self.x))
             if xshape is None or len(xshape) != 2:
                 return MatchResult.fail(
                     f"input '{m.tensor(self.x).name}' has rank "
                     f"{'unknown' if xshape is None else len(xshape)}; QGemm with a bias needs a "
-                    "2-D input (the MatMul alone can still be quantized)")
+                    "2-D input (the MatMul alone can still be quantized)"
+                )
         if self.b is not None:
             b = np.asarray(_value(m.tensor(self.b)))
             if b.size != n_out or (b.ndim > 1 and b.shape[-1] != n_out):
-                return MatchResult.fail(f"bias '{m.tensor(self.b).name}' has shape {b.shape}, "
-                                        f"expected one value per output column ({n_out})")
+                return MatchResult.fail(
+                    f"bias '{m.tensor(self.b).name}' has shape {b.shape}, "
+                    f"expected one value per output column ({n_out})"
+                )
         return MatchResult(m)
 
     def uses_qgemm(self, m: Match) -> bool:
         """Gemm and MatMul+bias become com.microsoft QGemm; MatMul alone QLinearMatMul."""
         return True
 
-    def emit(self, m: Match, node: gs.Node, x: QTensor, w: QTensor, bias: gs.Tensor | None,
-             y: QTensor, y_var: gs.Variable) -> gs.Node:
+    def emit(
+        self,
+        m: Match,
+        node: gs.Node,
+        x: QTensor,
+        w: QTensor,
+        bias: gs.Tensor | None,
+        y: QTensor,
+        y_var: gs.Variable,
+    ) -> gs.Node:
         """QGemm(a, as, az, b, bs, bz, C, ys, yz) with Gemm's alpha/transA/transB."""
         q = self.quantizer
         attrs = {}
         if node.op == "Gemm":
-            attrs = {"alpha": float(node_attr(node, "alpha") or 1.0),
-                     "transA": int(node_attr(node, "transA") or 0),
-                     "transB": int(node_attr(node, "transB") or 0)}
+            attrs = {
+                "alpha": float(node_attr(node, "alpha") or 1.0),
+                "transA": int(node_attr(node, "transA") or 0),
+                "transB": int(node_attr(node, "transB") or 0),
+            }
         inputs = [*q.operands(x), *q.operands(w), bias, q.const(y.scale), q.const(y.zero_point)]
         return q.add_node("QGemm", inputs, [y_var], f"{node.name}_quant", attrs, MS_DOMAIN)
 
@@ -130,8 +143,16 @@ class MatMulPattern(_DenseBase):
         """MatMul without bias uses QLinearMatMul, which takes inputs of any rank."""
         return False
 
-    def emit(self, m: Match, node: gs.Node, x: QTensor, w: QTensor, bias: gs.Tensor | None,
-             y: QTensor, y_var: gs.Variable) -> gs.Node:
+    def emit(
+        self,
+        m: Match,
+        node: gs.Node,
+        x: QTensor,
+        w: QTensor,
+        bias: gs.Tensor | None,
+        y: QTensor,
+        y_var: gs.Variable,
+    ) -> gs.Node:
         """QLinearMatMul(a, as, az, b, bs, bz, ys, yz)."""
         q = self.quantizer
         inputs = [*q.operands(x), *q.operands(w), q.const(y.scale), q.const(y.zero_point)]

@@ -20,10 +20,12 @@ QUANTIZED_OPS = {"QLinearConv", "QLinearMatMul", "QGemm", "QLinearAdd", "QLinear
 def make_model(nodes, inputs, outputs, inits=None, opset=13) -> onnx.ModelProto:
     """inputs/outputs: [(name, shape)] float32; inits: {name: array}."""
     graph = h.make_graph(
-        nodes, "test",
+        nodes,
+        "test",
         [h.make_tensor_value_info(n, TensorProto.FLOAT, s) for n, s in inputs],
         [h.make_tensor_value_info(n, TensorProto.FLOAT, s) for n, s in outputs],
-        [nh.from_array(np.asarray(v), k) for k, v in (inits or {}).items()])
+        [nh.from_array(np.asarray(v), k) for k, v in (inits or {}).items()],
+    )
     model = h.make_model(graph, opset_imports=[h.make_opsetid("", opset)])
     model.ir_version = 8
     if any(s is None for _, s in outputs):  # fill unknown output shapes by shape inference

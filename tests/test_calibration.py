@@ -26,10 +26,15 @@ R = rng(1)
 
 def conv_model(fixed_batch=None):
     w = R.normal(0, 0.3, (4, 3, 3, 3)).astype(np.float32)
-    return make_model([h.make_node("Conv", ["x", "W", "B"], ["c"], name="conv"),
-                       h.make_node("Relu", ["c"], ["y"], name="relu")],
-                      [("x", [fixed_batch or "N", 3, 6, 6])], [("y", None)],
-                      {"W": w, "B": np.zeros(4, np.float32)})
+    return make_model(
+        [
+            h.make_node("Conv", ["x", "W", "B"], ["c"], name="conv"),
+            h.make_node("Relu", ["c"], ["y"], name="relu"),
+        ],
+        [("x", [fixed_batch or "N", 3, 6, 6])],
+        [("y", None)],
+        {"W": w, "B": np.zeros(4, np.float32)},
+    )
 
 
 # qparams ------------------------------------------------------------------------------------
@@ -107,8 +112,12 @@ def test_streaming_statistics_stay_bounded_over_many_samples():
         for i in range(2000):
             yield {"x": np.full((1, 3, 6, 6), (i % 7) - 3, np.float32)}
 
-    cal = Calibrator(quantizer, as_dataset(many(), model_inputs(quantizer.float_model)),
-                     MinMaxCallback(), progress=False)
+    cal = Calibrator(
+        quantizer,
+        as_dataset(many(), model_inputs(quantizer.float_model)),
+        MinMaxCallback(),
+        progress=False,
+    )
     values = cal.calibrate()
     assert cal.report.samples == 2000 and cal.report.batches == 2000
     assert cal.report.observer_bytes <= 16 * cal.report.tensors_observed
@@ -141,8 +150,9 @@ class FixedCallback(CalibrationCallback):
         (y,) = info.get_unquantized_layer_outputs(feeds)
         self.seen.append((x.shape, w.shape, y.shape))
         values = {}
-        for (scale, zp), qt in zip(info.input_scale_zps + info.output_scale_zps,
-                                   info.inputs + info.outputs):
+        for (scale, zp), qt in zip(
+            info.input_scale_zps + info.output_scale_zps, info.inputs + info.outputs
+        ):
             if qt.role == "weight":
                 qp = weight_params(info.constant(qt.tensor), qt.axis)
                 values[scale], values[zp] = qp.scale, qp.zero_point
@@ -153,8 +163,12 @@ class FixedCallback(CalibrationCallback):
 
 def test_custom_callback_and_layer_values():
     cb = FixedCallback()
-    q, report = onnxq.quantize(conv_model(), {"x": R.normal(0, 1, (2, 3, 6, 6))
-                                              .astype(np.float32)}, callback=cb, progress=False)
+    q, report = onnxq.quantize(
+        conv_model(),
+        {"x": R.normal(0, 1, (2, 3, 6, 6)).astype(np.float32)},
+        callback=cb,
+        progress=False,
+    )
     assert cb.seen == [((1, 3, 6, 6), (4, 3, 3, 3), (1, 4, 4, 4))]
     assert report.values["x_scale"] == pytest.approx(8 / 255)
 
@@ -163,8 +177,9 @@ def test_quantized_layer_values_track_calibration():
     model = conv_model()
     quantizer = Quantizer(model)
     data = {"x": R.normal(0, 1, (8, 3, 6, 6)).astype(np.float32)}
-    cal = Calibrator(quantizer, as_dataset(data, model_inputs(quantizer.float_model)),
-                     progress=False)
+    cal = Calibrator(
+        quantizer, as_dataset(data, model_inputs(quantizer.float_model)), progress=False
+    )
     cal.calibrate()
     from onnxq.calibration import CalibrationInfo
 
@@ -183,8 +198,9 @@ def test_callback_returning_bad_scale_is_rejected():
             return {calibration_info.input_scale_zps[0][0]: np.float32(0.0)}
 
     with pytest.raises(CalibrationError, match="finite and > 0"):
-        onnxq.quantize(conv_model(), {"x": np.ones((1, 3, 6, 6), np.float32)}, callback=Bad(),
-                       progress=False)
+        onnxq.quantize(
+            conv_model(), {"x": np.ones((1, 3, 6, 6), np.float32)}, callback=Bad(), progress=False
+        )
 
 
 def test_callback_with_wrong_shape_is_rejected():
@@ -195,8 +211,9 @@ def test_callback_with_wrong_shape_is_rejected():
             return values
 
     with pytest.raises(CalibrationError, match=r"expected \[4\] \(per channel\)"):
-        onnxq.quantize(conv_model(), {"x": np.ones((1, 3, 6, 6), np.float32)}, callback=Wrong(),
-                       progress=False)
+        onnxq.quantize(
+            conv_model(), {"x": np.ones((1, 3, 6, 6), np.float32)}, callback=Wrong(), progress=False
+        )
 
 
 def test_callback_leaving_placeholders_unset_is_rejected():
@@ -205,8 +222,9 @@ def test_callback_leaving_placeholders_unset_is_rejected():
             return {}
 
     with pytest.raises(CalibrationError, match="without a value"):
-        onnxq.quantize(conv_model(), {"x": np.ones((1, 3, 6, 6), np.float32)}, callback=Lazy(),
-                       progress=False)
+        onnxq.quantize(
+            conv_model(), {"x": np.ones((1, 3, 6, 6), np.float32)}, callback=Lazy(), progress=False
+        )
 
 
 # data adapters ------------------------------------------------------------------------------
@@ -224,7 +242,8 @@ def test_npz_batches_follow_fixed_batch_of_model(tmp_path):
 
 def test_array_batches_for_dynamic_batch():
     ds = ArrayDataset({"x": np.zeros((10, 3, 6, 6), np.float32)}, batch_size=4).bind(
-        model_inputs(conv_model()))
+        model_inputs(conv_model())
+    )
     assert [f["x"].shape[0] for f in ds] == [4, 4, 2] and ds.num_batches() == 3
 
 
@@ -253,8 +272,9 @@ def test_onnxruntime_calibration_data_reader():
 
     class Reader(CalibrationDataReader):
         def __init__(self):
-            self.it = iter([{"x": R.normal(0, 1, (1, 3, 6, 6)).astype(np.float32)}
-                            for _ in range(4)])
+            self.it = iter(
+                [{"x": R.normal(0, 1, (1, 3, 6, 6)).astype(np.float32)} for _ in range(4)]
+            )
 
         def get_next(self):
             return next(self.it, None)
@@ -265,15 +285,23 @@ def test_onnxruntime_calibration_data_reader():
     run(q, {"x": np.zeros((1, 3, 6, 6), np.float32)})
 
 
-@pytest.mark.parametrize("feed, message", [
-    ({"image": np.zeros((1, 3, 6, 6), np.float32)}, "unexpected input(s) ['image']"),
-    ({"x": np.zeros((1, 3, 7, 6), np.float32)}, "dimension 2 differs"),
-    ({"x": np.zeros((3, 6, 6), np.float32)}, "expects rank 4"),
-    ({"x": np.zeros((1, 3, 6, 6), np.complex64)}, "dtype complex64"),
-])
+@pytest.mark.parametrize(
+    "feed, message",
+    [
+        ({"image": np.zeros((1, 3, 6, 6), np.float32)}, "unexpected input(s) ['image']"),
+        ({"x": np.zeros((1, 3, 7, 6), np.float32)}, "dimension 2 differs"),
+        ({"x": np.zeros((3, 6, 6), np.float32)}, "expects rank 4"),
+        ({"x": np.zeros((1, 3, 6, 6), np.complex64)}, "dtype complex64"),
+    ],
+)
 def test_bad_feeds_name_the_input(feed, message):
-    with pytest.raises(DataError, match=message.replace("[", r"\[").replace("]", r"\]")
-                       .replace("(", r"\(").replace(")", r"\)")):
+    with pytest.raises(
+        DataError,
+        match=message.replace("[", r"\[")
+        .replace("]", r"\]")
+        .replace("(", r"\(")
+        .replace(")", r"\)"),
+    ):
         onnxq.quantize(conv_model(), [feed], progress=False)
 
 

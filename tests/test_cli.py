@@ -33,8 +33,19 @@ def sha(path):
 def test_quantize_writes_model_and_report(tmp_path, calib, capsys):
     out = tmp_path / "int8.onnx"
     before = sha(CNN)
-    rc = main(["quantize", str(CNN), "-o", str(out), "--data", str(calib), "--quiet",
-               "--report", str(tmp_path / "r.json")])
+    rc = main(
+        [
+            "quantize",
+            str(CNN),
+            "-o",
+            str(out),
+            "--data",
+            str(calib),
+            "--quiet",
+            "--report",
+            str(tmp_path / "r.json"),
+        ]
+    )
     assert rc == 0 and out.is_file()
     onnx.checker.check_model(onnx.load(str(out)))
     assert sha(CNN) == before  # the input model is never modified
@@ -42,13 +53,22 @@ def test_quantize_writes_model_and_report(tmp_path, calib, capsys):
     assert report["ops_after"]["QLinearConv"] == 2
 
 
-@pytest.mark.parametrize("flags", [["--method", "average-max"], ["--per-tensor"],
-                                   ["--activation-dtype", "int8"], ["--exclude", "conv2"],
-                                   ["--samples", "3"], ["--batch-size", "4"]])
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ["--method", "average-max"],
+        ["--per-tensor"],
+        ["--activation-dtype", "int8"],
+        ["--exclude", "conv2"],
+        ["--samples", "3"],
+        ["--batch-size", "4"],
+    ],
+)
 def test_quantize_options(tmp_path, calib, flags):
     out = tmp_path / "int8.onnx"
-    assert main(["quantize", str(CNN), "-o", str(out), "--data", str(calib), "--quiet",
-                 *flags]) == 0
+    assert (
+        main(["quantize", str(CNN), "-o", str(out), "--data", str(calib), "--quiet", *flags]) == 0
+    )
     model = onnx.load(str(out))
     convs = [n for n in model.graph.node if n.op_type == "QLinearConv"]
     assert len(convs) == (1 if "--exclude" in flags else 2)
@@ -76,37 +96,65 @@ def test_error_not_onnx(tmp_path, calib, capsys):
     bad = tmp_path / "bad.onnx"
     bad.write_bytes(b"this is not a protobuf \x00\x01\x02")
     out = tmp_path / "o.onnx"
-    _expect_error(capsys, ["quantize", str(bad), "-o", str(out), "--data", str(calib)],
-                  "not a readable ONNX model", out)
+    _expect_error(
+        capsys,
+        ["quantize", str(bad), "-o", str(out), "--data", str(calib)],
+        "not a readable ONNX model",
+        out,
+    )
 
 
 def test_error_missing_model(tmp_path, calib, capsys):
     out = tmp_path / "o.onnx"
-    _expect_error(capsys, ["quantize", str(tmp_path / "nope.onnx"), "-o", str(out), "--data",
-                           str(calib)], "does not exist", out)
+    _expect_error(
+        capsys,
+        ["quantize", str(tmp_path / "nope.onnx"), "-o", str(out), "--data", str(calib)],
+        "does not exist",
+        out,
+    )
 
 
 def test_error_missing_and_empty_data(tmp_path, capsys):
     out = tmp_path / "o.onnx"
-    _expect_error(capsys, ["quantize", str(CNN), "-o", str(out), "--data",
-                           str(tmp_path / "none.npz")], "does not exist", out)
+    _expect_error(
+        capsys,
+        ["quantize", str(CNN), "-o", str(out), "--data", str(tmp_path / "none.npz")],
+        "does not exist",
+        out,
+    )
     empty = tmp_path / "empty"
     empty.mkdir()
-    _expect_error(capsys, ["quantize", str(CNN), "-o", str(out), "--data", str(empty)],
-                  "holds no .npy or .npz files", out)
+    _expect_error(
+        capsys,
+        ["quantize", str(CNN), "-o", str(out), "--data", str(empty)],
+        "holds no .npy or .npz files",
+        out,
+    )
     np.savez(tmp_path / "zero.npz", input=np.zeros((0, 1, 28, 28), np.float32))
-    _expect_error(capsys, ["quantize", str(CNN), "-o", str(out), "--data",
-                           str(tmp_path / "zero.npz")], "no samples", out)
+    _expect_error(
+        capsys,
+        ["quantize", str(CNN), "-o", str(out), "--data", str(tmp_path / "zero.npz")],
+        "no samples",
+        out,
+    )
 
 
 def test_error_wrong_input_name_and_shape(tmp_path, capsys):
     out = tmp_path / "o.onnx"
     np.savez(tmp_path / "name.npz", image=np.zeros((2, 1, 28, 28), np.float32))
-    _expect_error(capsys, ["quantize", str(CNN), "-o", str(out), "--data",
-                           str(tmp_path / "name.npz")], "unexpected input(s) ['image']", out)
+    _expect_error(
+        capsys,
+        ["quantize", str(CNN), "-o", str(out), "--data", str(tmp_path / "name.npz")],
+        "unexpected input(s) ['image']",
+        out,
+    )
     np.savez(tmp_path / "shape.npz", input=np.zeros((2, 1, 32, 32), np.float32))
-    _expect_error(capsys, ["quantize", str(CNN), "-o", str(out), "--data",
-                           str(tmp_path / "shape.npz")], "input 'input' has shape", out)
+    _expect_error(
+        capsys,
+        ["quantize", str(CNN), "-o", str(out), "--data", str(tmp_path / "shape.npz")],
+        "input 'input' has shape",
+        out,
+    )
 
 
 def test_error_checker_rejects(tmp_path, calib, capsys):
@@ -115,37 +163,57 @@ def test_error_checker_rejects(tmp_path, calib, capsys):
     bad = tmp_path / "invalid.onnx"
     onnx.save(model, str(bad))
     out = tmp_path / "o.onnx"
-    _expect_error(capsys, ["quantize", str(bad), "-o", str(out), "--data", str(calib)],
-                  "rejected by onnx.checker", out)
+    _expect_error(
+        capsys,
+        ["quantize", str(bad), "-o", str(out), "--data", str(calib)],
+        "rejected by onnx.checker",
+        out,
+    )
 
 
 def test_error_output_is_input(tmp_path, calib, capsys):
     copy = tmp_path / "m.onnx"
     copy.write_bytes(CNN.read_bytes())
     before = sha(copy)
-    _expect_error(capsys, ["quantize", str(copy), "-o", str(copy), "--data", str(calib)],
-                  "never overwrites its input")
+    _expect_error(
+        capsys,
+        ["quantize", str(copy), "-o", str(copy), "--data", str(calib)],
+        "never overwrites its input",
+    )
     assert sha(copy) == before
 
 
 def test_error_unknown_exclude(tmp_path, calib, capsys):
     out = tmp_path / "o.onnx"
-    _expect_error(capsys, ["quantize", str(CNN), "-o", str(out), "--data", str(calib),
-                           "--exclude", "nope"], "not in the model", out)
+    _expect_error(
+        capsys,
+        ["quantize", str(CNN), "-o", str(out), "--data", str(calib), "--exclude", "nope"],
+        "not in the model",
+        out,
+    )
 
 
 def test_error_already_quantized(tmp_path, calib, capsys):
     out = tmp_path / "q.onnx"
     assert main(["quantize", str(CNN), "-o", str(out), "--data", str(calib), "--quiet"]) == 0
-    _expect_error(capsys, ["quantize", str(out), "-o", str(tmp_path / "qq.onnx"), "--data",
-                           str(calib)], "already quantized")
+    _expect_error(
+        capsys,
+        ["quantize", str(out), "-o", str(tmp_path / "qq.onnx"), "--data", str(calib)],
+        "already quantized",
+    )
 
 
 def test_inspect_lists_matches_and_reasons(tmp_path, capsys):
     w = np.ones((2, 3, 1, 1), np.float32)
-    model = make_model([h.make_node("Conv", ["x", "W"], ["c"], name="conv"),
-                        h.make_node("Sigmoid", ["c"], ["y"], name="sig")],
-                       [("x", ["N", 3, 4, 4])], [("y", None)], {"W": w})
+    model = make_model(
+        [
+            h.make_node("Conv", ["x", "W"], ["c"], name="conv"),
+            h.make_node("Sigmoid", ["c"], ["y"], name="sig"),
+        ],
+        [("x", ["N", 3, 4, 4])],
+        [("y", None)],
+        {"W": w},
+    )
     path = tmp_path / "m.onnx"
     onnx.save(model, str(path))
     assert main(["inspect", str(path), "--explain"]) == 0
@@ -159,10 +227,20 @@ def test_inspect_lists_matches_and_reasons(tmp_path, capsys):
 
 def test_console_script_demo_and_exit_codes(tmp_path):
     exe = [sys.executable, "-m", "onnxq.cli"]
-    res = subprocess.run([*exe, "demo", "--runs", "20", "-o", str(tmp_path / "demo.onnx")],
-                         capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    res = subprocess.run(
+        [*exe, "demo", "--runs", "20", "-o", str(tmp_path / "demo.onnx")],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=300,
+    )
     assert res.returncode == 0, res.stderr
     assert "int8 vs fp32" in res.stdout and (tmp_path / "demo.onnx").is_file()
-    res = subprocess.run([*exe, "quantize", str(tmp_path / "x.onnx"), "-o", "y.onnx", "--data",
-                          "d.npz"], capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    res = subprocess.run(
+        [*exe, "quantize", str(tmp_path / "x.onnx"), "-o", "y.onnx", "--data", "d.npz"],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=120,
+    )
     assert res.returncode == 2 and "Traceback" not in res.stderr

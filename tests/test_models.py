@@ -35,7 +35,7 @@ CASES = {
 
 def accuracy(model, x, y):
     name = model.graph.input[0].name
-    out = np.concatenate([run(model, {name: x[i:i + 500]})[0] for i in range(0, len(x), 500)])
+    out = np.concatenate([run(model, {name: x[i : i + 500]})[0] for i in range(0, len(x), 500)])
     return float((out.argmax(1) == y).mean())
 
 
@@ -48,8 +48,22 @@ def test_model_accuracy_through_cli(name, method, tmp_path):
     data = tmp_path / "calib.npz"
     np.savez(data, **{fp32.graph.input[0].name: calib})
     out = tmp_path / "int8.onnx"
-    assert main(["quantize", str(path), "-o", str(out), "--data", str(data), "--method", method,
-                 "--quiet"]) == 0
+    assert (
+        main(
+            [
+                "quantize",
+                str(path),
+                "-o",
+                str(out),
+                "--data",
+                str(data),
+                "--method",
+                method,
+                "--quiet",
+            ]
+        )
+        == 0
+    )
     int8 = onnx.load(str(out))
     onnx.checker.check_model(int8)
     kinds = {n.op_type for n in int8.graph.node}

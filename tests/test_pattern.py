@@ -37,8 +37,10 @@ def tensor(g: gs.Graph, name: str) -> gs.Tensor:
 
 
 def conv_relu_graph(extra_consumer: bool = False, as_output: bool = False):
-    nodes = [h.make_node("Conv", ["x", "W", "B"], ["c"], name="conv", pads=[1, 1, 1, 1]),
-             h.make_node("Relu", ["c"], ["y"], name="relu")]
+    nodes = [
+        h.make_node("Conv", ["x", "W", "B"], ["c"], name="conv", pads=[1, 1, 1, 1]),
+        h.make_node("Relu", ["c"], ["y"], name="relu"),
+    ]
     outputs = [("y", None)]
     if extra_consumer:
         nodes.append(h.make_node("Sigmoid", ["c"], ["z"], name="sig"))
@@ -69,9 +71,10 @@ def test_match_is_constant_initializer():
 
 
 def test_match_is_constant_constant_node():
-    nodes = [h.make_node("Constant", [], ["k"], name="k",
-                         value=h.make_tensor("v", 1, [1], [2.0])),
-             h.make_node("Mul", ["x", "k"], ["y"], name="mul")]
+    nodes = [
+        h.make_node("Constant", [], ["k"], name="k", value=h.make_tensor("v", 1, [1], [2.0])),
+        h.make_node("Mul", ["x", "k"], ["y"], name="mul"),
+    ]
     g = graph_of(nodes)
     assert match(is_op("Mul")(wildcard(), is_constant()), tensor(g, "y")) is not None
 
@@ -124,8 +127,15 @@ def test_no_match_missing_required_input():
 def test_match_has_attr_including_schema_default():
     g = conv_relu_graph()
     c = tensor(g, "c")
-    assert match(is_op("Conv")(wildcard(), wildcard(), wildcard()).has_attr(
-        {"pads": [1, 1, 1, 1], "group": 1}), c) is not None
+    assert (
+        match(
+            is_op("Conv")(wildcard(), wildcard(), wildcard()).has_attr(
+                {"pads": [1, 1, 1, 1], "group": 1}
+            ),
+            c,
+        )
+        is not None
+    )
     assert match(has_attr({"group": 1}, is_op("Conv")), c) is not None
 
 
@@ -184,14 +194,18 @@ def test_optional_matches_with_and_without():
 
 
 def test_commutative_add_matches_either_order():
-    g = graph_of([h.make_node("Add", ["k", "x"], ["y"], name="add")],
-                 inits={"k": np.ones((1, 3, 8, 8), np.float32)})
+    g = graph_of(
+        [h.make_node("Add", ["k", "x"], ["y"], name="add")],
+        inits={"k": np.ones((1, 3, 8, 8), np.float32)},
+    )
     assert match(is_op("Add")(wildcard(), is_constant()), tensor(g, "y")) is not None
 
 
 def test_non_commutative_sub_does_not_swap():
-    g = graph_of([h.make_node("Sub", ["k", "x"], ["y"], name="sub")],
-                 inits={"k": np.ones((1, 3, 8, 8), np.float32)})
+    g = graph_of(
+        [h.make_node("Sub", ["k", "x"], ["y"], name="sub")],
+        inits={"k": np.ones((1, 3, 8, 8), np.float32)},
+    )
     assert match(is_op("Sub")(wildcard().has_dtype(np.float32), is_input()), tensor(g, "y"))
     assert match(is_op("Sub")(is_input(), is_constant()), tensor(g, "y")) is None
     assert match(is_op("Sub", commutative=True)(is_input(), is_constant()), tensor(g, "y"))
@@ -199,10 +213,14 @@ def test_non_commutative_sub_does_not_swap():
 
 def test_multi_output_index():
     g = graph_of(
-        [h.make_node("Split", ["x"], ["a", "b"], axis=1, name="split"),
-         h.make_node("Relu", ["b"], ["y"], name="relu"),
-         h.make_node("Relu", ["a"], ["z"], name="relu_a")],
-        inputs=(("x", [1, 4, 8, 8]),), outputs=(("y", None), ("z", None)))
+        [
+            h.make_node("Split", ["x"], ["a", "b"], axis=1, name="split"),
+            h.make_node("Relu", ["b"], ["y"], name="relu"),
+            h.make_node("Relu", ["a"], ["z"], name="relu_a"),
+        ],
+        inputs=(("x", [1, 4, 8, 8]),),
+        outputs=(("y", None), ("z", None)),
+    )
     split = is_op("Split")(wildcard())
     assert match(is_op("Relu")(split[1]), tensor(g, "y")) is not None
     res = match_explain(is_op("Relu")(split[1]), tensor(g, "z"))
@@ -214,8 +232,10 @@ def test_same_pattern_binds_same_tensor():
     g = graph_of([h.make_node("Add", ["x", "x"], ["y"], name="add")])
     x = wildcard()
     assert match(is_op("Add")(x, x), tensor(g, "y")) is not None
-    g2 = graph_of([h.make_node("Add", ["x", "k"], ["y"], name="add")],
-                  inits={"k": np.ones((1, 3, 8, 8), np.float32)})
+    g2 = graph_of(
+        [h.make_node("Add", ["x", "k"], ["y"], name="add")],
+        inits={"k": np.ones((1, 3, 8, 8), np.float32)},
+    )
     res = match_explain(is_op("Add")(x, x), tensor(g2, "y"))
     assert not res.ok and "bound earlier" in res.reason
 
@@ -262,8 +282,10 @@ def test_escape_rule_rejects_interior_graph_output():
 
 
 def test_partition_no_overlap_and_priority():
-    nodes = [h.make_node("Relu", ["x"], ["a"], name="r1"),
-             h.make_node("Relu", ["a"], ["y"], name="r2")]
+    nodes = [
+        h.make_node("Relu", ["x"], ["a"], name="r1"),
+        h.make_node("Relu", ["a"], ["y"], name="r2"),
+    ]
     g = graph_of(nodes)
     single = is_op("Relu")(wildcard())
     double = is_op("Relu")(is_op("Relu")(wildcard()))
@@ -274,8 +296,9 @@ def test_partition_no_overlap_and_priority():
 
 
 def test_find_all_reports_overlapping_matches():
-    g = graph_of([h.make_node("Relu", ["x"], ["a"], name="r1"),
-                  h.make_node("Relu", ["a"], ["y"], name="r2")])
+    g = graph_of(
+        [h.make_node("Relu", ["x"], ["a"], name="r1"), h.make_node("Relu", ["a"], ["y"], name="r2")]
+    )
     assert len(find_all(is_op("Relu")(wildcard()), g)) == 2
 
 
@@ -296,9 +319,14 @@ def test_rewrite_callback_fixed_point_and_numerics():
 
     from onnxq.graph import export_model
 
-    model = make_model([h.make_node("Relu", ["x"], ["a"], name="r1"),
-                        h.make_node("Relu", ["a"], ["y"], name="r2")],
-                       [("x", [2, 3])], [("y", [2, 3])])
+    model = make_model(
+        [
+            h.make_node("Relu", ["x"], ["a"], name="r1"),
+            h.make_node("Relu", ["a"], ["y"], name="r2"),
+        ],
+        [("x", [2, 3])],
+        [("y", [2, 3])],
+    )
     g = import_graph(model)
     res = rewrite(ReluToClip(), g)
     assert res.modified and res.converged and res.iterations == 2

@@ -36,19 +36,37 @@ def quantize_random(model, input_shapes, n=16, **kw):
 
 
 CONV_CASES = {
-    "conv": ([h.make_node("Conv", ["x", "W"], ["y"], pads=[1, 1, 1, 1], name="conv")],
-             {"W": weights(8, 3, 3, 3)}, ["QLinearConv"]),
-    "conv+bias": ([h.make_node("Conv", ["x", "W", "B"], ["y"], pads=[1, 1, 1, 1], name="conv")],
-                  {"W": weights(8, 3, 3, 3), "B": weights(8)}, ["QLinearConv"]),
-    "conv+bias+relu": ([h.make_node("Conv", ["x", "W", "B"], ["c"], name="conv"),
-                        h.make_node("Relu", ["c"], ["y"], name="relu")],
-                       {"W": weights(8, 3, 3, 3), "B": weights(8)}, ["QLinearConv"]),
-    "conv+relu (no bias)": ([h.make_node("Conv", ["x", "W"], ["c"], name="conv"),
-                             h.make_node("Relu", ["c"], ["y"], name="relu")],
-                            {"W": weights(8, 3, 3, 3)}, ["QLinearConv"]),
-    "depthwise": ([h.make_node("Conv", ["x", "W", "B"], ["y"], group=3, pads=[1, 1, 1, 1],
-                               name="conv")],
-                  {"W": weights(3, 1, 3, 3), "B": weights(3)}, ["QLinearConv"]),
+    "conv": (
+        [h.make_node("Conv", ["x", "W"], ["y"], pads=[1, 1, 1, 1], name="conv")],
+        {"W": weights(8, 3, 3, 3)},
+        ["QLinearConv"],
+    ),
+    "conv+bias": (
+        [h.make_node("Conv", ["x", "W", "B"], ["y"], pads=[1, 1, 1, 1], name="conv")],
+        {"W": weights(8, 3, 3, 3), "B": weights(8)},
+        ["QLinearConv"],
+    ),
+    "conv+bias+relu": (
+        [
+            h.make_node("Conv", ["x", "W", "B"], ["c"], name="conv"),
+            h.make_node("Relu", ["c"], ["y"], name="relu"),
+        ],
+        {"W": weights(8, 3, 3, 3), "B": weights(8)},
+        ["QLinearConv"],
+    ),
+    "conv+relu (no bias)": (
+        [
+            h.make_node("Conv", ["x", "W"], ["c"], name="conv"),
+            h.make_node("Relu", ["c"], ["y"], name="relu"),
+        ],
+        {"W": weights(8, 3, 3, 3)},
+        ["QLinearConv"],
+    ),
+    "depthwise": (
+        [h.make_node("Conv", ["x", "W", "B"], ["y"], group=3, pads=[1, 1, 1, 1], name="conv")],
+        {"W": weights(3, 1, 3, 3), "B": weights(3)},
+        ["QLinearConv"],
+    ),
 }
 
 
@@ -64,24 +82,50 @@ def test_conv_patterns(case, per_channel):
 
 
 DENSE_CASES = {
-    "matmul": ([h.make_node("MatMul", ["x", "W"], ["y"], name="mm")], {"W": weights(16, 8)},
-               "QLinearMatMul"),
-    "matmul+add": ([h.make_node("MatMul", ["x", "W"], ["m"], name="mm"),
-                    h.make_node("Add", ["m", "B"], ["y"], name="add")],
-                   {"W": weights(16, 8), "B": weights(8)}, "QGemm"),
-    "bias+matmul (bias first)": ([h.make_node("MatMul", ["x", "W"], ["m"], name="mm"),
-                                  h.make_node("Add", ["B", "m"], ["y"], name="add")],
-                                 {"W": weights(16, 8), "B": weights(8)}, "QGemm"),
-    "gemm transB=0": ([h.make_node("Gemm", ["x", "W", "B"], ["y"], name="gemm")],
-                      {"W": weights(16, 8), "B": weights(8)}, "QGemm"),
-    "gemm transB=1 alpha beta": ([h.make_node("Gemm", ["x", "W", "B"], ["y"], transB=1,
-                                              alpha=0.5, beta=2.0, name="gemm")],
-                                 {"W": weights(8, 16), "B": weights(8)}, "QGemm"),
-    "gemm no bias": ([h.make_node("Gemm", ["x", "W"], ["y"], transB=1, name="gemm")],
-                     {"W": weights(8, 16)}, "QGemm"),
-    "gemm+relu": ([h.make_node("Gemm", ["x", "W", "B"], ["g"], name="gemm"),
-                   h.make_node("Relu", ["g"], ["y"], name="relu")],
-                  {"W": weights(16, 8), "B": weights(8)}, "QGemm"),
+    "matmul": (
+        [h.make_node("MatMul", ["x", "W"], ["y"], name="mm")],
+        {"W": weights(16, 8)},
+        "QLinearMatMul",
+    ),
+    "matmul+add": (
+        [
+            h.make_node("MatMul", ["x", "W"], ["m"], name="mm"),
+            h.make_node("Add", ["m", "B"], ["y"], name="add"),
+        ],
+        {"W": weights(16, 8), "B": weights(8)},
+        "QGemm",
+    ),
+    "bias+matmul (bias first)": (
+        [
+            h.make_node("MatMul", ["x", "W"], ["m"], name="mm"),
+            h.make_node("Add", ["B", "m"], ["y"], name="add"),
+        ],
+        {"W": weights(16, 8), "B": weights(8)},
+        "QGemm",
+    ),
+    "gemm transB=0": (
+        [h.make_node("Gemm", ["x", "W", "B"], ["y"], name="gemm")],
+        {"W": weights(16, 8), "B": weights(8)},
+        "QGemm",
+    ),
+    "gemm transB=1 alpha beta": (
+        [h.make_node("Gemm", ["x", "W", "B"], ["y"], transB=1, alpha=0.5, beta=2.0, name="gemm")],
+        {"W": weights(8, 16), "B": weights(8)},
+        "QGemm",
+    ),
+    "gemm no bias": (
+        [h.make_node("Gemm", ["x", "W"], ["y"], transB=1, name="gemm")],
+        {"W": weights(8, 16)},
+        "QGemm",
+    ),
+    "gemm+relu": (
+        [
+            h.make_node("Gemm", ["x", "W", "B"], ["g"], name="gemm"),
+            h.make_node("Relu", ["g"], ["y"], name="relu"),
+        ],
+        {"W": weights(16, 8), "B": weights(8)},
+        "QGemm",
+    ),
 }
 
 
@@ -98,8 +142,12 @@ def test_dense_patterns(case, per_channel):
 def test_per_channel_scales_follow_output_axis():
     w = weights(8, 16)
     w[3] *= 50  # one output row of a transB=1 weight is much larger
-    model = make_model([h.make_node("Gemm", ["x", "W"], ["y"], transB=1, name="gemm")],
-                       [("x", ["N", 16])], [("y", None)], {"W": w})
+    model = make_model(
+        [h.make_node("Gemm", ["x", "W"], ["y"], transB=1, name="gemm")],
+        [("x", ["N", 16])],
+        [("y", None)],
+        {"W": w},
+    )
     _, report, _ = quantize_random(model, {"x": [1, 16]})
     scale = np.asarray(report.values["W_scale"])
     assert scale.shape == (8,) and scale.argmax() == 3
@@ -107,10 +155,15 @@ def test_per_channel_scales_follow_output_axis():
 
 
 def test_matmul_3d_input_keeps_bias_float_with_reason():
-    model = make_model([h.make_node("MatMul", ["x", "W"], ["m"], name="mm"),
-                        h.make_node("Add", ["m", "B"], ["y"], name="add")],
-                       [("x", ["N", 4, 16])], [("y", None)],
-                       {"W": weights(16, 8), "B": weights(8)})
+    model = make_model(
+        [
+            h.make_node("MatMul", ["x", "W"], ["m"], name="mm"),
+            h.make_node("Add", ["m", "B"], ["y"], name="add"),
+        ],
+        [("x", ["N", 4, 16])],
+        [("y", None)],
+        {"W": weights(16, 8), "B": weights(8)},
+    )
     q, report, feeds = quantize_random(model, {"x": [1, 4, 16]})
     assert ops(q) == ["QuantizeLinear", "QLinearMatMul", "DequantizeLinear", "Add"]
     add = next(d for d in report.decisions if d.node == "add")
@@ -119,8 +172,11 @@ def test_matmul_3d_input_keeps_bias_float_with_reason():
 
 
 def test_conv_with_dynamic_weight_is_not_matched():
-    model = make_model([h.make_node("Conv", ["x", "w"], ["y"], name="conv")],
-                       [("x", ["N", 3, 8, 8]), ("w", [4, 3, 3, 3])], [("y", None)])
+    model = make_model(
+        [h.make_node("Conv", ["x", "w"], ["y"], name="conv")],
+        [("x", ["N", 3, 8, 8]), ("w", [4, 3, 3, 3])],
+        [("y", None)],
+    )
     decision = Quantizer(model).decisions["conv"]
     assert not decision.quantized and "'w' is not a constant" in decision.reason
 
@@ -136,14 +192,21 @@ BINARY_CASES = {
 @pytest.mark.parametrize("case", list(BINARY_CASES))
 def test_binary_patterns_between_convs(case):
     op, qop, relu = BINARY_CASES[case]
-    nodes = [h.make_node("Conv", ["x", "W1", "B1"], ["a"], pads=[1, 1, 1, 1], name="c1"),
-             h.make_node("Conv", ["x", "W2", "B2"], ["b"], pads=[1, 1, 1, 1], name="c2"),
-             h.make_node(op, ["a", "b"], ["s" if relu else "t"], name="bin")]
+    nodes = [
+        h.make_node("Conv", ["x", "W1", "B1"], ["a"], pads=[1, 1, 1, 1], name="c1"),
+        h.make_node("Conv", ["x", "W2", "B2"], ["b"], pads=[1, 1, 1, 1], name="c2"),
+        h.make_node(op, ["a", "b"], ["s" if relu else "t"], name="bin"),
+    ]
     if relu:
         nodes.append(h.make_node("Relu", ["s"], ["t"], name="relu"))
     nodes.append(h.make_node("Conv", ["t", "W3"], ["y"], name="c3"))
-    inits = {"W1": weights(4, 3, 3, 3), "B1": weights(4), "W2": weights(4, 3, 3, 3),
-             "B2": weights(4), "W3": weights(2, 4, 1, 1)}
+    inits = {
+        "W1": weights(4, 3, 3, 3),
+        "B1": weights(4),
+        "W2": weights(4, 3, 3, 3),
+        "B2": weights(4),
+        "W3": weights(2, 4, 1, 1),
+    }
     model = make_model(nodes, [("x", ["N", 3, 8, 8])], [("y", None)], inits)
     q, report, feeds = quantize_random(model, {"x": [1, 3, 8, 8]})
     hist = ops(q)
@@ -155,15 +218,22 @@ def test_binary_patterns_between_convs(case):
 
 
 def test_add_with_constant_is_not_a_binary_pattern():
-    model = make_model([h.make_node("Add", ["x", "k"], ["y"], name="add")],
-                       [("x", ["N", 4])], [("y", None)], {"k": weights(4)})
+    model = make_model(
+        [h.make_node("Add", ["x", "k"], ["y"], name="add")],
+        [("x", ["N", 4])],
+        [("y", None)],
+        {"k": weights(4)},
+    )
     d = Quantizer(model).decisions["add"]
     assert not d.quantized and "is a constant" in d.reason
 
 
 def test_isolated_add_stays_float():
-    model = make_model([h.make_node("Add", ["x", "z"], ["y"], name="add")],
-                       [("x", ["N", 4]), ("z", ["N", 4])], [("y", None)])
+    model = make_model(
+        [h.make_node("Add", ["x", "z"], ["y"], name="add")],
+        [("x", ["N", 4]), ("z", ["N", 4])],
+        [("y", None)],
+    )
     qz = Quantizer(model)
     d = qz.decisions["add"]
     assert not d.quantized and "round trip" in d.reason
@@ -171,11 +241,17 @@ def test_isolated_add_stays_float():
 
 
 def test_shared_input_is_quantized_once():
-    nodes = [h.make_node("Conv", ["x", "W1"], ["a"], name="c1"),
-             h.make_node("Conv", ["x", "W2"], ["b"], name="c2"),
-             h.make_node("Add", ["a", "b"], ["y"], name="add")]
-    model = make_model(nodes, [("x", ["N", 3, 8, 8])], [("y", None)],
-                       {"W1": weights(4, 3, 3, 3), "W2": weights(4, 3, 3, 3)})
+    nodes = [
+        h.make_node("Conv", ["x", "W1"], ["a"], name="c1"),
+        h.make_node("Conv", ["x", "W2"], ["b"], name="c2"),
+        h.make_node("Add", ["a", "b"], ["y"], name="add"),
+    ]
+    model = make_model(
+        nodes,
+        [("x", ["N", 3, 8, 8])],
+        [("y", None)],
+        {"W1": weights(4, 3, 3, 3), "W2": weights(4, 3, 3, 3)},
+    )
     q, report, feeds = quantize_random(model, {"x": [1, 3, 8, 8]})
     assert ops(q).count("QuantizeLinear") == 1
     assert [k for k in report.values if k.startswith("x_")] == ["x_scale", "x_zero_point"]
@@ -183,10 +259,15 @@ def test_shared_input_is_quantized_once():
 
 
 def test_relu_folded_output_has_zero_point_at_qmin():
-    model = make_model([h.make_node("Conv", ["x", "W", "B"], ["c"], name="conv"),
-                        h.make_node("Relu", ["c"], ["y"], name="relu")],
-                       [("x", ["N", 3, 8, 8])], [("y", None)],
-                       {"W": weights(8, 3, 3, 3), "B": weights(8)})
+    model = make_model(
+        [
+            h.make_node("Conv", ["x", "W", "B"], ["c"], name="conv"),
+            h.make_node("Relu", ["c"], ["y"], name="relu"),
+        ],
+        [("x", ["N", 3, 8, 8])],
+        [("y", None)],
+        {"W": weights(8, 3, 3, 3), "B": weights(8)},
+    )
     q, report, feeds = quantize_random(model, {"x": [1, 3, 8, 8]})
     assert report.values["y_zero_point"] == 0
     assert run(q, feeds)[0].min() >= 0
@@ -196,10 +277,16 @@ def test_relu_folded_output_has_zero_point_at_qmin():
 
 
 def test_excluded_node_stays_float():
-    nodes = [h.make_node("Conv", ["x", "W1"], ["a"], name="c1"),
-             h.make_node("Conv", ["a", "W2"], ["y"], name="c2")]
-    model = make_model(nodes, [("x", ["N", 3, 8, 8])], [("y", None)],
-                       {"W1": weights(4, 3, 3, 3), "W2": weights(4, 4, 3, 3)})
+    nodes = [
+        h.make_node("Conv", ["x", "W1"], ["a"], name="c1"),
+        h.make_node("Conv", ["a", "W2"], ["y"], name="c2"),
+    ]
+    model = make_model(
+        nodes,
+        [("x", ["N", 3, 8, 8])],
+        [("y", None)],
+        {"W1": weights(4, 3, 3, 3), "W2": weights(4, 4, 3, 3)},
+    )
     q, report, feeds = quantize_random(model, {"x": [1, 3, 8, 8]}, exclude=["c2"])
     assert ops(q) == ["QuantizeLinear", "QLinearConv", "DequantizeLinear", "Conv"]
     d = next(d for d in report.decisions if d.node == "c2")
@@ -208,20 +295,35 @@ def test_excluded_node_stays_float():
 
 
 def test_placeholder_names_are_deterministic():
-    model = make_model([h.make_node("Conv", ["x", "W", "B"], ["y"], name="conv")],
-                       [("x", ["N", 3, 8, 8])], [("y", None)],
-                       {"W": weights(4, 3, 3, 3), "B": weights(4)})
+    model = make_model(
+        [h.make_node("Conv", ["x", "W", "B"], ["y"], name="conv")],
+        [("x", ["N", 3, 8, 8])],
+        [("y", None)],
+        {"W": weights(4, 3, 3, 3), "B": weights(4)},
+    )
     names = [sorted(Quantizer(model).placeholders) for _ in range(2)]
     assert names[0] == names[1]
-    assert names[0] == ["W_quantized", "W_scale", "W_zero_point", "conv.bias_quantized",
-                        "x_scale", "x_zero_point", "y_scale", "y_zero_point"]
+    assert names[0] == [
+        "W_quantized",
+        "W_scale",
+        "W_zero_point",
+        "conv.bias_quantized",
+        "x_scale",
+        "x_zero_point",
+        "y_scale",
+        "y_zero_point",
+    ]
 
 
 def test_bias_overflow_widens_weight_scale_instead_of_clipping():
     w = np.full((2, 4), 1e-6, np.float32)
     b = np.array([1e6, 1.0], np.float32)
-    model = make_model([h.make_node("Gemm", ["x", "W", "B"], ["y"], transB=1, name="gemm")],
-                       [("x", ["N", 4])], [("y", None)], {"W": w, "B": b})
+    model = make_model(
+        [h.make_node("Gemm", ["x", "W", "B"], ["y"], transB=1, name="gemm")],
+        [("x", ["N", 4])],
+        [("y", None)],
+        {"W": w, "B": b},
+    )
     data = {"x": np.full((4, 4), 1e-3, np.float32)}
     q, report = onnxq.quantize(model, data, progress=False)
     ws = np.asarray(report.values["W_scale"])

@@ -14,11 +14,15 @@ from onnxq.requantize import Requantizer
 
 def qdq_model(nodes, inits, out_shape=(1, 4, 4, 4), opset=13):
     graph = h.make_graph(
-        nodes, "rq", [h.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4, 4, 4])],
+        nodes,
+        "rq",
+        [h.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4, 4, 4])],
         [h.make_tensor_value_info("y", TensorProto.FLOAT, list(out_shape))],
-        [nh.from_array(np.asarray(v), k) for k, v in inits.items()])
-    model = h.make_model(graph, opset_imports=[h.make_opsetid("", opset),
-                                               h.make_opsetid("com.microsoft", 1)])
+        [nh.from_array(np.asarray(v), k) for k, v in inits.items()],
+    )
+    model = h.make_model(
+        graph, opset_imports=[h.make_opsetid("", opset), h.make_opsetid("com.microsoft", 1)]
+    )
     model.ir_version = 8
     return model
 
@@ -34,10 +38,12 @@ X = np.random.default_rng(0).uniform(-1, 2, (1, 4, 4, 4)).astype(np.float32)
 
 
 def test_equal_pair_is_removed():
-    nodes = [h.make_node("QuantizeLinear", ["x", "s1", "z1"], ["q"], name="q0"),
-             h.make_node("DequantizeLinear", ["q", "s1", "z1"], ["d"], name="dq0"),
-             h.make_node("QuantizeLinear", ["d", "s1", "z1"], ["q2"], name="q1"),
-             h.make_node("DequantizeLinear", ["q2", "s1", "z1"], ["y"], name="dq1")]
+    nodes = [
+        h.make_node("QuantizeLinear", ["x", "s1", "z1"], ["q"], name="q0"),
+        h.make_node("DequantizeLinear", ["q", "s1", "z1"], ["d"], name="dq0"),
+        h.make_node("QuantizeLinear", ["d", "s1", "z1"], ["q2"], name="q1"),
+        h.make_node("DequantizeLinear", ["q2", "s1", "z1"], ["y"], name="dq1"),
+    ]
     model = qdq_model(nodes, scalars(s1=0.02, z1=60))
     rq = Requantizer()
     out = rq.requantize(model)
@@ -47,12 +53,19 @@ def test_equal_pair_is_removed():
 
 def test_different_params_feed_qlinear_op_directly():
     # Q(x,s1) -> DQ -> Q(s2) -> QLinearAdd(·, ·) : the add reads the s1 tensor directly
-    nodes = [h.make_node("QuantizeLinear", ["x", "s1", "z1"], ["q"], name="q0"),
-             h.make_node("DequantizeLinear", ["q", "s1", "z1"], ["d"], name="dq0"),
-             h.make_node("QuantizeLinear", ["d", "s2", "z2"], ["q2"], name="q1"),
-             h.make_node("QLinearAdd", ["q2", "s2", "z2", "q2", "s2", "z2", "s3", "z3"], ["a"],
-                         domain="com.microsoft", name="add"),
-             h.make_node("DequantizeLinear", ["a", "s3", "z3"], ["y"], name="dq1")]
+    nodes = [
+        h.make_node("QuantizeLinear", ["x", "s1", "z1"], ["q"], name="q0"),
+        h.make_node("DequantizeLinear", ["q", "s1", "z1"], ["d"], name="dq0"),
+        h.make_node("QuantizeLinear", ["d", "s2", "z2"], ["q2"], name="q1"),
+        h.make_node(
+            "QLinearAdd",
+            ["q2", "s2", "z2", "q2", "s2", "z2", "s3", "z3"],
+            ["a"],
+            domain="com.microsoft",
+            name="add",
+        ),
+        h.make_node("DequantizeLinear", ["a", "s3", "z3"], ["y"], name="dq1"),
+    ]
     model = qdq_model(nodes, scalars(s1=0.012, z1=85, s2=0.02, z2=60, s3=0.03, z3=70))
     rq = Requantizer()
     out = rq.requantize(model)
@@ -67,12 +80,13 @@ def test_different_params_feed_qlinear_op_directly():
 
 
 def test_dq_moves_past_maxpool_and_pair_folds():
-    nodes = [h.make_node("QuantizeLinear", ["x", "s1", "z1"], ["q"], name="q0"),
-             h.make_node("DequantizeLinear", ["q", "s1", "z1"], ["d"], name="dq0"),
-             h.make_node("MaxPool", ["d"], ["p"], kernel_shape=[2, 2], strides=[2, 2],
-                         name="pool"),
-             h.make_node("QuantizeLinear", ["p", "s1", "z1"], ["q2"], name="q1"),
-             h.make_node("DequantizeLinear", ["q2", "s1", "z1"], ["y"], name="dq1")]
+    nodes = [
+        h.make_node("QuantizeLinear", ["x", "s1", "z1"], ["q"], name="q0"),
+        h.make_node("DequantizeLinear", ["q", "s1", "z1"], ["d"], name="dq0"),
+        h.make_node("MaxPool", ["d"], ["p"], kernel_shape=[2, 2], strides=[2, 2], name="pool"),
+        h.make_node("QuantizeLinear", ["p", "s1", "z1"], ["q2"], name="q1"),
+        h.make_node("DequantizeLinear", ["q2", "s1", "z1"], ["y"], name="dq1"),
+    ]
     model = qdq_model(nodes, scalars(s1=0.02, z1=60), out_shape=(1, 4, 2, 2))
     rq = Requantizer()
     out = rq.requantize(model)
@@ -82,10 +96,11 @@ def test_dq_moves_past_maxpool_and_pair_folds():
 
 
 def test_maxpool_is_not_crossed_below_opset_12():
-    nodes = [h.make_node("QuantizeLinear", ["x", "s1", "z1"], ["q"], name="q0"),
-             h.make_node("DequantizeLinear", ["q", "s1", "z1"], ["d"], name="dq0"),
-             h.make_node("MaxPool", ["d"], ["y"], kernel_shape=[2, 2], strides=[2, 2],
-                         name="pool")]
+    nodes = [
+        h.make_node("QuantizeLinear", ["x", "s1", "z1"], ["q"], name="q0"),
+        h.make_node("DequantizeLinear", ["q", "s1", "z1"], ["d"], name="dq0"),
+        h.make_node("MaxPool", ["d"], ["y"], kernel_shape=[2, 2], strides=[2, 2], name="pool"),
+    ]
     model = qdq_model(nodes, scalars(s1=0.02, z1=60), out_shape=(1, 4, 2, 2), opset=11)
     out = Requantizer().requantize(model)
     assert ops(out) == ["QuantizeLinear", "DequantizeLinear", "MaxPool"]
@@ -93,9 +108,11 @@ def test_maxpool_is_not_crossed_below_opset_12():
 
 def test_relu_after_dq_at_qmin_is_dropped_and_kept_otherwise():
     for zp, kept in ((0, False), (60, True)):
-        nodes = [h.make_node("QuantizeLinear", ["x", "s1", "z1"], ["q"], name="q0"),
-                 h.make_node("DequantizeLinear", ["q", "s1", "z1"], ["d"], name="dq0"),
-                 h.make_node("Relu", ["d"], ["y"], name="relu")]
+        nodes = [
+            h.make_node("QuantizeLinear", ["x", "s1", "z1"], ["q"], name="q0"),
+            h.make_node("DequantizeLinear", ["q", "s1", "z1"], ["d"], name="dq0"),
+            h.make_node("Relu", ["d"], ["y"], name="relu"),
+        ]
         model = qdq_model(nodes, scalars(s1=0.02, z1=zp))
         out = Requantizer().requantize(model)
         assert ("Relu" in ops(out)) is kept

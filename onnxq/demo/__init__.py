@@ -24,9 +24,11 @@ def demo_files() -> tuple[Path, dict[str, np.ndarray]]:
     root = resources.files("onnxq.demo")
     model = Path(str(root / "digits_cnn.onnx"))
     with np.load(str(root / "digits.npz")) as raw:
-        data = {"calib": raw["calib"].astype(np.float32) / 16.0,
-                "test": raw["test"].astype(np.float32) / 16.0,
-                "labels": raw["labels"].astype(np.int64)}
+        data = {
+            "calib": raw["calib"].astype(np.float32) / 16.0,
+            "test": raw["test"].astype(np.float32) / 16.0,
+            "labels": raw["labels"].astype(np.int64),
+        }
     return model, data
 
 
@@ -70,8 +72,10 @@ def run_demo(output: str | None = None, runs: int = 300) -> int:
 
     path, data = demo_files()
     fp32 = load_model(path)
-    print(f"onnxq demo: {path.name}, calibrating on {len(data['calib'])} images, testing on "
-          f"{len(data['test'])}")
+    print(
+        f"onnxq demo: {path.name}, calibrating on {len(data['calib'])} images, testing on "
+        f"{len(data['test'])}"
+    )
     with tempfile.TemporaryDirectory() as tmp:
         target = output or str(Path(tmp) / "digits_cnn.int8.onnx")
         int8, report = quantize(fp32, {"input": data["calib"]}, output=target)
@@ -87,8 +91,10 @@ def run_demo(output: str | None = None, runs: int = 300) -> int:
     for label, acc, size, lat in rows:
         print(f"{label:<6} {acc * 100:>8.2f}% {size / 1024:>11.1f} {lat:>23.3f}")
     (_, a32, s32, l32), (_, a8, s8, l8) = rows
-    print(f"\nint8 vs fp32: accuracy {100 * (a8 - a32):+.2f} points, size ×{s8 / s32:.2f}, "
-          f"latency ×{l8 / l32:.2f}")
+    print(
+        f"\nint8 vs fp32: accuracy {100 * (a8 - a32):+.2f} points, size ×{s8 / s32:.2f}, "
+        f"latency ×{l8 / l32:.2f}"
+    )
     if output:
         print(f"wrote {output}")
     return 0
