@@ -50,7 +50,7 @@ def test_quantize_writes_model_and_report(tmp_path, calib, capsys):
     onnx.checker.check_model(onnx.load(str(out)))
     assert sha(CNN) == before  # the input model is never modified
     report = json.loads((tmp_path / "r.json").read_text())
-    assert report["ops_after"]["QLinearConv"] == 2
+    assert report["ops_after"]["QLinearConv"] == 3
 
 
 @pytest.mark.parametrize(
@@ -71,7 +71,7 @@ def test_quantize_options(tmp_path, calib, flags):
     )
     model = onnx.load(str(out))
     convs = [n for n in model.graph.node if n.op_type == "QLinearConv"]
-    assert len(convs) == (1 if "--exclude" in flags else 2)
+    assert len(convs) == (2 if "--exclude" in flags else 3)
 
 
 def test_output_is_byte_identical_across_runs(tmp_path, calib):
