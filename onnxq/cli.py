@@ -126,6 +126,10 @@ def _quantize(args: argparse.Namespace) -> int:
             f"output '{dst}' is the input model; onnxq never overwrites its input — "
             "choose another -o"
         )
+    if not (dst.parent if str(dst.parent) else Path(".")).is_dir():
+        raise ConfigError(
+            f"output folder '{dst.parent}' does not exist; create it or choose another -o"
+        )
     if args.batch_size is not None and args.batch_size < 1:
         raise ConfigError(f"--batch-size {args.batch_size} must be >= 1")
     if args.samples is not None and args.samples < 1:
