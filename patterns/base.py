@@ -12,7 +12,17 @@ from typing import Any
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from onnxq.pattern import DFPattern, Match, MatchResult, is_op, node_attr, tensor_shape
+from onnxq.calibration import CalibrationCallback
+from onnxq.pattern import (
+    DFPattern,
+    Match,
+    MatchResult,
+    is_constant,
+    is_op,
+    node_attr,
+    tensor_shape,
+    wildcard,
+)
 from onnxq.quantizer import PatternRecord, QTensor, QuantizerPattern
 
 
@@ -25,15 +35,25 @@ def with_relu(core: DFPattern) -> tuple[DFPattern, DFPattern]:
 class WeightedPattern(QuantizerPattern):
     """``op(x, W[, b]) [→ Relu]`` with a constant weight: Q(x) → QLinear op → DQ.
 
-    Subclasses define ``self.x``, ``self.w``, ``self.b`` (None when there is no bias),
-    ``self.core`` (the op's call pattern), ``self.relu`` and ``self.pattern``.
+    A rule is data: subclasses set ``op_type`` and ``has_bias``; the constructor builds
+    ``self.x``, ``self.w``, ``self.b`` (None without bias), ``self.core`` (the op's call
+    pattern), ``self.relu`` and ``self.pattern``. :meth:`build` may be overridden for larger
+    subgraphs (MatMul → Add).
     """
 
-    x: DFPattern
-    w: DFPattern
-    b: DFPattern | None
-    core: DFPattern
-    relu: DFPattern
+    op_type = ""
+    has_bias = False
+
+    def __init__(self, calibration_callback: CalibrationCallback | None = None):
+        super().__init__(calibration_callback)
+        self.x, self.w = wildcard(), is_constant()
+        self.b: DFPattern | None = is_constant() if self.has_bias else None
+        self.core: DFPattern = is_op(self.op_type)(self.x, self.w, self.b)
+        self.pattern, self.relu = with_relu(self.build())
+
+    def build(self) -> DFPattern:
+        """The pattern before the optional Relu (default: the op itself)."""
+        return self.core
 
     def weight_channel_axis(self, node: gs.Node, weight: np.ndarray) -> int:
         """The axis of ``weight`` that indexes output channels (per-channel scales run on it)."""

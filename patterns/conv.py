@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from onnxq.pattern import Match, is_constant, is_op, wildcard
-from onnxq.patterns.base import WeightedPattern, with_relu
+from onnxq.pattern import Match
+from onnxq.patterns.base import WeightedPattern
 from onnxq.quantizer import QTensor
 
 
@@ -37,24 +37,15 @@ class ConvPattern(_ConvBase):
     """Conv without bias, optionally followed by Relu."""
 
     name = "conv"
-
-    def __init__(self, calibration_callback=None):
-        super().__init__(calibration_callback)
-        self.x, self.w, self.b = wildcard(), is_constant(), None
-        self.core = is_op("Conv")(self.x, self.w, None)
-        self.pattern, self.relu = with_relu(self.core)
+    op_type = "Conv"
 
 
 class ConvBiasPattern(_ConvBase):
     """Conv with a constant bias, optionally followed by Relu."""
 
     name = "conv+bias"
-
-    def __init__(self, calibration_callback=None):
-        super().__init__(calibration_callback)
-        self.x, self.w, self.b = wildcard(), is_constant(), is_constant()
-        self.core = is_op("Conv")(self.x, self.w, self.b)
-        self.pattern, self.relu = with_relu(self.core)
+    op_type = "Conv"
+    has_bias = True
 
 
 # Conv(x, W) [→ Relu]     -> DQ(QLinearConv(Q(x), Wq, ys, yz))            (Relu: yz = qmin)

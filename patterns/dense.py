@@ -6,8 +6,16 @@ import numpy as np
 import onnx_graphsurgeon as gs
 
 from onnxq.graph import MS_DOMAIN
-from onnxq.pattern import Match, MatchResult, is_constant, is_op, node_attr, tensor_shape, wildcard
-from onnxq.patterns.base import WeightedPattern, with_relu
+from onnxq.pattern import (
+    DFPattern,
+    Match,
+    MatchResult,
+    is_constant,
+    is_op,
+    node_attr,
+    tensor_shape,
+)
+from onnxq.patterns.base import WeightedPattern
 from onnxq.quantizer import QTensor
 
 
@@ -94,50 +102,34 @@ class GemmPattern(_DenseBase):
     """Gemm(x, W) with a constant weight (transB 0 or 1), optionally followed by Relu."""
 
     name = "gemm"
-
-    def __init__(self, calibration_callback=None):
-        super().__init__(calibration_callback)
-        self.x, self.w, self.b = wildcard(), is_constant(), None
-        self.core = is_op("Gemm")(self.x, self.w, None)
-        self.pattern, self.relu = with_relu(self.core)
+    op_type = "Gemm"
 
 
 class GemmBiasPattern(_DenseBase):
     """Gemm(x, W, C) with constant weight and bias, optionally followed by Relu."""
 
     name = "gemm+bias"
-
-    def __init__(self, calibration_callback=None):
-        super().__init__(calibration_callback)
-        self.x, self.w, self.b = wildcard(), is_constant(), is_constant()
-        self.core = is_op("Gemm")(self.x, self.w, self.b)
-        self.pattern, self.relu = with_relu(self.core)
+    op_type = "Gemm"
+    has_bias = True
 
 
 class MatMulAddPattern(_DenseBase):
     """MatMul(x, W) → Add(·, b) with constant W and b: dense + bias, optionally → Relu."""
 
     name = "matmul+add"
+    op_type = "MatMul"
 
-    def __init__(self, calibration_callback=None):
-        super().__init__(calibration_callback)
-        self.x, self.w, self.b = wildcard(), is_constant(), is_constant()
-        self.mm = is_op("MatMul")(self.x, self.w)
-        self.core = self.mm
-        self.add = is_op("Add")(self.mm, self.b)
-        self.pattern, self.relu = with_relu(self.add)
+    def build(self) -> DFPattern:
+        """MatMul(x, W) → Add(·, b): the core stays the MatMul, the constant bias commutes."""
+        self.b = is_constant()
+        return is_op("Add")(self.core, self.b)
 
 
 class MatMulPattern(_DenseBase):
     """MatMul(x, W) with a constant 2-D weight → QLinearMatMul, optionally → Relu."""
 
     name = "matmul"
-
-    def __init__(self, calibration_callback=None):
-        super().__init__(calibration_callback)
-        self.x, self.w, self.b = wildcard(), is_constant(), None
-        self.core = is_op("MatMul")(self.x, self.w)
-        self.pattern, self.relu = with_relu(self.core)
+    op_type = "MatMul"
 
     def uses_qgemm(self, m: Match) -> bool:
         """MatMul without bias uses QLinearMatMul, which takes inputs of any rank."""
