@@ -33,9 +33,9 @@ class AverageMaxObserver:
         self.rmin += c * (lo - self.rmin)
         self.rmax += c * (hi - self.rmax)
 
-    def compute(self) -> tuple[np.ndarray, np.ndarray]:
+    def compute(self, dtype: str = "uint8", symmetric: bool = False) -> tuple[float, float]:
         """The averaged extrema."""
-        return np.asarray(self.rmin), np.asarray(self.rmax)
+        return float(self.rmin), float(self.rmax)
 
     def nbytes(self) -> int:
         """Three numbers."""

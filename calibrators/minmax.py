@@ -20,11 +20,11 @@ class MinMaxObserver:
             self.rmin = min(self.rmin, float(np.min(x)))
             self.rmax = max(self.rmax, float(np.max(x)))
 
-    def compute(self) -> tuple[np.ndarray, np.ndarray]:
+    def compute(self, dtype: str = "uint8", symmetric: bool = False) -> tuple[float, float]:
         """The extrema seen (0, 0 when nothing was observed)."""
         if self.rmin > self.rmax:
-            return np.asarray(0.0), np.asarray(0.0)
-        return np.asarray(self.rmin), np.asarray(self.rmax)
+            return 0.0, 0.0
+        return float(self.rmin), float(self.rmax)
 
     def nbytes(self) -> int:
         """Two floats."""

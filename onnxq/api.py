@@ -11,7 +11,12 @@ from typing import Any
 
 import onnx
 
-from onnxq.calibration import CalibrationCallback, CalibrationReport, Calibrator
+from onnxq.calibration import (
+    CalibrationCallback,
+    CalibrationReport,
+    Calibrator,
+    RangeTableCallback,
+)
 from onnxq.dataset import as_dataset, model_inputs
 from onnxq.errors import ModelError
 from onnxq.graph import check_model, load_model, save_model
@@ -114,17 +119,26 @@ def quantize(
     callback: CalibrationCallback | None = None,
     batch_size: int | None = None,
     samples: int | None = None,
+    percentile: float = 99.999,
+    bins: int = 2048,
+    preprocess: str | None = None,
+    save_ranges: str | os.PathLike[str] | None = None,
+    load_ranges: str | os.PathLike[str] | None = None,
     progress: bool | None = None,
     output: str | os.PathLike[str] | None = None,
 ) -> tuple[onnx.ModelProto, QuantizeReport]:
     """Quantize ``model`` with calibration ``data``; return the int8 model and a report.
 
-    ``data``: an .npz path, a folder of .npy/.npz files, a dict of arrays (samples on axis 0),
-    an iterable of feed dicts, or an onnxruntime CalibrationDataReader. ``method`` names a
-    calibrator (``minmax``, ``average-max``) unless ``callback`` is given. With ``output`` the
-    model is also written atomically. The input model is never modified.
+    ``data``: an .npz path, a folder of .npy/.npz files (or images, with ``preprocess``), a dict
+    of arrays (samples on axis 0), an iterable of feed dicts, an onnxruntime
+    CalibrationDataReader, or ``"module:function"``. ``method`` names a calibrator (``minmax``,
+    ``average-max``, ``percentile``, ``entropy``, ``mse``, ``output-aware``) unless ``callback``
+    is given. ``samples`` caps the calibration samples. ``save_ranges`` writes the chosen
+    activation ranges as JSON; ``load_ranges`` reuses such a file instead of data. With
+    ``output`` the model is also written atomically. The input model is never modified.
     """
     from onnxq.calibrators import method_callback
+    from onnxq.ranges import read_ranges, write_ranges
 
     times: dict[str, float] = {}
     t0 = time.perf_counter()
@@ -134,12 +148,20 @@ def quantize(
     config = QuantizerConfig(
         activation_dtype=activation_dtype, per_channel=per_channel, exclude=tuple(exclude)
     )
-    cb = callback or method_callback(method)
+    if load_ranges is not None:
+        cb: CalibrationCallback = RangeTableCallback(read_ranges(load_ranges), f"'{load_ranges}'")
+    else:
+        cb = callback or method_callback(method, percentile, bins)
     quantizer = Quantizer(float_model, patterns, config)
     times["match+rewrite"] = time.perf_counter() - t0
 
     t1 = time.perf_counter()
-    dataset = as_dataset(data, model_inputs(quantizer.float_model), batch_size, samples)
+    inputs = model_inputs(quantizer.float_model)
+    dataset = (
+        None
+        if load_ranges is not None and data is None
+        else as_dataset(data, inputs, batch_size, samples, preprocess)
+    )
     calibrator = Calibrator(quantizer, dataset, cb, progress)
     values = calibrator.calibrate()
     times["calibrate"] = time.perf_counter() - t1
@@ -154,6 +176,8 @@ def quantize(
     times["verify"] = time.perf_counter() - t3
     if output is not None:
         save_model(result, output)
+    if save_ranges is not None:
+        write_ranges(save_ranges, calibrator.ranges, method if callback is None else "callback")
     decisions = list(quantizer.decisions.values())
     carried = set(requantizer.stats.crossed_ops)
     for d in decisions:

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import numpy as np
 import onnx
 
+from onnxq.dataset import feed_samples
 from onnxq.errors import CalibrationError
 from onnxq.qparams import params_from_range, weight_params
 from onnxq.session import make_session, output_types
@@ -38,8 +39,8 @@ class Observer(Protocol):
     def observe(self, x: np.ndarray) -> None:
         """Fold one batch of values into the statistics."""
 
-    def compute(self) -> tuple[np.ndarray, np.ndarray]:
-        """The calibrated range ``(rmin, rmax)``."""
+    def compute(self, dtype: str = "uint8", symmetric: bool = False) -> tuple[float, float]:
+        """The calibrated range ``(rmin, rmax)`` for quantizing to ``dtype``."""
 
     def nbytes(self) -> int:
         """Bytes of statistics retained (independent of the number of batches)."""
@@ -71,11 +72,37 @@ class ObserverCallback(CalibrationCallback):
             if qt.role == "weight":
                 qp = weight_params(info.constant(qt.tensor), qt.axis, qt.dtype)
             else:
-                lo, hi = info.observer(qt.tensor).compute()
+                lo, hi = self.activation_range(info, qt)
+                info.calibrator.ranges[qt.tensor] = (float(lo), float(hi))
                 qp = params_from_range(lo, hi, qt.dtype, qt.symmetric)
             values[qt.scale] = qp.scale
             values[qt.zero_point] = qp.zero_point
         return values
+
+    def activation_range(self, info: CalibrationInfo, qt: QTensor) -> tuple[float, float]:
+        """The range of activation ``qt``: its observer's answer for the tensor's dtype."""
+        return info.observer(qt.tensor).compute(qt.dtype, qt.symmetric)
+
+
+class RangeTableCallback(ObserverCallback):
+    """Activations from a saved range table (``--load-ranges``): no data pass at all."""
+
+    observer_key = None
+
+    def __init__(self, ranges: Mapping[str, tuple[float, float]], source: str = "the table"):
+        self.ranges = dict(ranges)
+        self.source = source
+
+    def activation_range(self, info: CalibrationInfo, qt: QTensor) -> tuple[float, float]:
+        """The saved range of ``qt``'s tensor."""
+        try:
+            return self.ranges[qt.tensor]
+        except KeyError:
+            raise CalibrationError(
+                f"range table {self.source} has no entry for tensor "
+                f"'{qt.tensor}'; calibrate this model again with "
+                "--save-ranges"
+            ) from None
 
 
 class CalibrationInfo:
@@ -178,7 +205,11 @@ class Calibrator:
         self.default_callback = callback or MinMaxCallback()
         self.progress = sys.stderr.isatty() if progress is None else progress
         self.values: dict[str, np.ndarray] = {}
+        #: the activation range chosen per tensor (what --save-ranges writes)
+        self.ranges: dict[str, tuple[float, float]] = {}
         self.observers: dict[tuple[str, str], Observer] = {}
+        #: the first batches, kept for callbacks that search on real layer outputs
+        self.sample_feeds: list[dict[str, np.ndarray]] = []
         self.report = CalibrationReport()
         self._float_session: Any = None
         self._float_names: list[str] = []
@@ -197,7 +228,7 @@ class Calibrator:
         for rec in records:
             info = CalibrationInfo(self, rec)
             chosen = rec.pattern.calibrate_pattern(info)
-            self._merge(rec, chosen)
+            self.merge(rec, chosen)
         missing = [
             name
             for name, ph in self.quantizer.placeholders.items()
@@ -212,7 +243,8 @@ class Calibrator:
         self.report.seconds = time.perf_counter() - start
         return dict(self.values)
 
-    def _merge(self, rec: PatternRecord, chosen: Mapping[str, Any]) -> None:
+    def merge(self, rec: PatternRecord, chosen: Mapping[str, Any]) -> None:
+        """Add a pattern's values; a placeholder already set keeps its value (conflict noted)."""
         known = self.quantizer.placeholders
         for name, value in chosen.items():
             if name not in known:
@@ -265,12 +297,15 @@ class Calibrator:
         for (tensor, _), obs in self.observers.items():
             by_tensor.setdefault(tensor, []).append(obs)
         session = self._float(names)
+        keep = max((getattr(self._callback(r), "feeds_needed", 0) for r in records), default=0)
         batches = self.dataset_manager.batches()
         bar = _progress(batches, self.dataset_manager.num_batches(), self.progress)
         for feeds in bar:
             outs = session.run(names, feeds)
+            if len(self.sample_feeds) < keep:
+                self.sample_feeds.append(feeds)
             self.report.batches += 1
-            self.report.samples += _batch_len(feeds)
+            self.report.samples += feed_samples(feeds)
             for name, arr in zip(names, outs):
                 arr = np.asarray(arr)
                 if not np.isfinite(arr).all():
@@ -361,11 +396,6 @@ def expose(model: onnx.ModelProto, names: Iterable[str]) -> onnx.ModelProto:
         elem = types.get(name, onnx.TensorProto.FLOAT)
         out.graph.output.append(onnx.helper.make_tensor_value_info(name, elem, None))
     return out
-
-
-def _batch_len(feeds: Mapping[str, np.ndarray]) -> int:
-    first = next(iter(feeds.values()))
-    return int(first.shape[0]) if getattr(first, "ndim", 0) else 1
 
 
 def _progress(it: Iterable[Any], total: int | None, enabled: bool) -> Iterable[Any]:

@@ -13,6 +13,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from onnxq.calibrators import METHODS
 from onnxq.errors import ConfigError, OnnxqError
 
 
@@ -28,15 +29,52 @@ def _parser() -> argparse.ArgumentParser:
     q.add_argument("-o", "--output", required=True, help="where to write the int8 model")
     q.add_argument(
         "--data",
-        required=True,
-        help="calibration data: an .npz (arrays keyed by input name, samples on axis "
-        "0) or a folder of .npy/.npz files (one sample each)",
+        default=None,
+        help="calibration data: an .npz (arrays keyed by input name, samples on axis 0), a "
+        "folder of .npy/.npz files (one sample each), a folder of images with --preprocess, "
+        "or module:function returning feeds, arrays or a CalibrationDataReader",
     )
     q.add_argument(
         "--method",
         default="minmax",
-        choices=["minmax", "average-max"],
+        choices=list(METHODS),
         help="calibration method (default minmax)",
+    )
+    q.add_argument(
+        "--percentile",
+        type=float,
+        default=99.999,
+        help="percentile kept by --method percentile (default 99.999)",
+    )
+    q.add_argument(
+        "--bins",
+        type=int,
+        default=2048,
+        help="histogram bins of percentile/entropy/mse (default 2048)",
+    )
+    q.add_argument(
+        "--preprocess",
+        default=None,
+        help='image preprocessing, e.g. "resize=256,crop=224,mean=0.485/0.456/0.406,'
+        'std=0.229/0.224/0.225,color=rgb,layout=nchw"',
+    )
+    q.add_argument(
+        "--callback",
+        default=None,
+        metavar="MODULE:CLASS",
+        help="a CalibrationCallback subclass to calibrate every pattern",
+    )
+    q.add_argument(
+        "--save-ranges",
+        default=None,
+        metavar="FILE",
+        help="write the chosen activation ranges (JSON keyed by tensor name)",
+    )
+    q.add_argument(
+        "--load-ranges",
+        default=None,
+        metavar="FILE",
+        help="use a saved range table instead of calibration data",
     )
     pc = q.add_mutually_exclusive_group()
     pc.add_argument(
@@ -64,7 +102,7 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         help="calibration batch size for models with a dynamic batch axis",
     )
-    q.add_argument("--samples", type=int, default=None, help="use at most N calibration batches")
+    q.add_argument("--samples", type=int, default=None, help="use at most N calibration samples")
     q.add_argument("--report", default=None, help="write the quantization report as JSON here")
     q.add_argument("--quiet", action="store_true", help="no progress bar or summary")
 
@@ -130,6 +168,19 @@ def _quantize(args: argparse.Namespace) -> int:
         raise ConfigError(
             f"output folder '{dst.parent}' does not exist; create it or choose another -o"
         )
+    if args.data is None and args.load_ranges is None:
+        raise ConfigError("quantize needs calibration data: --data PATH (or --load-ranges FILE)")
+    callback = None
+    if args.callback is not None:
+        from onnxq.loader import load_object
+
+        cls = load_object(args.callback, "--callback")
+        callback = cls() if isinstance(cls, type) else cls
+        if not callable(getattr(callback, "calibrate_pattern", None)):
+            raise ConfigError(
+                f"--callback {args.callback!r} is not a CalibrationCallback (it has "
+                "no calibrate_pattern method)"
+            )
     if args.batch_size is not None and args.batch_size < 1:
         raise ConfigError(f"--batch-size {args.batch_size} must be >= 1")
     if args.samples is not None and args.samples < 1:
@@ -143,6 +194,12 @@ def _quantize(args: argparse.Namespace) -> int:
         exclude=args.exclude,
         batch_size=args.batch_size,
         samples=args.samples,
+        percentile=args.percentile,
+        bins=args.bins,
+        preprocess=args.preprocess,
+        callback=callback,
+        save_ranges=args.save_ranges,
+        load_ranges=args.load_ranges,
         progress=None if not args.quiet else False,
         output=str(dst),
     )

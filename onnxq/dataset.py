@@ -63,6 +63,8 @@ class DatasetManager:
     """
 
     def __init__(self, inputs: list[InputSpec] | None = None, limit: int | None = None):
+        if limit is not None and limit < 1:
+            raise DataError(f"the sample limit {limit} must be >= 1")
         self.inputs = inputs
         self.limit = limit
         self._iter: Iterator[Feed] | None = None
@@ -85,17 +87,30 @@ class DatasetManager:
         return self
 
     def batches(self) -> Iterator[Feed]:
-        """Checked feeds, from the start."""
-        count = 0
+        """Checked feeds, from the start; at most ``limit`` samples in all."""
+        seen = 0
+        index = 0
         for raw in self._raw():
-            yield self.check(raw, count)
-            count += 1
-            if self.limit is not None and count >= self.limit:
-                return
-        if count == 0:
+            feed = self.check(raw, index)
+            index += 1
+            n = feed_samples(feed)
+            if self.limit is not None and seen + n > self.limit:
+                left = self.limit - seen
+                if left <= 0 or not self._dynamic_batch():
+                    break
+                feed = {k: v[:left] for k, v in feed.items()}
+                n = left
+            yield feed
+            seen += n
+            if self.limit is not None and seen >= self.limit:
+                break
+        if index == 0:
             raise DataError(
                 f"{self.describe()} holds no samples; give at least one sample for each model input"
             )
+
+    def _dynamic_batch(self) -> bool:
+        return not any(s.fixed_batch for s in (self.inputs or []))
 
     def __iter__(self) -> Iterator[Feed]:
         return self.batches()
@@ -167,6 +182,12 @@ class DatasetManager:
             arr = np.asarray(raw[name])
             feed[name] = _conform(arr, spec, f"{self.describe()}: item {index}")
         return feed
+
+
+def feed_samples(feed: Mapping[str, np.ndarray]) -> int:
+    """Samples in a feed: the leading dimension of its first array (1 for scalars)."""
+    first = next(iter(feed.values()), None)
+    return int(first.shape[0]) if first is not None and first.ndim else 1
 
 
 def _conform(arr: np.ndarray, spec: InputSpec, where: str) -> np.ndarray:
@@ -242,14 +263,11 @@ class ArrayDataset(DatasetManager):
         fixed = [s.fixed_batch for s in (self.inputs or []) if s.fixed_batch]
         return int(fixed[0]) if fixed else 1
 
-    def _dynamic(self) -> bool:
-        return not any(s.fixed_batch for s in (self.inputs or []))
-
     def num_batches(self) -> int:
-        """Batches per pass (capped by ``limit``)."""
+        """Batches per pass (with ``limit`` samples at most)."""
         bs = self.batch_size()
-        n = -(-self.count // bs) if self._dynamic() else self.count // bs
-        return n if self.limit is None else min(n, self.limit)
+        count = self.count if self.limit is None else min(self.count, self.limit)
+        return -(-count // bs) if self._dynamic_batch() else count // bs
 
     def _raw(self) -> Iterator[Mapping[str, Any]]:
         bs = self.batch_size()
@@ -264,7 +282,7 @@ class ArrayDataset(DatasetManager):
                 f"{self.name}: {self.count} sample(s) cannot fill one batch of the "
                 f"model's fixed batch size {bs}"
             )
-        stop = self.count if self._dynamic() else self.count - self.count % bs
+        stop = self.count if self._dynamic_batch() else self.count - self.count % bs
         for start in range(0, stop, bs):
             yield {k: v[start : start + bs] for k, v in self.arrays.items()}
 
@@ -298,9 +316,14 @@ class FolderDataset(DatasetManager):
         self.path = Path(path)
         self.files = sorted(f for f in self.path.iterdir() if f.suffix in (".npy", ".npz"))
         if not self.files:
-            raise DataError(
-                f"folder '{self.path}' holds no .npy or .npz files; put one sample per file there"
+            from onnxq.images import image_files
+
+            hint = (
+                "; it holds images: give --preprocess (e.g. 'resize=256,crop=224')"
+                if image_files(self.path)
+                else "; put one sample per file there"
             )
+            raise DataError(f"folder '{self.path}' holds no .npy or .npz files{hint}")
 
     def describe(self) -> str:
         """How the source is named in messages."""
@@ -406,18 +429,42 @@ def as_dataset(
     inputs: list[InputSpec],
     batch_size: int | None = None,
     limit: int | None = None,
+    preprocess: str | None = None,
 ) -> DatasetManager:
-    """Wrap ``data`` (path, folder, arrays, iterable, reader, DatasetManager) for a model."""
+    """Wrap ``data`` for a model.
+
+    ``data``: a DatasetManager; an ``.npz`` path; a folder of ``.npy``/``.npz`` samples, or of
+    images when ``preprocess`` is given; ``"module:function"`` naming a function that returns any
+    of these, an iterable of feeds or a CalibrationDataReader; a dict of arrays; an iterable of
+    feed dicts; an onnxruntime CalibrationDataReader.
+    """
     if data is None:
         raise DataError(
             "no calibration data given; pass --data FILE.npz, a folder of .npy/.npz "
             "files, or an iterable of feed dicts"
         )
+    from onnxq.loader import is_reference, load_object
+
+    if isinstance(data, str) and is_reference(data):
+        fn = load_object(data, "--data")
+        try:
+            produced = fn() if callable(fn) else fn
+        except Exception as exc:  # the user's function failed
+            raise DataError(f"--data {data!r} raised {type(exc).__name__}: {exc}") from None
+        if isinstance(produced, str):
+            raise DataError(f"--data {data!r} returned a string; return arrays, feeds or a reader")
+        return as_dataset(produced, inputs, batch_size, limit, preprocess)
+    if preprocess is not None and not (isinstance(data, str | os.PathLike) and Path(data).is_dir()):
+        raise DataError("--preprocess applies to a folder of images given with --data")
     if isinstance(data, DatasetManager):
         ds = data
     elif isinstance(data, str | os.PathLike):
         p = Path(data)
-        if p.is_dir():
+        if p.is_dir() and preprocess is not None:
+            from onnxq.images import ImageFolderDataset
+
+            ds = ImageFolderDataset(p, preprocess, limit=limit)
+        elif p.is_dir():
             ds = FolderDataset(p, limit=limit)
         elif p.is_file():
             ds = NpzDataset(p, batch_size, limit=limit)

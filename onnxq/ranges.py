@@ -1,0 +1,70 @@
+"""Calibration tables: the activation range of every tensor, as JSON keyed by tensor name.
+
+    {"format": "onnxq-ranges", "version": 1, "method": "entropy",
+     "tensors": {"input": [0.0, 1.0], "conv1_out": [0.0, 6.2], ...}}
+
+Calibrate once with ``--save-ranges``; try formats and options in seconds with
+``--load-ranges`` (no data pass). Weights are always re-derived from the model.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Mapping
+
+from onnxq.errors import ConfigError
+from onnxq.graph import write_text_atomic
+
+FORMAT = "onnxq-ranges"
+
+
+def write_ranges(
+    path: str | os.PathLike[str], ranges: Mapping[str, tuple[float, float]], method: str
+) -> None:
+    """Write the table atomically, tensors sorted by name (deterministic)."""
+    doc = {
+        "format": FORMAT,
+        "version": 1,
+        "method": method,
+        "tensors": {k: [float(lo), float(hi)] for k, (lo, hi) in sorted(ranges.items())},
+    }
+    write_text_atomic(path, json.dumps(doc, indent=1) + "\n")
+
+
+def read_ranges(path: str | os.PathLike[str]) -> dict[str, tuple[float, float]]:
+    """Read and validate a table written by :func:`write_ranges`."""
+    try:
+        with open(path, encoding="utf-8") as handle:
+            doc = json.load(handle)
+    except FileNotFoundError:
+        raise ConfigError(
+            f"range table '{path}' does not exist; write one with --save-ranges"
+        ) from None
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"range table '{path}' is not readable JSON ({exc})") from None
+    if (
+        not isinstance(doc, dict)
+        or doc.get("format") != FORMAT
+        or not isinstance(doc.get("tensors"), dict)
+    ):
+        raise ConfigError(
+            f"'{path}' is not an onnxq range table (expected format {FORMAT!r} "
+            "and a 'tensors' object); write one with --save-ranges"
+        )
+    out = {}
+    for name, pair in doc["tensors"].items():
+        ok = (
+            isinstance(pair, list)
+            and len(pair) == 2
+            and all(isinstance(v, int | float) and math.isfinite(v) for v in pair)
+            and pair[0] <= pair[1]
+        )
+        if not ok:
+            raise ConfigError(
+                f"range table '{path}': tensor '{name}' has {pair!r}, expected "
+                "[min, max] with finite min <= max"
+            )
+        out[name] = (float(pair[0]), float(pair[1]))
+    return out
