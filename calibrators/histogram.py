@@ -27,6 +27,7 @@ class Histogram:
         self.counts = np.zeros(bins, np.int64)
         self.half_range = 0.0
         self.zeros = 0  # values seen while the range was still 0
+        self.exact_zeros = 0  # all values exactly 0 (they quantize exactly at any range)
         self.min = np.inf
         self.max = -np.inf
 
@@ -36,6 +37,7 @@ class Histogram:
         if not x.size:
             return
         lo, hi = float(x.min()), float(x.max())
+        self.exact_zeros += int(x.size - np.count_nonzero(x))
         self.min, self.max = min(self.min, lo), max(self.max, hi)
         need = max(-lo, hi)
         if need == 0.0:
@@ -118,7 +120,8 @@ class EntropyObserver(Histogram):
     each candidate threshold ``T`` (bin ``i``): P is the histogram up to ``i`` with the outliers
     added to the last bin; Q merges P into ``levels`` quantization levels and spreads each level's
     mass evenly over its non-empty bins. ``levels`` is the number of quantized values on one side
-    of zero: 128 for two-sided data, the full 256 when the data never goes below zero.
+    of zero: 128 for two-sided data, the full 256 when the data never goes below zero. Exact
+    zeros are left out of the search: zero is always exactly representable.
     """
 
     def __init__(self, bins: int = DEFAULT_BINS, candidates: int = 256):
@@ -129,6 +132,9 @@ class EntropyObserver(Histogram):
         """The KL-optimal threshold on ``|x|``."""
         half = self.bins // 2
         absh = (self.counts[half:] + self.counts[:half][::-1]).astype(np.float64)
+        # exact zeros (a Relu's or padding's) are represented exactly whatever the threshold;
+        # left in, their spike in the first bin drags the threshold down
+        absh[0] = max(absh[0] - self.exact_zeros, 0.0)
         nz = np.nonzero(absh)[0]
         if not nz.size:
             return 0.0

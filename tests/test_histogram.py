@@ -1,0 +1,129 @@
+"""Histogram observers against brute-force numpy references; memory stays bounded."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from onnxq.calibrators import (
+    EntropyObserver,
+    Histogram,
+    MinMaxObserver,
+    MSEObserver,
+    PercentileObserver,
+)
+from onnxq.errors import ConfigError
+from onnxq.qparams import dequantize, params_from_range, quantize
+
+R = np.random.default_rng(7)
+
+
+def feed(obs, chunks):
+    for c in chunks:
+        obs.observe(c)
+    return obs
+
+
+def test_histogram_growth_by_doubling_is_exact():
+    chunks = [R.normal(0, s, 5000).astype(np.float32) for s in (0.1, 1.0, 30.0)]
+    grown = feed(Histogram(256), chunks)
+    allv = np.concatenate(chunks)
+    direct = np.histogram(allv, bins=256, range=(-grown.half_range, grown.half_range))[0]
+    np.testing.assert_array_equal(grown.counts, direct)
+    assert grown.total == allv.size and grown.min == allv.min() and grown.max == allv.max()
+
+
+def test_histogram_counts_leading_zeros():
+    h = feed(Histogram(64), [np.zeros(10, np.float32), np.ones(5, np.float32)])
+    assert h.total == 15 and h.counts[32] == 10
+
+
+@pytest.mark.parametrize("p", [99.0, 99.9, 99.99])
+def test_percentile_matches_numpy_within_a_bin(p):
+    chunks = [R.laplace(0, 1, 20000).astype(np.float32) for _ in range(5)]
+    obs = feed(PercentileObserver(p, 2048), chunks)
+    lo, hi = obs.compute()
+    allv = np.concatenate(chunks)
+    width = 2 * obs.half_range / obs.bins
+    assert abs(hi - np.percentile(allv, p)) <= width
+    assert abs(lo - np.percentile(allv, 100 - p)) <= width
+
+
+def _kl_reference(absh, levels):
+    """Direct loops, written apart from the observer: the TensorRT-style KL threshold search."""
+    best_i, best = None, np.inf
+    for i in range(levels, len(absh) + 1):
+        p = list(absh[:i])
+        p[-1] += sum(absh[i:])
+        q = [0.0] * i
+        for j in range(levels):
+            a, b = int(np.floor(j * i / levels)), int(np.floor((j + 1) * i / levels))
+            nonzero = [k for k in range(a, b) if absh[k] > 0]
+            if nonzero:
+                share = sum(absh[a:b]) / len(nonzero)
+                for k in nonzero:
+                    q[k] = share
+        ps, qs = sum(p), sum(q)
+        kl = sum(
+            (pk / ps) * np.log((pk / ps) / max(qk / qs, 1e-12)) for pk, qk in zip(p, q) if pk > 0
+        )
+        if kl < best:
+            best_i, best = i, kl
+    return best_i
+
+
+def test_entropy_threshold_matches_reference_search():
+    x = np.abs(R.standard_t(3, 40000)).astype(np.float32)  # heavy tail, one-sided
+    obs = EntropyObserver(bins=256, candidates=10_000)  # every candidate, like the reference
+    feed(obs, [x])
+    half = obs.bins // 2
+    absh = (obs.counts[half:] + obs.counts[:half][::-1]).astype(float)
+    absh[0] -= obs.exact_zeros
+    levels = 32
+    expect = _kl_reference(list(absh), levels) * obs.half_range / half
+    assert obs.threshold(levels) == pytest.approx(expect)
+
+
+def test_entropy_on_gaussian_clips_tails_but_keeps_bulk():
+    x = R.normal(0, 1, 200000).astype(np.float32)
+    lo, hi = feed(EntropyObserver(), [x]).compute("int8")
+    assert 2.5 < hi < x.max() and x.min() <= lo < -2.5
+
+
+def test_entropy_differs_from_minmax_on_skewed_data():
+    chunks = [np.maximum(R.lognormal(0, 1.2, 20000) - 1, 0).astype(np.float32) for _ in range(5)]
+    e_lo, e_hi = feed(EntropyObserver(), chunks).compute("uint8")
+    m_lo, m_hi = feed(MinMaxObserver(), chunks).compute()
+    assert e_lo == m_lo == 0.0 and e_hi < 0.7 * m_hi
+
+
+def test_mse_finds_the_error_minimum_of_a_known_distribution():
+    x = R.laplace(0, 1, 100000).astype(np.float32)
+    obs = feed(MSEObserver(bins=4096, grid=50), [x])
+    lo, hi = obs.compute("uint8")
+
+    def sample_mse(a):
+        qp = params_from_range(a * x.min(), a * x.max(), "uint8")
+        return float(np.mean((dequantize(quantize(x, qp), qp) - x) ** 2))
+
+    errors = {a: sample_mse(a) for a in obs.alphas}
+    best = min(errors, key=errors.get)
+    chosen = hi / x.max()
+    assert errors[min(obs.alphas, key=lambda a: abs(a - chosen))] <= 1.05 * errors[best]
+    assert chosen < 0.9  # clipping pays off on a Laplacian
+    assert sample_mse(chosen) < sample_mse(1.0)
+
+
+def test_histogram_memory_is_independent_of_samples():
+    obs = EntropyObserver()
+    before = obs.nbytes()
+    for _ in range(300):
+        obs.observe(R.normal(0, 3, 4096).astype(np.float32))
+    assert obs.nbytes() == before == 2048 * 8 + 40
+
+
+def test_bad_options():
+    with pytest.raises(ConfigError, match="--bins"):
+        Histogram(63)
+    with pytest.raises(ConfigError, match="--percentile"):
+        PercentileObserver(20.0)
