@@ -30,12 +30,24 @@ class Histogram:
         self.exact_zeros = 0  # all values exactly 0 (they quantize exactly at any range)
         self.min = np.inf
         self.max = -np.inf
+        self._cache: dict[tuple[str, bool], tuple[float, float]] = {}
+
+    def compute(self, dtype: str = "uint8", symmetric: bool = False) -> tuple[float, float]:
+        """The range for ``dtype``, computed once per (dtype, symmetric) until more data."""
+        key = (dtype, symmetric)
+        if key not in self._cache:
+            self._cache[key] = self._compute(dtype, symmetric)
+        return self._cache[key]
+
+    def _compute(self, dtype: str, symmetric: bool) -> tuple[float, float]:
+        return float(self.min), float(self.max)
 
     def observe(self, x: np.ndarray) -> None:
         """Add a batch of values."""
         x = np.asarray(x, np.float32).ravel()
         if not x.size:
             return
+        self._cache.clear()
         lo, hi = float(x.min()), float(x.max())
         self.exact_zeros += int(x.size - np.count_nonzero(x))
         self.min, self.max = min(self.min, lo), max(self.max, hi)
@@ -51,7 +63,9 @@ class Histogram:
         while need > self.half_range:
             self._double()
         r = self.half_range
-        idx = np.floor((x.astype(np.float64) + r) * (self.bins / (2 * r))).astype(np.int64)
+        pos = np.multiply(x, self.bins / (2 * r), dtype=np.float64)
+        pos += self.bins / 2
+        idx = pos.astype(np.int64)  # truncation is floor here: pos >= 0 up to rounding
         np.clip(idx, 0, self.bins - 1, out=idx)
         self.counts += np.bincount(idx, minlength=self.bins)
 
@@ -103,7 +117,7 @@ class PercentileObserver(Histogram):
         super().__init__(bins)
         self.percentile = percentile
 
-    def compute(self, dtype: str = "uint8", symmetric: bool = False) -> tuple[float, float]:
+    def _compute(self, dtype: str, symmetric: bool) -> tuple[float, float]:
         """The percentile range, clipped to the observed extremes."""
         if self.total == 0:
             return 0.0, 0.0
@@ -124,7 +138,7 @@ class EntropyObserver(Histogram):
     zeros are left out of the search: zero is always exactly representable.
     """
 
-    def __init__(self, bins: int = DEFAULT_BINS, candidates: int = 256):
+    def __init__(self, bins: int = DEFAULT_BINS, candidates: int = 128):
         super().__init__(bins)
         self.candidates = candidates
 
@@ -150,7 +164,7 @@ class EntropyObserver(Histogram):
                 best_i, best_kl = i, kl
         return best_i * width
 
-    def compute(self, dtype: str = "uint8", symmetric: bool = False) -> tuple[float, float]:
+    def _compute(self, dtype: str, symmetric: bool) -> tuple[float, float]:
         """Observed range clipped to ``±T``."""
         if self.total == 0 or self.half_range == 0.0:
             return 0.0, 0.0
@@ -192,7 +206,7 @@ class MSEObserver(Histogram):
         super().__init__(bins)
         self.alphas = np.linspace(1.0 / grid, 1.0, grid)
 
-    def compute(self, dtype: str = "uint8", symmetric: bool = False) -> tuple[float, float]:
+    def _compute(self, dtype: str, symmetric: bool) -> tuple[float, float]:
         """The error-minimising range."""
         if self.total == 0 or self.half_range == 0.0:
             return 0.0, 0.0

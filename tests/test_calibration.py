@@ -104,7 +104,7 @@ def test_average_max_observer_is_mean_of_batch_extrema():
     assert hi < mm.compute()[1]  # differs from MinMax on spread data
 
 
-def test_streaming_statistics_stay_bounded_over_many_samples():
+def test_minmax_streams_over_many_samples():
     model = conv_model()
     quantizer = Quantizer(model)
 
@@ -120,8 +120,36 @@ def test_streaming_statistics_stay_bounded_over_many_samples():
     )
     values = cal.calibrate()
     assert cal.report.samples == 2000 and cal.report.batches == 2000
-    assert cal.report.observer_bytes <= 16 * cal.report.tensors_observed
     assert float(values["x_scale"]) == pytest.approx(6 / 255, rel=1e-6)
+
+
+@pytest.mark.parametrize("method", ["minmax", "average-max", "percentile", "entropy", "mse"])
+def test_retained_statistics_do_not_grow_with_samples(method):
+    from onnxq.calibrators import method_callback
+
+    model = conv_model()
+
+    def calibrate(n):
+        quantizer = Quantizer(model)
+
+        def many():
+            rng = np.random.default_rng(0)
+            for i in range(n):
+                yield {"x": rng.normal(0, 1 + i % 5, (1, 3, 6, 6)).astype(np.float32)}
+
+        cal = Calibrator(
+            quantizer,
+            as_dataset(many(), model_inputs(quantizer.float_model)),
+            method_callback(method),
+            progress=False,
+        )
+        cal.calibrate()
+        assert cal.report.samples == n and cal.report.batches == n
+        return cal.report
+
+    few, many = calibrate(10), calibrate(2000)
+    assert many.observer_bytes == few.observer_bytes  # nothing grows with the data
+    assert many.observer_bytes <= many.tensors_observed * (2048 * 8 + 64)
 
 
 def test_nonfinite_calibration_values_are_reported_and_ignored():

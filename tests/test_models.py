@@ -40,7 +40,9 @@ def accuracy(model, x, y):
 
 
 @pytest.mark.parametrize("name", list(CASES))
-@pytest.mark.parametrize("method", ["minmax", "average-max"])
+@pytest.mark.parametrize(
+    "method", ["minmax", "average-max", "percentile", "entropy", "mse", "output-aware"]
+)
 def test_model_accuracy_through_cli(name, method, tmp_path):
     calib, xte, yte = CASES[name]()
     path = MODELS / f"{name}.onnx"
