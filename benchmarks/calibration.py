@@ -186,7 +186,7 @@ def main() -> int:
                 lo, hi = min(sel), max(sel)
                 growth = sel[hi]["onnxq"]["rss_mib"] / sel[lo]["onnxq"]["rss_mib"]
                 lines.append(
-                    f"\n{model} {method}: onnxq peak RSS at {hi} samples is "
+                    f"- {model} {method}: onnxq peak RSS at {hi} samples is "
                     f"{growth:.3f}x that at {lo}"
                 )
         mm = {n: r for m, me, n, r in rows if m == model and me == "minmax"}
@@ -196,7 +196,8 @@ def main() -> int:
             for n, r in ((n, r) for m, me, n, r in rows if m == model and me == method):
                 if n in mm:
                     ratio = r["onnxq"]["seconds"] / mm[n]["onnxq"]["seconds"]
-                    lines.append(f"{model} {method} {n}: onnxq time {ratio:.2f}x its MinMax")
+                    lines.append(f"- {model} {method} {n}: onnxq time {ratio:.2f}x its MinMax")
+    lines.insert(2 + len(rows), "")
     text = "\n".join(lines)
     print("\n" + text)
     if args.markdown:

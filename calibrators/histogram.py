@@ -15,6 +15,15 @@ from onnxq.errors import ConfigError
 from onnxq.qparams import params_from_range, qrange
 
 DEFAULT_BINS = 2048
+_CHUNK = 1 << 15
+_SCRATCH: list[np.ndarray] = []
+
+
+def _scratch() -> tuple[np.ndarray, np.ndarray]:
+    """Two reusable buffers of ``_CHUNK`` float64 / int64 values (one pair per process)."""
+    if not _SCRATCH:
+        _SCRATCH.extend([np.empty(_CHUNK, np.float64), np.empty(_CHUNK, np.int64)])
+    return _SCRATCH[0], _SCRATCH[1]
 
 
 class Histogram:
@@ -62,12 +71,21 @@ class Histogram:
             self.zeros = 0
         while need > self.half_range:
             self._double()
-        r = self.half_range
-        pos = np.multiply(x, self.bins / (2 * r), dtype=np.float64)
-        pos += self.bins / 2
-        idx = pos.astype(np.int64)  # truncation is floor here: pos >= 0 up to rounding
-        np.clip(idx, 0, self.bins - 1, out=idx)
-        self.counts += np.bincount(idx, minlength=self.bins)
+        k = self.bins / (2 * self.half_range)
+        counts = np.zeros(self.bins + 1, np.int64)
+        # fixed-size chunks through reused scratch buffers: no fresh large allocations (and their
+        # page faults) per batch, and the working set stays in cache
+        pos, idx = _scratch()
+        for start in range(0, x.size, _CHUNK):
+            part = x[start : start + _CHUNK]
+            n = part.size
+            np.multiply(part, k, out=pos[:n], dtype=np.float64)
+            pos[:n] += self.bins / 2
+            # pos is in [0, bins]; truncation is floor there; x == R lands in the extra bin
+            idx[:n] = pos[:n]
+            counts += np.bincount(idx[:n], minlength=self.bins + 1)
+        counts[self.bins - 1] += counts[self.bins]
+        self.counts += counts[: self.bins]
 
     def _double(self) -> None:
         merged = self.counts.reshape(-1, 2).sum(axis=1)
@@ -138,9 +156,8 @@ class EntropyObserver(Histogram):
     zeros are left out of the search: zero is always exactly representable.
     """
 
-    def __init__(self, bins: int = DEFAULT_BINS, candidates: int = 128):
+    def __init__(self, bins: int = DEFAULT_BINS):
         super().__init__(bins)
-        self.candidates = candidates
 
     def threshold(self, levels: int) -> float:
         """The KL-optimal threshold on ``|x|``."""
@@ -156,13 +173,9 @@ class EntropyObserver(Histogram):
         width = self.half_range / half
         if last <= levels:
             return last * width
-        stride = max(1, (last - levels) // self.candidates)
-        best_i, best_kl = last, np.inf
-        for i in range(levels, last + 1, stride):
-            kl = _kl_clipped(absh, i, levels)
-            if kl < best_kl:
-                best_i, best_kl = i, kl
-        return best_i * width
+        candidates = np.arange(levels, last + 1)
+        kl = _kl_all(absh, candidates, levels)
+        return float(candidates[int(np.argmin(kl))]) * width
 
     def _compute(self, dtype: str, symmetric: bool) -> tuple[float, float]:
         """Observed range clipped to ``±T``."""
@@ -175,23 +188,47 @@ class EntropyObserver(Histogram):
         return max(self.min, -t), min(self.max, t)
 
 
-def _kl_clipped(absh: np.ndarray, i: int, levels: int) -> float:
-    p = absh[:i].copy()
-    p[-1] += absh[i:].sum()
-    starts = np.floor(np.arange(levels) * (i / levels)).astype(np.int64)
-    mass = np.add.reduceat(absh[:i], starts)
-    filled = np.add.reduceat((absh[:i] > 0).astype(np.float64), starts)
-    per_bin = np.where(filled > 0, mass / np.maximum(filled, 1), 0.0)
-    owner = np.repeat(np.arange(levels), np.diff(np.append(starts, i)))
-    q = np.where(absh[:i] > 0, per_bin[owner], 0.0)
-    ps, qs = p.sum(), q.sum()
-    if ps == 0 or qs == 0:
-        return np.inf
-    p /= ps
-    q /= qs
-    mask = p > 0
-    q_m = np.maximum(q[mask], 1e-12)
-    return float(np.sum(p[mask] * np.log(p[mask] / q_m)))
+def _kl_all(absh: np.ndarray, candidates: np.ndarray, levels: int) -> np.ndarray:
+    """KL(P‖Q) for every candidate threshold bin ``i`` at once, from cumulative sums.
+
+    Inside a level's chunk Q is constant on the non-empty bins, so
+    ``Σ_k P_k log q_k = Σ_chunks log(M/n) · Σ_chunk P_k`` and ``Σ_k P_k log P_k`` comes from a
+    cumulative sum of ``h log h``; each candidate costs O(levels) instead of O(bins).
+    """
+    h = absh
+    total = float(h.sum())
+    hlogh = np.where(h > 0, h * np.log(np.where(h > 0, h, 1.0)), 0.0)
+    cum_h = np.concatenate([[0.0], np.cumsum(h)])
+    cum_hl = np.concatenate([[0.0], np.cumsum(hlogh)])
+    cum_nz = np.concatenate([[0], np.cumsum(h > 0)])
+    i = candidates[:, None].astype(np.int64)
+    j = np.arange(levels)[None, :]
+    start = (j * i) // levels
+    end = ((j + 1) * i) // levels
+    mass = cum_h[end] - cum_h[start]
+    filled = cum_nz[end] - cum_nz[start]
+    log_q = np.where(
+        (filled > 0) & (mass > 0),
+        np.log(np.where(mass > 0, mass, 1.0) / np.maximum(filled, 1)),
+        0.0,
+    )
+    end_excl = end.copy()
+    end_excl[:, -1] = i[:, 0] - 1  # the last bin also carries the outliers: handled apart
+    inner = cum_h[end_excl] - cum_h[start]
+    i1 = i[:, 0]
+    last_h = h[i1 - 1]
+    p_last = last_h + (total - cum_h[i1])
+    q_total = cum_h[i1]
+    sum_plogp = cum_hl[i1 - 1] + np.where(
+        p_last > 0, p_last * np.log(np.maximum(p_last, 1e-300)), 0.0
+    )
+    sum_plogq = np.sum(inner * log_q, axis=1) - np.log(q_total) * cum_h[i1 - 1]
+    q_last = np.where(last_h > 0, mass[:, -1] / np.maximum(filled[:, -1], 1), 0.0)
+    q_last_hat = np.maximum(q_last / q_total, 1e-12)
+    kl = (sum_plogp / total - np.log(total)) - (
+        sum_plogq / total + (p_last / total) * np.log(q_last_hat)
+    )
+    return kl
 
 
 class MSEObserver(Histogram):

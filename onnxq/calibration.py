@@ -308,7 +308,7 @@ class Calibrator:
             self.report.samples += feed_samples(feeds)
             for name, arr in zip(names, outs):
                 arr = np.asarray(arr)
-                if not np.isfinite(arr).all():
+                if arr.size and not np.isfinite(arr.min() + arr.max()):  # NaN or ±Inf inside
                     bad = int(arr.size - np.count_nonzero(np.isfinite(arr)))
                     self.report.nonfinite[name] = self.report.nonfinite.get(name, 0) + bad
                     arr = arr[np.isfinite(arr)]
