@@ -1,10 +1,10 @@
-"""Accuracy of fp32 vs onnxq int8 vs onnxruntime.quantization int8 on the zoo models, one run.
+"""Accuracy of fp32 vs onnxq int8 (every method) vs onnxruntime.quantization int8, one run.
 
-    python benchmarks/accuracy.py [--calib 300]
+    cd benchmarks && python accuracy.py [--calib 300]
 
-Same calibration samples and test set for every variant. onnxruntime is run with
-quantize_static in QOperator format, its defaults (``ort``) and ``per_channel=True``
-(``ort-pc``), MinMax calibration.
+Same calibration samples and test set for every variant; prints a Markdown table.
+onnxruntime is run with quantize_static in QOperator format, its defaults (``ort``) and
+``per_channel=True`` (``ort-pc``), MinMax calibration.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import onnxruntime as ort
 from latency import ort_qoperator
 
 import onnxq
+from onnxq.calibrators import METHODS
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "models"))
@@ -52,25 +53,31 @@ def main() -> int:
     if datasets.fashion_available():
         ftr, _, fte, fy = datasets.fashion()
         cases["fashion_cnn"] = (ftr, fte, fy)
-    print(
-        f"{'model':<12} {'fp32':>7} {'minmax':>7} {'avg-max':>7} {'ort':>7} {'ort-pc':>7}"
-        "   (top-1 %, int8 columns: difference to fp32 in points)"
-    )
+    header = ["fp32", *METHODS, "ort", "ort-pc"]
+    print("| model | " + " | ".join(header) + " |")
+    print("|---" * (len(header) + 1) + "|")
     with tempfile.TemporaryDirectory() as tmp:
         for name, (calib, x, y) in cases.items():
             path = ROOT / "models" / f"{name}.onnx"
             feeds = {onnx.load(str(path)).graph.input[0].name: calib[: args.calib]}
             a32 = accuracy(path, x, y)
             row = [a32]
-            for method in ("minmax", "average-max"):
+            for method in METHODS:
                 q, _ = onnxq.quantize(str(path), feeds, method=method, progress=False)
                 row.append(accuracy(q, x, y))
             for pc in (False, True):
                 out = Path(tmp) / f"{name}.{pc}.onnx"
                 ort_qoperator(path, calib[: args.calib], out, pc)
                 row.append(accuracy(out, x, y))
-            cells = [f"{100 * a32:7.2f}"] + [f"{100 * (a - a32):+7.2f}" for a in row[1:]]
-            print(f"{name:<12} " + " ".join(cells))
+            best = max(range(len(METHODS)), key=lambda k: (row[1 + k], -k))
+            cells = [f"{100 * a32:.2f}"] + [
+                (f"**{100 * (a - a32):+.2f}**" if k == best else f"{100 * (a - a32):+.2f}")
+                for k, a in enumerate(row[1:])
+            ]
+            print(f"| {name} | " + " | ".join(cells) + " |", flush=True)
+    print(
+        "\nint8 columns: difference to fp32 in points; bold: the best onnxq method (first on ties)"
+    )
     return 0
 
 
