@@ -1,4 +1,4 @@
-"""The pattern library: QuantizerPatterns for Conv, dense, Add and Mul.
+"""The pattern library: QuantizerPatterns for Conv, dense, Add, Mul and average pooling.
 
 ``default_patterns(callback)`` returns one instance of every rule, largest first.
 """
@@ -9,15 +9,18 @@ from onnxq.calibration import CalibrationCallback
 from onnxq.patterns.binary import AddPattern, BinaryPattern, MulPattern
 from onnxq.patterns.conv import ConvBiasPattern, ConvPattern
 from onnxq.patterns.dense import GemmBiasPattern, GemmPattern, MatMulAddPattern, MatMulPattern
+from onnxq.patterns.pool import AveragePoolPattern, GlobalAveragePoolPattern
 from onnxq.quantizer import QuantizerPattern
 
 __all__ = [
     "AddPattern",
+    "AveragePoolPattern",
     "BinaryPattern",
     "ConvBiasPattern",
     "ConvPattern",
     "GemmBiasPattern",
     "GemmPattern",
+    "GlobalAveragePoolPattern",
     "MatMulAddPattern",
     "MatMulPattern",
     "MulPattern",
@@ -27,7 +30,7 @@ __all__ = [
 
 def default_patterns(callback: CalibrationCallback | None = None) -> list[QuantizerPattern]:
     """One instance of every rule, each calibrated by ``callback`` (None: the Calibrator's)."""
-    from onnxq.patterns import binary, conv, dense
+    from onnxq.patterns import binary, conv, dense, pool
 
-    rules = [*conv.RULES, *dense.RULES, *binary.RULES]
+    rules = [*conv.RULES, *dense.RULES, *binary.RULES, *pool.RULES]
     return [rule(callback) for rule in rules]

@@ -13,6 +13,7 @@ import numpy as np
 import onnx_graphsurgeon as gs
 
 from onnxq.calibration import CalibrationCallback
+from onnxq.graph import MS_DOMAIN, constant_value, producer
 from onnxq.pattern import (
     DFPattern,
     Match,
@@ -26,10 +27,26 @@ from onnxq.pattern import (
 from onnxq.quantizer import PatternRecord, QTensor, QuantizerPattern
 
 
+def _is_zero(t: gs.Tensor) -> bool:
+    value = constant_value(t)
+    return value is not None and value.size == 1 and float(value.reshape(-1)[0]) == 0.0
+
+
 def with_relu(core: DFPattern) -> tuple[DFPattern, DFPattern]:
-    """``core`` optionally followed by Relu: returns (pattern, the Relu call pattern)."""
-    relu = is_op("Relu")(core)
-    return relu | core, relu
+    """``core`` optionally followed by an activation clamping at 0: (pattern, activation).
+
+    The activation folds into the output range (zero point at qmin): Relu, or Clip with min 0
+    (Relu6 and the like; the upper bound is kept by calibrating on the clipped output).
+    """
+    zero = is_constant().check(_is_zero, "Clip's min is not 0")
+    upper = is_constant()
+    act = (
+        is_op("Relu")(core)
+        | is_op("Clip")(core, zero, upper)
+        | is_op("Clip")(core, zero, None)
+        | is_op("Clip")(core).has_attr({"min": 0.0})  # opset < 11: bounds as attributes
+    )
+    return act | core, act
 
 
 class WeightedPattern(QuantizerPattern):
@@ -121,6 +138,80 @@ class WeightedPattern(QuantizerPattern):
                 qnode.name,
                 relu_folded=self.relu in m,
                 bias=None if bias is None else bias.name,
+            )
+        )
+        return q.dequantize(yq, y_var, m.root)
+
+
+class ActivationPattern(QuantizerPattern):
+    """``op(a₁, …, aₙ) [→ Relu/Clip]`` on activations only → the int8 op (com.microsoft).
+
+    Such an op pays off only between quantized neighbours: alone it would add a Q/DQ round trip
+    for each input and output, so it is left float (with the reason) when no input comes from a
+    quantized group and no consumer is one. Subclasses set ``op_type``, ``qop``, ``arity`` and
+    may override :meth:`qop_attrs`.
+    """
+
+    op_type = ""
+    qop = ""
+    arity = 1
+
+    def __init__(self, calibration_callback: CalibrationCallback | None = None):
+        super().__init__(calibration_callback)
+        self.args = [wildcard() for _ in range(self.arity)]
+        self.core: DFPattern = is_op(self.op_type)(*self.args)
+        self.pattern, self.relu = with_relu(self.core)
+
+    def qop_attrs(self, node: gs.Node) -> dict[str, Any]:
+        """Attributes of the int8 op (default: none)."""
+        return {}
+
+    def check(self, m: Match) -> MatchResult:
+        """Every operand must be an activation; a folded Relu needs asymmetric outputs."""
+        res = self.float_output_check(m)
+        if not res.ok:
+            return res
+        for p in self.args:
+            t = m.tensor(p)
+            if is_constant_tensor(t):
+                return MatchResult.fail(
+                    f"operand '{t.name}' is a constant; {self.op_type} is "
+                    "quantized only on activations"
+                )
+        if self.relu in m and self.quantizer.config.activation_symmetric:
+            return MatchResult.fail("a Relu folds only into an asymmetric output range")
+        return MatchResult(m)
+
+    def quantize_match(self, m: Match) -> gs.Tensor | None:
+        """Q(inputs) → int8 op → DQ, unless every neighbour stays float."""
+        q = self.quantizer
+        ins = [m.tensor(p) for p in self.args]
+        neighbours = [*(producer(t) for t in ins), *m.root.outputs]
+        if not any(self.in_group(n) for n in neighbours):
+            q.leave_float(
+                self,
+                m,
+                f"{self.op_type} sits between float neighbours: quantizing "
+                "it alone would only add Q/DQ round trips",
+            )
+            return None
+        node = m.node(self.core)
+        qins = [q.quantize_input(t) for t in ins]
+        yq, y_var = q.quantize_output(m.root)
+        operands = [x for qt in qins for x in q.operands(qt)]
+        inputs = [*operands, q.const(yq.scale), q.const(yq.zero_point)]
+        qnode = q.add_node(
+            self.qop, inputs, [y_var], f"{node.name}_quant", self.qop_attrs(node), MS_DOMAIN
+        )
+        q.record(
+            PatternRecord(
+                self,
+                self.label(),
+                [n.name for n in m.nodes],
+                qins,
+                [yq],
+                qnode.name,
+                relu_folded=self.relu in m,
             )
         )
         return q.dequantize(yq, y_var, m.root)

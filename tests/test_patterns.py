@@ -28,6 +28,14 @@ def close_enough(model, qmodel, feeds, tol=0.04):
     assert cos > 0.999, f"cosine {cos:.5f}"
 
 
+def within_steps(model, qmodel, feeds, scale, steps=3.0):
+    """Every output within ``steps`` quantization steps of the float output."""
+    f = run(model, feeds)[0]
+    q = run(qmodel, feeds)[0]
+    err = float(np.abs(f - q).max())
+    assert err <= steps * float(scale), f"max error {err:.4g} = {err / float(scale):.2f} steps"
+
+
 def quantize_random(model, input_shapes, n=16, **kw):
     data = {k: R.normal(0, 1, (n, *s[1:])).astype(np.float32) for k, s in input_shapes.items()}
     q, report = onnxq.quantize(model, data, progress=False, **kw)
@@ -330,3 +338,83 @@ def test_bias_overflow_widens_weight_scale_instead_of_clipping():
     xs = float(report.values["x_scale"])
     assert abs(1e6 / (xs * ws[0])) <= 2**31 - 1
     np.testing.assert_allclose(run(q, data)[0][:, 0], run(model, data)[0][:, 0], rtol=1e-3)
+
+
+POOL_CASES = {
+    "global-average-pool": (
+        h.make_node("GlobalAveragePool", ["a"], ["p"], name="pool"),
+        "QLinearGlobalAveragePool",
+        [2, 1, 1],
+    ),
+    "average-pool": (
+        h.make_node("AveragePool", ["a"], ["p"], kernel_shape=[2, 2], strides=[2, 2], name="pool"),
+        "QLinearAveragePool",
+        [2, 4, 4],
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(POOL_CASES))
+def test_average_pooling_between_convs(case):
+    pool, qop, _ = POOL_CASES[case]
+    nodes = [
+        h.make_node("Conv", ["x", "W1", "B1"], ["c"], pads=[1, 1, 1, 1], name="c1"),
+        h.make_node("Relu", ["c"], ["a"], name="relu"),
+        pool,
+        h.make_node("Conv", ["p", "W2"], ["y"], name="c2"),
+    ]
+    inits = {"W1": weights(4, 3, 3, 3), "B1": weights(4), "W2": weights(2, 4, 1, 1)}
+    model = make_model(nodes, [("x", ["N", 3, 8, 8])], [("y", None)], inits)
+    q, report, feeds = quantize_random(model, {"x": [1, 3, 8, 8]})
+    assert ops(q) == ["QuantizeLinear", "QLinearConv", qop, "QLinearConv", "DequantizeLinear"]
+    assert dq_q_pairs_between_quantized(q) == []
+    within_steps(model, q, feeds, report.values["y_scale"], steps=4)
+
+
+def test_isolated_pooling_stays_float_with_reason():
+    model = make_model(
+        [h.make_node("GlobalAveragePool", ["x"], ["y"], name="pool")],
+        [("x", ["N", 3, 8, 8])],
+        [("y", None)],
+    )
+    d = Quantizer(model).decisions["pool"]
+    assert not d.quantized and "round trip" in d.reason
+
+
+@pytest.mark.parametrize("opset", [13, 9])
+def test_conv_relu6_clip_is_folded(opset):
+    if opset >= 11:
+        clip = h.make_node("Clip", ["c", "lo", "hi"], ["y"], name="clip")
+        inits = {"lo": np.float32(0), "hi": np.float32(6)}
+    else:
+        clip = h.make_node("Clip", ["c"], ["y"], min=0.0, max=6.0, name="clip")
+        inits = {}
+    w = weights(8, 3, 3, 3, scale=1.0)
+    model = make_model(
+        [h.make_node("Conv", ["x", "W", "B"], ["c"], name="conv"), clip],
+        [("x", ["N", 3, 8, 8])],
+        [("y", None)],
+        {"W": w, "B": np.full(8, 4.0, np.float32), **inits},
+        opset=opset,
+    )
+    q, report, feeds = quantize_random(model, {"x": [1, 3, 8, 8]})
+    assert ops(q) == ["QuantizeLinear", "QLinearConv", "DequantizeLinear"]
+    out = run(q, feeds)[0]
+    assert out.min() >= 0 and out.max() <= 6.0 + 1e-6
+    assert (run(model, feeds)[0] >= 6.0).mean() > 0.05  # the upper clamp is exercised
+    close_enough(model, q, feeds, tol=0.05)
+
+
+def test_clip_with_nonzero_min_is_not_folded():
+    model = make_model(
+        [
+            h.make_node("Conv", ["x", "W", "B"], ["c"], name="conv"),
+            h.make_node("Clip", ["c", "lo", "hi"], ["y"], name="clip"),
+        ],
+        [("x", ["N", 3, 8, 8])],
+        [("y", None)],
+        {"W": weights(8, 3, 3, 3), "B": weights(8), "lo": np.float32(-1), "hi": np.float32(1)},
+    )
+    q, report, feeds = quantize_random(model, {"x": [1, 3, 8, 8]})
+    assert ops(q) == ["QuantizeLinear", "QLinearConv", "DequantizeLinear", "Clip"]
+    close_enough(model, q, feeds)
