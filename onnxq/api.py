@@ -18,8 +18,10 @@ from onnxq.calibration import (
     RangeTableCallback,
 )
 from onnxq.dataset import as_dataset, model_inputs
-from onnxq.errors import ModelError
+from onnxq.errors import ConfigError, ModelError
+from onnxq.export import FORMATS, PER_CHANNEL_OPSET, to_qdq
 from onnxq.graph import check_model, load_model, save_model
+from onnxq.preprocess import raise_opset
 from onnxq.quantizer import Decision, Quantizer, QuantizerConfig, QuantizerPattern
 from onnxq.requantize import Requantizer, RequantizeStats
 from onnxq.session import make_session
@@ -124,6 +126,7 @@ def quantize(
     preprocess: str | None = None,
     save_ranges: str | os.PathLike[str] | None = None,
     load_ranges: str | os.PathLike[str] | None = None,
+    format: str = "qoperator",
     progress: bool | None = None,
     output: str | os.PathLike[str] | None = None,
 ) -> tuple[onnx.ModelProto, QuantizeReport]:
@@ -134,8 +137,10 @@ def quantize(
     CalibrationDataReader, or ``"module:function"``. ``method`` names a calibrator (``minmax``,
     ``average-max``, ``percentile``, ``entropy``, ``mse``, ``output-aware``) unless ``callback``
     is given. ``samples`` caps the calibration samples. ``save_ranges`` writes the chosen
-    activation ranges as JSON; ``load_ranges`` reuses such a file instead of data. With
-    ``output`` the model is also written atomically. The input model is never modified.
+    activation ranges as JSON; ``load_ranges`` reuses such a file instead of data. ``format``
+    is ``qoperator`` (QLinear ops, onnxruntime CPU) or ``qdq`` (standard ONNX Q/DQ around float
+    ops; the opset is raised to 13 when per-channel scales need it). With ``output`` the model
+    is also written atomically. The input model is never modified.
     """
     from onnxq.calibrators import method_callback
     from onnxq.ranges import read_ranges, write_ranges
@@ -143,8 +148,12 @@ def quantize(
     times: dict[str, float] = {}
     t0 = time.perf_counter()
     where = f"'{model}'" if not isinstance(model, onnx.ModelProto) else "the given model"
+    if format not in FORMATS:
+        raise ConfigError(f"--format {format!r} is unknown; choose one of {', '.join(FORMATS)}")
     float_model = load_model(model)
     refuse_quantized(float_model, where)
+    if format == "qdq" and per_channel:
+        float_model = raise_opset(float_model, PER_CHANNEL_OPSET, "per-channel QDQ")
     config = QuantizerConfig(
         activation_dtype=activation_dtype, per_channel=per_channel, exclude=tuple(exclude)
     )
@@ -169,6 +178,8 @@ def quantize(
     t2 = time.perf_counter()
     requantizer = Requantizer()
     result = requantizer.requantize(quantizer.materialize(values))
+    if format == "qdq":
+        result = to_qdq(result)
     times["requantize"] = time.perf_counter() - t2
 
     t3 = time.perf_counter()

@@ -41,6 +41,13 @@ def _parser() -> argparse.ArgumentParser:
         help="calibration method (default minmax)",
     )
     q.add_argument(
+        "--format",
+        default="qoperator",
+        choices=["qoperator", "qdq"],
+        help="qoperator: QLinear ops for onnxruntime CPU (default); qdq: standard ONNX "
+        "QuantizeLinear/DequantizeLinear around float ops",
+    )
+    q.add_argument(
         "--percentile",
         type=float,
         default=99.999,
@@ -200,6 +207,7 @@ def _quantize(args: argparse.Namespace) -> int:
         callback=callback,
         save_ranges=args.save_ranges,
         load_ranges=args.load_ranges,
+        format=args.format,
         progress=None if not args.quiet else False,
         output=str(dst),
     )

@@ -30,18 +30,26 @@ def default_opset(model: onnx.ModelProto) -> int:
     return 1
 
 
+def raise_opset(model: onnx.ModelProto, opset: int, why: str) -> onnx.ModelProto:
+    """``model`` converted to at least ``opset`` with onnx's version converter (or unchanged)."""
+    have = default_opset(model)
+    if have >= opset:
+        return model
+    try:
+        return onnx.version_converter.convert_version(model, opset)
+    except Exception as exc:  # the converter raises RuntimeError and others
+        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise ModelError(
+            f"{why} needs opset {opset}; the model has opset {have} and converting "
+            f"it failed ({first}); re-export with opset >= {opset} or use "
+            "--per-tensor"
+        ) from None
+
+
 def preprocess(model: onnx.ModelProto) -> onnx.ModelProto:
     """Run every preprocessing pass and return a new model (the argument is not modified)."""
     if default_opset(model) < MIN_OPSET:
-        try:
-            model = onnx.version_converter.convert_version(model, TARGET_OPSET)
-        except Exception as exc:  # the converter raises RuntimeError and others
-            raise ModelError(
-                f"the model uses opset {default_opset(model)}, below the {MIN_OPSET} that "
-                f"QLinear ops need, and converting it to opset {TARGET_OPSET} failed "
-                f"({str(exc).splitlines()[0] if str(exc) else type(exc).__name__}); re-export "
-                f"the model with opset >= {TARGET_OPSET}"
-            ) from None
+        model = raise_opset(model, TARGET_OPSET, f"QLinear ops (opset >= {MIN_OPSET})")
     graph = import_graph(model)
     _name_nodes(graph)
     _fold_constants(graph)

@@ -1,0 +1,209 @@
+"""Output formats: QOperator (what the Quantizer builds) and standard ONNX QDQ.
+
+QDQ rewrites every int8 op back into its float op between DequantizeLinear and QuantizeLinear:
+``QLinearConv(xq, xs, xz, wq, ws, wz, ys, yz, bq)`` becomes
+``Q(Conv(DQ(xq, xs, xz), DQ(wq, ws, wz, axis=0), DQ(bq, xs·ws, 0, axis=0)), ys, yz)``; the
+int8 weights and the int32 bias stay integer initializers. Only standard ONNX ops remain, which
+TensorRT, OpenVINO, QNN and onnxruntime's QDQ fusion consume. Per-channel DequantizeLinear needs
+opset 13; :func:`to_qdq` refuses a lower opset (quantize raises the opset first).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import onnx
+from onnx import helper, numpy_helper
+
+from onnxq.errors import QuantizationError
+from onnxq.preprocess import default_opset
+
+FORMATS = ("qoperator", "qdq")
+PER_CHANNEL_OPSET = 13
+
+
+class _Builder:
+    """Collects the nodes and initializers of the converted graph with unique names."""
+
+    def __init__(self, model: onnx.ModelProto):
+        self.inits = {i.name: i for i in model.graph.initializer}
+        self.names = set(self.inits) | {o for n in model.graph.node for o in n.output}
+        self.names |= {i.name for i in model.graph.input}
+        self.nodes: list[onnx.NodeProto] = []
+        self.new_inits: list[onnx.TensorProto] = []
+
+    def name(self, base: str) -> str:
+        name, k = base, 1
+        while name in self.names:
+            name, k = f"{base}_{k}", k + 1
+        self.names.add(name)
+        return name
+
+    def value(self, name: str) -> np.ndarray:
+        if name not in self.inits:
+            raise QuantizationError(
+                f"'{name}' is not a constant; QDQ export needs constant scales and zero points"
+            )
+        return numpy_helper.to_array(self.inits[name])
+
+    def const(self, base: str, value: np.ndarray) -> str:
+        name = self.name(base)
+        tensor = numpy_helper.from_array(value, name)
+        self.new_inits.append(tensor)
+        self.inits[name] = tensor
+        return name
+
+    def dq(self, x: str, scale: str, zp: str, axis: int | None = None) -> str:
+        out = self.name(f"{x}_dequantized")
+        attrs: dict[str, Any] = {}
+        if axis is not None and self.value(scale).size > 1:
+            attrs["axis"] = axis
+        self.nodes.append(
+            helper.make_node(
+                "DequantizeLinear",
+                [x, scale, zp],
+                [out],
+                name=self.name(f"{x}_DequantizeLinear"),
+                **attrs,
+            )
+        )
+        return out
+
+    def q(self, x: str, scale: str, zp: str, out: str) -> None:
+        self.nodes.append(
+            helper.make_node(
+                "QuantizeLinear", [x, scale, zp], [out], name=self.name(f"{out}_QuantizeLinear")
+            )
+        )
+
+    def bias(self, node: onnx.NodeProto, b: str, x_scale: str, w_scale: str) -> str:
+        """DQ of an int32 bias with scale s_x · s_w (per channel) and zero point 0."""
+        scale = (self.value(x_scale).astype(np.float64) * self.value(w_scale)).astype(np.float32)
+        s = self.const(f"{node.name}.bias_scale", scale)
+        z = self.const(f"{node.name}.bias_zero_point", np.zeros(scale.shape, np.int32))
+        return self.dq(b, s, z, axis=0)
+
+
+def _attrs(node: onnx.NodeProto) -> dict:
+    return {a.name: helper.get_attribute_value(a) for a in node.attribute}
+
+
+def _conv(b: _Builder, n: onnx.NodeProto) -> None:
+    i = list(n.input)
+    x, w = b.dq(i[0], i[1], i[2]), b.dq(i[3], i[4], i[5], axis=0)
+    ins = [x, w] + ([b.bias(n, i[8], i[1], i[4])] if len(i) > 8 and i[8] else [])
+    y = b.name(f"{n.output[0]}_float")
+    b.nodes.append(helper.make_node("Conv", ins, [y], name=n.name, **_attrs(n)))
+    b.q(y, i[6], i[7], n.output[0])
+
+
+def _matmul(b: _Builder, n: onnx.NodeProto) -> None:
+    i = list(n.input)
+    a, w = b.dq(i[0], i[1], i[2]), b.dq(i[3], i[4], i[5], axis=1)
+    y = b.name(f"{n.output[0]}_float")
+    b.nodes.append(helper.make_node("MatMul", [a, w], [y], name=n.name))
+    b.q(y, i[6], i[7], n.output[0])
+
+
+def _gemm(b: _Builder, n: onnx.NodeProto) -> None:
+    i = list(n.input)
+    attrs = _attrs(n)
+    trans_b = int(attrs.get("transB", 0))
+    alpha = float(attrs.get("alpha", 1.0))
+    a, w = b.dq(i[0], i[1], i[2]), b.dq(i[3], i[4], i[5], axis=0 if trans_b else 1)
+    ins = [a, w]
+    if len(i) > 6 and i[6]:
+        ins.append(b.bias(n, i[6], i[1], i[4]))
+    if len(i) < 9 or not i[7]:
+        raise QuantizationError(
+            f"QGemm node '{n.name}' has a float output; QDQ export expects quantized outputs"
+        )
+    y = b.name(f"{n.output[0]}_float")
+    # QGemm computes alpha·(A·B + C): the same as Gemm with beta = alpha
+    b.nodes.append(
+        helper.make_node(
+            "Gemm",
+            ins,
+            [y],
+            name=n.name,
+            alpha=alpha,
+            beta=alpha,
+            transA=int(attrs.get("transA", 0)),
+            transB=trans_b,
+        )
+    )
+    b.q(y, i[7], i[8], n.output[0])
+
+
+def _binary(op: str) -> Callable[[_Builder, onnx.NodeProto], None]:
+    def convert(b: _Builder, n: onnx.NodeProto) -> None:
+        i = list(n.input)
+        x, z = b.dq(i[0], i[1], i[2]), b.dq(i[3], i[4], i[5])
+        y = b.name(f"{n.output[0]}_float")
+        b.nodes.append(helper.make_node(op, [x, z], [y], name=n.name))
+        b.q(y, i[6], i[7], n.output[0])
+
+    return convert
+
+
+def _pool(op: str) -> Callable[[_Builder, onnx.NodeProto], None]:
+    def convert(b: _Builder, n: onnx.NodeProto) -> None:
+        i = list(n.input)
+        if int(_attrs(n).get("channels_last", 0)):
+            raise QuantizationError(
+                f"{n.op_type} node '{n.name}' is channels-last; QDQ export handles NCHW only"
+            )
+        attrs = {k: v for k, v in _attrs(n).items() if k != "channels_last"}
+        x = b.dq(i[0], i[1], i[2])
+        y = b.name(f"{n.output[0]}_float")
+        b.nodes.append(helper.make_node(op, [x], [y], name=n.name, **attrs))
+        b.q(y, i[3], i[4], n.output[0])
+
+    return convert
+
+
+CONVERTERS: dict[str, Callable[[_Builder, onnx.NodeProto], None]] = {
+    "QLinearConv": _conv,
+    "QLinearMatMul": _matmul,
+    "QGemm": _gemm,
+    "QLinearAdd": _binary("Add"),
+    "QLinearMul": _binary("Mul"),
+    "QLinearGlobalAveragePool": _pool("GlobalAveragePool"),
+    "QLinearAveragePool": _pool("AveragePool"),
+}
+
+
+def to_qdq(model: onnx.ModelProto) -> onnx.ModelProto:
+    """The QDQ form of a QOperator model (the argument is not modified)."""
+    has_axis = False
+    b = _Builder(model)
+    for node in model.graph.node:
+        conv = CONVERTERS.get(node.op_type)
+        if conv is None:
+            b.nodes.append(node)
+            continue
+        before = len(b.nodes)
+        conv(b, node)
+        has_axis |= any(
+            a.name == "axis"
+            for n in b.nodes[before:]
+            for a in n.attribute
+            if n.op_type == "DequantizeLinear"
+        )
+    if has_axis and default_opset(model) < PER_CHANNEL_OPSET:
+        raise QuantizationError(
+            f"per-channel DequantizeLinear needs opset {PER_CHANNEL_OPSET}, the model has "
+            f"{default_opset(model)}; quantize with --per-tensor or let quantize raise the opset"
+        )
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    del out.graph.node[:]
+    out.graph.node.extend(b.nodes)
+    out.graph.initializer.extend(b.new_inits)
+    used = {d.domain for d in out.graph.node}
+    keep = [o for o in out.opset_import if o.domain in ("", "ai.onnx") or o.domain in used]
+    del out.opset_import[:]
+    out.opset_import.extend(keep)
+    return out
