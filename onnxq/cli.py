@@ -119,6 +119,17 @@ def _parser() -> argparse.ArgumentParser:
     i.add_argument("--json", action="store_true", help="print JSON instead of a table")
     i.add_argument("--exclude", nargs="+", default=[], metavar="NODE")
 
+    c = sub.add_parser("convert", help="retarget an already-quantized model (no calibration)")
+    c.add_argument("model", help="a quantized .onnx model (QDQ or QOperator; never modified)")
+    c.add_argument("-o", "--output", required=True, help="where to write the converted model")
+    c.add_argument(
+        "--format",
+        required=True,
+        choices=["qoperator", "qdq"],
+        help="qoperator: QLinear ops (onnxruntime CPU); qdq: standard Q/DQ",
+    )
+    c.add_argument("--quiet", action="store_true", help="no summary")
+
     d = sub.add_parser("demo", help="quantize the bundled digits CNN and compare fp32 vs int8")
     d.add_argument("-o", "--output", default=None, help="also write the int8 demo model here")
     d.add_argument("--runs", type=int, default=300, help="latency runs per model (default 300)")
@@ -137,6 +148,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 0
         if args.command == "quantize":
             return _quantize(args)
+        if args.command == "convert":
+            return _convert(args)
         if args.command == "inspect":
             return _inspect(args)
         if args.command == "demo":
@@ -165,16 +178,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _quantize(args: argparse.Namespace) -> int:
     from onnxq.api import quantize
 
-    src, dst = Path(args.model), Path(args.output)
-    if dst.exists() and src.exists() and dst.resolve() == src.resolve():
-        raise ConfigError(
-            f"output '{dst}' is the input model; onnxq never overwrites its input — "
-            "choose another -o"
-        )
-    if not (dst.parent if str(dst.parent) else Path(".")).is_dir():
-        raise ConfigError(
-            f"output folder '{dst.parent}' does not exist; create it or choose another -o"
-        )
+    src, dst = Path(args.model), _output_path(args.model, args.output)
     if args.data is None and args.load_ranges is None:
         raise ConfigError("quantize needs calibration data: --data PATH (or --load-ranges FILE)")
     callback = None
@@ -215,6 +219,35 @@ def _quantize(args: argparse.Namespace) -> int:
         from onnxq.graph import write_text_atomic
 
         write_text_atomic(args.report, json.dumps(report.to_dict(), indent=2))
+    if not args.quiet:
+        print(report.summary())
+        print(f"wrote {dst}")
+    return 0
+
+
+def _output_path(model: str, output: str) -> Path:
+    src, dst = Path(model), Path(output)
+    if dst.exists() and src.exists() and dst.resolve() == src.resolve():
+        raise ConfigError(
+            f"output '{dst}' is the input model; onnxq never overwrites its input — "
+            "choose another -o"
+        )
+    if not (dst.parent if str(dst.parent) else Path(".")).is_dir():
+        raise ConfigError(
+            f"output folder '{dst.parent}' does not exist; create it or choose another -o"
+        )
+    return dst
+
+
+def _convert(args: argparse.Namespace) -> int:
+    from onnxq.api import verify
+    from onnxq.graph import load_model, save_model
+    from onnxq.ingest import convert
+
+    dst = _output_path(args.model, args.output)
+    model, report = convert(load_model(args.model), args.format)
+    verify(model)
+    save_model(model, dst)
     if not args.quiet:
         print(report.summary())
         print(f"wrote {dst}")

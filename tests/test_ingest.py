@@ -1,0 +1,120 @@
+"""Already-quantized models: QDQ → QOperator by patterns, QOperator → QDQ, clear refusals."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+from helpers import MODELS, make_model, ops, rng, run, zoo_datasets
+from onnx import helper as h
+from test_patterns import weights
+
+import onnxq
+from onnxq.cli import main
+from onnxq.errors import ModelError
+from onnxq.ingest import convert, quantized_form
+
+R = rng(11)
+ds = zoo_datasets()
+
+
+@pytest.fixture(scope="module")
+def digits():
+    xtr, _, xte, yte = ds.digits()
+    return xtr, xte, yte
+
+
+def test_onnxq_qdq_round_trips_to_the_same_qoperator_model(digits):
+    xtr, xte, _ = digits
+    qop, _ = onnxq.quantize(str(MODELS / "digits_cnn.onnx"), {"input": xtr[:64]}, progress=False)
+    qdq, _ = onnxq.quantize(
+        str(MODELS / "digits_cnn.onnx"), {"input": xtr[:64]}, progress=False, format="qdq"
+    )
+    back, report = convert(qdq, "qoperator")
+    assert quantized_form(back) == "qoperator" and report.left == {}
+    assert ops(back) == ops(qop)
+    np.testing.assert_array_equal(run(back, {"input": xte})[0], run(qop, {"input": xte})[0])
+
+
+def test_onnxruntime_qdq_output_converts_and_keeps_accuracy(tmp_path, digits):
+    from onnxruntime.quantization import CalibrationDataReader, QuantFormat, quantize_static
+
+    xtr, xte, yte = digits
+
+    class Reader(CalibrationDataReader):
+        def __init__(self):
+            self.it = iter([{"input": xtr[i : i + 1]} for i in range(64)])
+
+        def get_next(self):
+            return next(self.it, None)
+
+    path = tmp_path / "ort_qdq.onnx"
+    quantize_static(
+        str(MODELS / "digits_cnn.onnx"),
+        str(path),
+        Reader(),
+        quant_format=QuantFormat.QDQ,
+        per_channel=True,
+    )
+    out = tmp_path / "qop.onnx"
+    assert main(["convert", str(path), "-o", str(out), "--format", "qoperator", "--quiet"]) == 0
+    model = onnx.load(str(out))
+    kinds = set(ops(model))
+    assert "QLinearConv" in kinds and "Conv" not in kinds and "Gemm" not in kinds
+    ref = run(path, {"input": xte})[0]
+    got = run(model, {"input": xte})[0]
+    assert (ref.argmax(1) == got.argmax(1)).mean() > 0.99
+    assert (got.argmax(1) == yte).mean() >= (ref.argmax(1) == yte).mean() - 0.005
+
+
+def test_op_without_qlinear_form_keeps_its_qdq_and_is_reported():
+    nodes = [
+        h.make_node("Conv", ["x", "W"], ["c"], name="conv"),
+        h.make_node("Sigmoid", ["c"], ["s"], name="sig"),
+        h.make_node("Conv", ["s", "W2"], ["y"], name="conv2"),
+    ]
+    model = make_model(
+        nodes,
+        [("x", ["N", 3, 6, 6])],
+        [("y", None)],
+        {"W": weights(4, 3, 3, 3), "W2": weights(2, 4, 1, 1)},
+    )
+    data = {"x": R.normal(0, 1, (8, 3, 6, 6)).astype(np.float32)}
+    qdq, _ = onnxq.quantize(model, data, format="qdq", progress=False)
+    qop, _ = onnxq.quantize(model, data, progress=False)
+    back, report = convert(qdq, "qoperator")
+    assert ops(back).count("QLinearConv") == 2 and "Sigmoid" in ops(back)
+    assert list(report.left) == ["sig"]
+    np.testing.assert_allclose(
+        run(back, {"x": data["x"][:2]})[0], run(qop, {"x": data["x"][:2]})[0], atol=1e-6
+    )
+
+
+def test_qoperator_to_qdq_and_same_format(digits):
+    xtr, xte, _ = digits
+    qop, _ = onnxq.quantize(
+        str(MODELS / "digits_mlp.onnx"), {"flatten_input": ds.nhwc(xtr[:32])}, progress=False
+    )
+    qdq, report = convert(qop, "qdq")
+    assert quantized_form(qdq) == "qdq" and len(report.converted) == 2
+    feeds = {"flatten_input": ds.nhwc(xte[:16])}
+    np.testing.assert_allclose(run(qdq, feeds)[0], run(qop, feeds)[0], atol=1e-6)
+    same, _ = convert(qop, "qoperator")
+    assert same is qop
+
+
+def test_float_model_and_bad_format_are_refused(tmp_path, capsys):
+    with pytest.raises(ModelError, match="float model"):
+        convert(onnx.load(str(MODELS / "digits_cnn.onnx")), "qdq")
+    rc = main(
+        [
+            "convert",
+            str(MODELS / "digits_cnn.onnx"),
+            "-o",
+            str(tmp_path / "o.onnx"),
+            "--format",
+            "qdq",
+        ]
+    )
+    err = capsys.readouterr().err
+    assert rc == 2 and "use `onnxq quantize`" in err and not (tmp_path / "o.onnx").exists()
