@@ -82,7 +82,7 @@ class OutputAwareCallback(ObserverCallback):
 
     def _base_params(self, info: CalibrationInfo, qt: Any) -> QParams:
         if qt.role == "weight":
-            return weight_params(info.constant(qt.tensor), qt.axis, qt.dtype)
+            return weight_params(info.constant(qt.tensor), qt.axis, qt.dtype, bits=qt.bits)
         if qt.scale in info.values:
             return QParams(info.values[qt.scale], info.values[qt.zero_point])
         lo, hi = self.base.activation_range(info, qt)

@@ -127,6 +127,7 @@ def quantize(
     save_ranges: str | os.PathLike[str] | None = None,
     load_ranges: str | os.PathLike[str] | None = None,
     format: str = "qoperator",
+    weight_bits: int = 8,
     progress: bool | None = None,
     output: str | os.PathLike[str] | None = None,
 ) -> tuple[onnx.ModelProto, QuantizeReport]:
@@ -138,8 +139,10 @@ def quantize(
     ``average-max``, ``percentile``, ``entropy``, ``mse``, ``output-aware``) unless ``callback``
     is given. ``samples`` caps the calibration samples. ``save_ranges`` writes the chosen
     activation ranges as JSON; ``load_ranges`` reuses such a file instead of data. ``format``
-    is ``qoperator`` (QLinear ops, onnxruntime CPU) or ``qdq`` (standard ONNX Q/DQ around float
-    ops; the opset is raised to 13 when per-channel scales need it). With ``output`` the model
+    is ``qoperator`` (QLinear ops, onnxruntime CPU), ``qdq`` (standard ONNX Q/DQ around float
+    ops; the opset is raised to 13 when per-channel scales need it) or ``openvino`` (float graph
+    with FakeQuantize, run by the OpenVINO runtime). ``weight_bits=7`` restricts weights to
+    [-63, 63] for CPUs without VNNI. With ``output`` the model
     is also written atomically. The input model is never modified.
     """
     from onnxq.calibrators import method_callback
@@ -155,7 +158,10 @@ def quantize(
     if format == "qdq" and per_channel:
         float_model = raise_opset(float_model, PER_CHANNEL_OPSET, "per-channel QDQ")
     config = QuantizerConfig(
-        activation_dtype=activation_dtype, per_channel=per_channel, exclude=tuple(exclude)
+        activation_dtype=activation_dtype,
+        per_channel=per_channel,
+        exclude=tuple(exclude),
+        weight_bits=weight_bits,
     )
     if load_ranges is not None:
         cb: CalibrationCallback = RangeTableCallback(read_ranges(load_ranges), f"'{load_ranges}'")
@@ -180,10 +186,14 @@ def quantize(
     result = requantizer.requantize(quantizer.materialize(values))
     if format == "qdq":
         result = to_qdq(result)
+    elif format == "openvino":
+        from onnxq.openvino import to_fakequantize
+
+        result = to_fakequantize(quantizer, (-64, 63) if weight_bits == 7 else None)
     times["requantize"] = time.perf_counter() - t2
 
     t3 = time.perf_counter()
-    verify(result)
+    verify(result, runtime="openvino" if format == "openvino" else "onnxruntime")
     times["verify"] = time.perf_counter() - t3
     if output is not None:
         save_model(result, output)
@@ -207,7 +217,20 @@ def quantize(
     return result, report
 
 
-def verify(model: onnx.ModelProto) -> None:
-    """The output must pass onnx.checker and load in onnxruntime."""
+def verify(model: onnx.ModelProto, runtime: str = "onnxruntime") -> None:
+    """The output must pass onnx.checker and load in its runtime (OpenVINO when installed)."""
     check_model(model, "the quantized model")
-    make_session(model)
+    if runtime == "onnxruntime":
+        make_session(model)
+        return
+    try:
+        import openvino as ov
+    except ImportError:
+        return  # checked structurally only; `pip install openvino` to run it
+    from onnxq.graph import serialize
+
+    try:
+        ov.Core().compile_model(ov.Core().read_model(serialize(model)), "CPU")
+    except Exception as exc:  # OpenVINO raises RuntimeError and others
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ModelError(f"the OpenVINO runtime cannot load the model: {first}") from None

@@ -70,7 +70,7 @@ class ObserverCallback(CalibrationCallback):
         values: dict[str, np.ndarray] = {}
         for qt in [*info.inputs, *info.outputs]:
             if qt.role == "weight":
-                qp = weight_params(info.constant(qt.tensor), qt.axis, qt.dtype)
+                qp = weight_params(info.constant(qt.tensor), qt.axis, qt.dtype, bits=qt.bits)
             else:
                 lo, hi = self.activation_range(info, qt)
                 info.calibrator.ranges[qt.tensor] = (float(lo), float(hi))

@@ -43,9 +43,18 @@ def _parser() -> argparse.ArgumentParser:
     q.add_argument(
         "--format",
         default="qoperator",
-        choices=["qoperator", "qdq"],
+        choices=["qoperator", "qdq", "openvino"],
         help="qoperator: QLinear ops for onnxruntime CPU (default); qdq: standard ONNX "
-        "QuantizeLinear/DequantizeLinear around float ops",
+        "QuantizeLinear/DequantizeLinear around float ops; openvino: FakeQuantize "
+        "(org.openvinotoolkit) for the OpenVINO runtime",
+    )
+    q.add_argument(
+        "--weight-bits",
+        type=int,
+        default=8,
+        choices=[8, 7],
+        help="7: weights in [-63, 63] to avoid int16 accumulator overflow on "
+        "AVX2/AVX-512 CPUs without VNNI",
     )
     q.add_argument(
         "--percentile",
@@ -212,6 +221,7 @@ def _quantize(args: argparse.Namespace) -> int:
         save_ranges=args.save_ranges,
         load_ranges=args.load_ranges,
         format=args.format,
+        weight_bits=args.weight_bits,
         progress=None if not args.quiet else False,
         output=str(dst),
     )

@@ -20,7 +20,7 @@ from onnx import helper, numpy_helper
 from onnxq.errors import QuantizationError
 from onnxq.preprocess import default_opset
 
-FORMATS = ("qoperator", "qdq")
+FORMATS = ("qoperator", "qdq", "openvino")
 PER_CHANNEL_OPSET = 13
 
 

@@ -330,10 +330,14 @@ def qdq_to_qoperator(model: onnx.ModelProto) -> tuple[onnx.ModelProto, ConvertRe
 def convert(model: onnx.ModelProto, target: str) -> tuple[onnx.ModelProto, ConvertReport]:
     """Retarget a quantized model to ``target`` (``qoperator`` or ``qdq``) without calibration."""
     from onnxq.errors import ConfigError, ModelError
-    from onnxq.export import FORMATS, to_qdq
+    from onnxq.export import to_qdq
 
-    if target not in FORMATS:
-        raise ConfigError(f"--format {target!r} is unknown; choose one of {', '.join(FORMATS)}")
+    if target not in ("qoperator", "qdq"):
+        raise ConfigError(
+            f"convert --format {target!r} is not supported; convert retargets to "
+            "qoperator or qdq (OpenVINO output needs `onnxq quantize --format "
+            "openvino` on the float model)"
+        )
     source = quantized_form(model)
     if source is None:
         raise ModelError(

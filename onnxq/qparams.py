@@ -130,12 +130,14 @@ def _broadcast(qp: QParams, ndim: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 def weight_params(
-    weight: np.ndarray, axis: int | None, dtype: str = "int8", narrow: bool = True
+    weight: np.ndarray, axis: int | None, dtype: str = "int8", narrow: bool = True, bits: int = 8
 ) -> QParams:
     """Symmetric weight parameters: per channel along ``axis`` or per tensor when None.
 
     ``scale_c = max|W_c| / qmax`` with zero point 0 (narrow range [-127, 127] by default, so
     that -qmax..qmax is symmetric and the int8×uint8 products cannot saturate asymmetrically).
+    ``bits=7`` uses [-63, 63] (stored as int8): u8×s7 pairs cannot overflow the int16
+    accumulators of AVX2/AVX-512 without VNNI.
     """
     w = np.asarray(weight, dtype=np.float32)
     if not np.all(np.isfinite(w)):
@@ -145,6 +147,10 @@ def weight_params(
     else:
         moved = np.moveaxis(w, axis, 0).reshape(w.shape[axis], -1)
         absmax = np.max(np.abs(moved), axis=1) if moved.size else np.zeros(w.shape[axis])
+    if bits < 8:
+        scale = np.maximum(np.asarray(absmax, np.float64) / (2 ** (bits - 1) - 1), MIN_SCALE)
+        scale = np.where(scale > MIN_SCALE, scale, 1.0).astype(np.float32)
+        return QParams(scale, np.zeros(scale.shape, np.dtype(dtype)), axis if scale.ndim else None)
     return params_from_range(-absmax, absmax, dtype, symmetric=True, axis=axis, narrow=narrow)
 
 

@@ -53,6 +53,7 @@ class QuantizerConfig:
     weight_dtype: str = "int8"
     per_channel: bool = True
     exclude: tuple[str, ...] = ()
+    weight_bits: int = 8
 
     def __post_init__(self) -> None:
         if self.activation_dtype not in ACTIVATION_DTYPES:
@@ -61,6 +62,8 @@ class QuantizerConfig:
             )
         if self.weight_dtype != "int8":
             raise ConfigError(f"weight dtype {self.weight_dtype!r} is not supported; use int8")
+        if self.weight_bits not in (7, 8):
+            raise ConfigError(f"--weight-bits {self.weight_bits} is not supported; use 8 or 7")
         object.__setattr__(self, "exclude", tuple(self.exclude))
 
 
@@ -76,6 +79,7 @@ class QTensor:
     dtype: str
     axis: int | None = None
     symmetric: bool = False
+    bits: int = 8
 
 
 @dataclass
@@ -291,7 +295,7 @@ class Quantizer:
         zp = self._placeholder(f"{base}_zero_point", "zero_point", base, wdt, shape)
         q = self._placeholder(f"{base}_quantized", "weight", base, wdt, tuple(value.shape))
         self._float_values[base] = np.asarray(value, np.float32)
-        qt = QTensor(base, q, scale, zp, "weight", wdt, axis, True)
+        qt = QTensor(base, q, scale, zp, "weight", wdt, axis, True, self.config.weight_bits)
         self._weights[q] = _WeightDerivation(base, scale, zp, axis)
         self._qtensors[key] = qt
         return qt

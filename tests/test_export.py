@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import pytest
-from helpers import MODELS, make_model, ops, rng, run
+from helpers import MODELS, make_model, ops, rng, run, zoo_datasets
 from onnx import helper as h
 from test_patterns import BINARY_CASES, CONV_CASES, DENSE_CASES, POOL_CASES, weights
 
@@ -13,6 +13,7 @@ import onnxq
 from onnxq.cli import main
 
 R = rng(5)
+ds = zoo_datasets()
 
 
 def both(model, data, **kw):
@@ -134,3 +135,101 @@ def test_cli_format_qdq_on_zoo_model(tmp_path):
         )
     )
     assert np.abs(a - b).max() <= float(scale) + 1e-6
+
+
+# OpenVINO FakeQuantize ---------------------------------------------------------------------
+
+ov = pytest.importorskip("openvino")
+
+
+def run_ov(model, x):
+    core = ov.Core()
+    return core.compile_model(core.read_model(model.SerializeToString()), "CPU")(x)[0]
+
+
+def test_fq_bounds_follow_the_formula():
+    from onnxq.openvino import fq_bounds
+
+    low, high, levels = fq_bounds(np.float32(0.1), np.uint8(0), "uint8")
+    assert levels == 256 and low == 0 and np.isclose(high, 25.5)
+    low, high, levels = fq_bounds(np.float32(0.5), np.uint8(128), "uint8")
+    assert np.isclose(low, -64.0) and np.isclose(high, 63.5)
+    low, high, levels = fq_bounds(
+        np.array([0.1, 0.2], np.float32), np.zeros(2, np.int8), "int8", -64, 63
+    )
+    assert levels == 128 and np.allclose(low, [-6.4, -12.8]) and np.allclose(high, [6.3, 12.6])
+
+
+def zoo_data(name):
+    if name == "fashion_cnn":
+        if not ds.fashion_available():
+            pytest.skip("dataset-fashion-mnist is not installed")
+        xtr, _, xte, _ = ds.fashion()
+        return xtr[:200], xte[:500]
+    xtr, _, xte, _ = ds.digits()
+    if name == "digits_mlp":
+        return ds.nhwc(xtr[:200]), ds.nhwc(xte)
+    return xtr[:200], xte
+
+
+@pytest.mark.parametrize("name", ["digits_cnn", "digits_mlp", "fashion_cnn"])
+def test_three_formats_agree_within_one_step(name):
+    calib, xte = zoo_data(name)
+    path = str(MODELS / f"{name}.onnx")
+    fp32 = onnx.load(path)
+    inp = fp32.graph.input[0].name
+    models = {
+        f: onnxq.quantize(path, {inp: calib}, format=f, progress=False)[0]
+        for f in ("qoperator", "qdq", "openvino")
+    }
+    fq = models["openvino"]
+    assert {n.domain for n in fq.graph.node} <= {"", "org.openvinotoolkit"}
+    assert "FakeQuantize" in ops(fq)
+    # the last quantized tensor: the input of the MLP's Softmax, else the graph output
+    last = "logits"
+    scale = next(
+        onnx.numpy_helper.to_array(i)
+        for i in models["qoperator"].graph.initializer
+        if i.name == f"{last}_scale"
+    )
+    outputs = {}
+    for f, model in models.items():
+        m = onnx.ModelProto()
+        m.CopyFrom(model)
+        if name == "digits_mlp":  # compare before the float Softmax
+            del m.graph.output[:]
+            m.graph.output.append(onnx.helper.make_tensor_value_info(last, 1, None))
+        outputs[f] = run_ov(m, xte) if f == "openvino" else run(m, {inp: xte})[0]
+    step = float(scale) * 1.001 + 1e-6
+    assert np.abs(outputs["qoperator"] - outputs["qdq"]).max() <= step
+    # OpenVINO rounds in its own kernels: intermediate ties can move a few outputs by 2 steps
+    diff = np.abs(outputs["qoperator"] - outputs["openvino"])
+    assert (diff <= step).mean() >= 0.999 and diff.max() <= 2 * step
+
+
+def test_weight_bits_7(tmp_path):
+    xtr, _, xte, yte = ds.digits()
+    path = str(MODELS / "digits_cnn.onnx")
+    q, _ = onnxq.quantize(path, {"input": xtr[:100]}, weight_bits=7, progress=False)
+    ints = [onnx.numpy_helper.to_array(i) for i in q.graph.initializer if i.data_type == 3]
+    assert ints and all(np.abs(w.astype(int)).max() <= 63 for w in ints)
+    assert (run(q, {"input": xte})[0].argmax(1) == yte).mean() >= 0.97
+    fq, _ = onnxq.quantize(
+        path, {"input": xtr[:100]}, weight_bits=7, format="openvino", progress=False
+    )
+    levels = {a.i for n in fq.graph.node if n.op_type == "FakeQuantize" for a in n.attribute}
+    assert levels == {128, 256}
+    assert (run_ov(fq, xte).argmax(1) == yte).mean() >= 0.97
+    with pytest.raises(SystemExit):
+        main(
+            [
+                "quantize",
+                path,
+                "-o",
+                str(tmp_path / "q.onnx"),
+                "--data",
+                "x.npz",
+                "--weight-bits",
+                "9",
+            ]
+        )
