@@ -148,6 +148,18 @@ def _binary(op: str) -> Callable[[_Builder, onnx.NodeProto], None]:
     return convert
 
 
+def _unary(op: str, keep: tuple[str, ...] = ()) -> Callable[[_Builder, onnx.NodeProto], None]:
+    def convert(b: _Builder, n: onnx.NodeProto) -> None:
+        i = list(n.input)
+        attrs = {k: v for k, v in _attrs(n).items() if k in keep}
+        x = b.dq(i[0], i[1], i[2])
+        y = b.name(f"{n.output[0]}_float")
+        b.nodes.append(helper.make_node(op, [x], [y], name=n.name, **attrs))
+        b.q(y, i[3], i[4], n.output[0])
+
+    return convert
+
+
 def _pool(op: str) -> Callable[[_Builder, onnx.NodeProto], None]:
     def convert(b: _Builder, n: onnx.NodeProto) -> None:
         i = list(n.input)
@@ -172,6 +184,9 @@ CONVERTERS: dict[str, Callable[[_Builder, onnx.NodeProto], None]] = {
     "QLinearMul": _binary("Mul"),
     "QLinearGlobalAveragePool": _pool("GlobalAveragePool"),
     "QLinearAveragePool": _pool("AveragePool"),
+    "QLinearSigmoid": _unary("Sigmoid"),
+    "QLinearLeakyRelu": _unary("LeakyRelu", ("alpha",)),
+    "QLinearSoftmax": _unary("Softmax", ("axis",)),
 }
 
 

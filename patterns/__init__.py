@@ -6,6 +6,12 @@
 from __future__ import annotations
 
 from onnxq.calibration import CalibrationCallback
+from onnxq.patterns.activation import (
+    LeakyReluPattern,
+    MatMulActivationsPattern,
+    SigmoidPattern,
+    SoftmaxPattern,
+)
 from onnxq.patterns.binary import AddPattern, BinaryPattern, MulPattern
 from onnxq.patterns.conv import ConvBiasPattern, ConvPattern
 from onnxq.patterns.dense import GemmBiasPattern, GemmPattern, MatMulAddPattern, MatMulPattern
@@ -13,6 +19,10 @@ from onnxq.patterns.pool import AveragePoolPattern, GlobalAveragePoolPattern
 from onnxq.quantizer import QuantizerPattern
 
 __all__ = [
+    "SoftmaxPattern",
+    "SigmoidPattern",
+    "MatMulActivationsPattern",
+    "LeakyReluPattern",
     "AddPattern",
     "AveragePoolPattern",
     "BinaryPattern",
@@ -30,7 +40,7 @@ __all__ = [
 
 def default_patterns(callback: CalibrationCallback | None = None) -> list[QuantizerPattern]:
     """One instance of every rule, each calibrated by ``callback`` (None: the Calibrator's)."""
-    from onnxq.patterns import binary, conv, dense, pool
+    from onnxq.patterns import activation, binary, conv, dense, pool
 
-    rules = [*conv.RULES, *dense.RULES, *binary.RULES, *pool.RULES]
+    rules = [*conv.RULES, *dense.RULES, *binary.RULES, *pool.RULES, *activation.RULES]
     return [rule(callback) for rule in rules]

@@ -155,12 +155,29 @@ class ActivationPattern(QuantizerPattern):
     op_type = ""
     qop = ""
     arity = 1
+    domain = MS_DOMAIN
+    fold_relu = True
+    #: a fixed output scale and zero point per dtype (Sigmoid, Softmax: the range is known)
+    fixed_output: dict[str, tuple[float, int]] | None = None
 
     def __init__(self, calibration_callback: CalibrationCallback | None = None):
         super().__init__(calibration_callback)
         self.args = [wildcard() for _ in range(self.arity)]
         self.core: DFPattern = is_op(self.op_type)(*self.args)
-        self.pattern, self.relu = with_relu(self.core)
+        if self.fold_relu:
+            self.pattern, self.relu = with_relu(self.core)
+        else:
+            self.pattern, self.relu = self.core, is_op("Relu")(self.core)  # never matched
+
+    def calibrate_pattern(self, calibration_info: Any) -> dict[str, np.ndarray]:
+        """The callback's values, with the output fixed when the op's range is known."""
+        values = super().calibrate_pattern(calibration_info)
+        if self.fixed_output is not None:
+            for qt in calibration_info.outputs:
+                scale, zp = self.fixed_output[qt.dtype]
+                values[qt.scale] = np.asarray(scale, np.float32)
+                values[qt.zero_point] = np.asarray(zp, np.dtype(qt.dtype))
+        return values
 
     def qop_attrs(self, node: gs.Node) -> dict[str, Any]:
         """Attributes of the int8 op (default: none)."""
@@ -187,6 +204,9 @@ class ActivationPattern(QuantizerPattern):
         q = self.quantizer
         ins = [m.tensor(p) for p in self.args]
         neighbours = [*(producer(t) for t in ins), *m.root.outputs]
+        if self.fixed_output is not None:
+            # a fixed 1/256 grid costs precision: worth it only when a quantized op reads it
+            neighbours = list(m.root.outputs)
         if not any(self.in_group(n) for n in neighbours):
             q.leave_float(
                 self,
@@ -201,7 +221,7 @@ class ActivationPattern(QuantizerPattern):
         operands = [x for qt in qins for x in q.operands(qt)]
         inputs = [*operands, q.const(yq.scale), q.const(yq.zero_point)]
         qnode = q.add_node(
-            self.qop, inputs, [y_var], f"{node.name}_quant", self.qop_attrs(node), MS_DOMAIN
+            self.qop, inputs, [y_var], f"{node.name}_quant", self.qop_attrs(node), self.domain
         )
         q.record(
             PatternRecord(

@@ -419,3 +419,63 @@ def test_clip_with_nonzero_min_is_not_folded():
     q, report, feeds = quantize_random(model, {"x": [1, 3, 8, 8]})
     assert ops(q) == ["QuantizeLinear", "QLinearConv", "DequantizeLinear", "Clip"]
     close_enough(model, q, feeds)
+
+
+ACT_CASES = {
+    "sigmoid": (h.make_node("Sigmoid", ["a"], ["t"], name="act"), "QLinearSigmoid"),
+    "leaky-relu": (
+        h.make_node("LeakyRelu", ["a"], ["t"], alpha=0.2, name="act"),
+        "QLinearLeakyRelu",
+    ),
+    "softmax": (h.make_node("Softmax", ["a"], ["t"], axis=1, name="act"), "QLinearSoftmax"),
+}
+
+
+@pytest.mark.parametrize("case", list(ACT_CASES))
+def test_activations_between_convs(case):
+    act, qop = ACT_CASES[case]
+    nodes = [
+        h.make_node("Conv", ["x", "W1", "B1"], ["a"], pads=[1, 1, 1, 1], name="c1"),
+        act,
+        h.make_node("Conv", ["t", "W2"], ["y"], name="c2"),
+    ]
+    inits = {"W1": weights(4, 3, 3, 3), "B1": weights(4), "W2": weights(2, 4, 1, 1)}
+    model = make_model(nodes, [("x", ["N", 3, 8, 8])], [("y", None)], inits)
+    q, report, feeds = quantize_random(model, {"x": [1, 3, 8, 8]})
+    assert ops(q) == ["QuantizeLinear", "QLinearConv", qop, "QLinearConv", "DequantizeLinear"]
+    if case in ("sigmoid", "softmax"):
+        assert (
+            report.values["t_scale"] == pytest.approx(1 / 256)
+            and report.values["t_zero_point"] == 0
+        )
+    close_enough(model, q, feeds, tol=0.05)
+
+
+def test_softmax_at_the_output_stays_float():
+    nodes = [
+        h.make_node("Gemm", ["x", "W"], ["l"], name="fc"),
+        h.make_node("Softmax", ["l"], ["y"], name="softmax"),
+    ]
+    model = make_model(nodes, [("x", ["N", 16])], [("y", None)], {"W": weights(16, 8)})
+    q, report, feeds = quantize_random(model, {"x": [1, 16]})
+    assert ops(q) == ["QuantizeLinear", "QGemm", "DequantizeLinear", "Softmax"]
+    d = next(d for d in report.decisions if d.node == "softmax")
+    assert not d.quantized and "round trip" in d.reason
+
+
+def test_attention_matmul_with_two_activations():
+    d = 8
+    nodes = [
+        h.make_node("MatMul", ["x", "Wq"], ["q"], name="q_proj"),
+        h.make_node("MatMul", ["x", "Wk"], ["k"], name="k_proj"),
+        h.make_node("Transpose", ["k"], ["kt"], perm=[0, 2, 1], name="kt"),
+        h.make_node("MatMul", ["q", "kt"], ["s"], name="scores"),
+        h.make_node("MatMul", ["s", "Wo"], ["y"], name="out"),
+    ]
+    inits = {"Wq": weights(d, d), "Wk": weights(d, d), "Wo": weights(6, d)}
+    model = make_model(nodes, [("x", ["N", 6, d])], [("y", None)], inits)
+    q, report, feeds = quantize_random(model, {"x": [1, 6, d]})
+    assert ops(q).count("QLinearMatMul") == 4 and "MatMul" not in ops(q)
+    scores = next(x for x in report.decisions if x.node == "scores")
+    assert scores.quantized and scores.pattern == "matmul-activations"
+    close_enough(model, q, feeds, tol=0.05)

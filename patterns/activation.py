@@ -1,0 +1,76 @@
+"""Element-wise activations and attention MatMul on int8 data (between quantized neighbours).
+
+Sigmoid and Softmax have a known output range, so their output parameters are fixed rather than
+calibrated: scale 1/256 with zero point 0 (uint8) or −128 (int8).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import onnx_graphsurgeon as gs
+
+from onnxq.pattern import node_attr
+from onnxq.patterns.base import ActivationPattern
+
+_UNIT_RANGE = {"uint8": (1.0 / 256, 0), "int8": (1.0 / 256, -128)}
+
+
+class SigmoidPattern(ActivationPattern):
+    """Sigmoid with a fixed output scale."""
+
+    name = "sigmoid"
+    op_type = "Sigmoid"
+    qop = "QLinearSigmoid"
+    fold_relu = False
+    fixed_output = _UNIT_RANGE
+
+
+class LeakyReluPattern(ActivationPattern):
+    """LeakyRelu with its alpha."""
+
+    name = "leaky-relu"
+    op_type = "LeakyRelu"
+    qop = "QLinearLeakyRelu"
+    fold_relu = False
+
+    def qop_attrs(self, node: gs.Node) -> dict[str, Any]:
+        """The slope."""
+        return {"alpha": float(node_attr(node, "alpha") or 0.01)}
+
+
+class SoftmaxPattern(ActivationPattern):
+    """Softmax with a fixed output scale."""
+
+    name = "softmax"
+    op_type = "Softmax"
+    qop = "QLinearSoftmax"
+    fold_relu = False
+    fixed_output = _UNIT_RANGE
+
+    def qop_attrs(self, node: gs.Node) -> dict[str, Any]:
+        """The axis and the opset whose Softmax semantics apply (they changed at 13)."""
+        opset = int(self.quantizer.float_model.opset_import[0].version)
+        for imp in self.quantizer.float_model.opset_import:
+            if imp.domain in ("", "ai.onnx"):
+                opset = int(imp.version)
+        default_axis = -1 if opset >= 13 else 1
+        axis = node_attr(node, "axis")
+        return {"axis": int(default_axis if axis is None else axis), "opset": opset}
+
+
+class MatMulActivationsPattern(ActivationPattern):
+    """MatMul of two activations (attention scores and context): both inputs quantized."""
+
+    name = "matmul-activations"
+    op_type = "MatMul"
+    qop = "QLinearMatMul"
+    arity = 2
+    domain = ""
+
+
+# Sigmoid(x)   -> DQ(QLinearSigmoid(Q(x), 1/256, 0))
+# LeakyRelu(x) -> DQ(QLinearLeakyRelu(Q(x), ys, yz))
+# Softmax(x)   -> DQ(QLinearSoftmax(Q(x), 1/256, 0))
+# MatMul(a, b) -> DQ(QLinearMatMul(Q(a), Q(b), ys, yz))      (b not constant)
+RULES = [SigmoidPattern, LeakyReluPattern, SoftmaxPattern, MatMulActivationsPattern]
