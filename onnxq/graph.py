@@ -62,8 +62,11 @@ def check_model(proto: onnx.ModelProto, where: str = "the model") -> None:
     try:
         if proto.ByteSize() < _TWO_GIB:
             onnx.checker.check_model(proto)
-        else:  # the in-memory checker refuses protos over 2 GB; check the graph structure only
-            onnx.checker.check_graph(proto.graph, onnx.checker.DEFAULT_CONTEXT)
+        else:  # the in-memory checker refuses protos over 2 GB: check the graph with its opsets
+            ctx = onnx.checker.C.CheckerContext()
+            ctx.ir_version = proto.ir_version
+            ctx.opset_imports = {o.domain: o.version for o in proto.opset_import}
+            onnx.checker.check_graph(proto.graph, ctx)
     except onnx.checker.ValidationError as exc:
         raise ModelError(
             f"{where} is rejected by onnx.checker: {_first_line(exc)}; fix or re-export the model"
@@ -84,8 +87,10 @@ def save_model(proto: onnx.ModelProto, path: str | os.PathLike[str]) -> None:
     try:
         if proto.ByteSize() >= _TWO_GIB:
             data_name = path.name + ".data"
+            external = onnx.ModelProto()
+            external.CopyFrom(proto)  # saving as external data rewrites the proto it is given
             onnx.save_model(
-                proto,
+                external,
                 tmp,
                 save_as_external_data=True,
                 all_tensors_to_one_file=True,

@@ -7,7 +7,8 @@ computing the same function up to rounding in which
 * DQ(x, s1, z1) → Q(·, s2, z2) feeding only QLinear ops is replaced by those ops reading ``x``
   with ``s1, z1`` directly (they take their input's scale as an argument, so nothing is lost);
 * a DequantizeLinear moves past ops that commute with the affine map (MaxPool, Reshape,
-  Flatten, Transpose, Squeeze, Unsqueeze), so the pair it forms with a later Q can fold;
+  Flatten, Transpose, Squeeze, Unsqueeze, Slice, Gather, Depth/SpaceToDepth, Expand, Tile,
+  nearest Resize), so the pair it forms with a later Q can fold;
 * a Relu after a DQ whose zero point is the type's minimum is dropped (provably a no-op).
 """
 
@@ -31,7 +32,8 @@ QLINEAR_INPUTS: dict[str, tuple[int, ...]] = {
     "QLinearAdd": (0, 3),
     "QLinearMul": (0, 3),
 }
-#: ops that commute with y = (q - z) * s on their first input (minimum opset for int8 inputs)
+#: ops that commute with y = (q - z) * s on their first input (minimum opset for int8 inputs):
+#: they only select, move or take the maximum of elements
 PASS_THROUGH: dict[str, int] = {
     "MaxPool": 12,
     "Reshape": 5,
@@ -39,7 +41,26 @@ PASS_THROUGH: dict[str, int] = {
     "Transpose": 1,
     "Squeeze": 1,
     "Unsqueeze": 1,
+    "Slice": 10,
+    "Gather": 1,
+    "DepthToSpace": 1,
+    "SpaceToDepth": 1,
+    "Resize": 11,
+    "Expand": 8,
+    "Tile": 6,
 }
+
+
+def commutes(node: gs.Node, opset: int) -> bool:
+    """True when ``node`` may carry int8 data: a PASS_THROUGH op (Resize: nearest only)."""
+    if node.op not in PASS_THROUGH or opset < PASS_THROUGH[node.op] or len(node.outputs) != 1:
+        return False
+    if node.op == "Resize":
+        mode = node.attrs.get("mode", "nearest")
+        return (mode.decode() if isinstance(mode, bytes) else mode) == "nearest"
+    if node.op == "MaxPool":
+        return len(node.outputs) == 1  # no Indices output
+    return True
 
 
 @dataclass
@@ -86,7 +107,7 @@ class Requantizer:
             if id(d) in outputs or len(d.outputs) != 1:
                 continue
             op = d.outputs[0]
-            if op.op not in PASS_THROUGH or opset < PASS_THROUGH[op.op] or len(op.outputs) != 1:
+            if not commutes(op, opset):
                 continue
             if op.inputs[0] is not d or any(t is d for t in op.inputs[1:]):
                 continue

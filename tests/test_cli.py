@@ -244,3 +244,20 @@ def test_console_script_demo_and_exit_codes(tmp_path):
         timeout=120,
     )
     assert res.returncode == 2 and "Traceback" not in res.stderr
+
+
+def test_large_models_are_saved_with_external_data(tmp_path, calib, monkeypatch):
+    """Over the 2 GB protobuf limit the output goes to external data (limit lowered here)."""
+    import onnxq
+    import onnxq.graph
+
+    monkeypatch.setattr(onnxq.graph, "_TWO_GIB", 10_000)
+    out = tmp_path / "big.int8.onnx"
+    model, _ = onnxq.quantize(str(CNN), str(calib), output=str(out), progress=False)
+    assert (tmp_path / "big.int8.onnx.data").is_file()
+    assert out.stat().st_size < 10_000
+    reloaded = onnx.load(str(out))  # loads the external data
+    x = np.random.default_rng(1).uniform(0, 1, (2, 1, 28, 28)).astype(np.float32)
+    from helpers import run
+
+    np.testing.assert_array_equal(run(reloaded, {"input": x})[0], run(model, {"input": x})[0])

@@ -119,3 +119,55 @@ def test_relu_after_dq_at_qmin_is_dropped_and_kept_otherwise():
         assert out.graph.output[0].name == "y"
         onnx.checker.check_model(out)
         np.testing.assert_array_equal(run(out, {"x": X})[0], run(model, {"x": X})[0])
+
+
+def _crossing_model(op_node, inits, out_shape):
+    nodes = [
+        h.make_node("QuantizeLinear", ["x", "s1", "z1"], ["q"], name="q0"),
+        h.make_node("DequantizeLinear", ["q", "s1", "z1"], ["d"], name="dq0"),
+        op_node,
+        h.make_node("QuantizeLinear", ["p", "s1", "z1"], ["q2"], name="q1"),
+        h.make_node("DequantizeLinear", ["q2", "s1", "z1"], ["y"], name="dq1"),
+    ]
+    return qdq_model(nodes, {**scalars(s1=0.02, z1=60), **inits}, out_shape=out_shape)
+
+
+def test_more_ops_carry_int8():
+    cases = [
+        (
+            h.make_node("Slice", ["d", "st", "en", "ax"], ["p"], name="op"),
+            {
+                "st": np.array([1], np.int64),
+                "en": np.array([3], np.int64),
+                "ax": np.array([1], np.int64),
+            },
+            (1, 2, 4, 4),
+        ),
+        (
+            h.make_node("Gather", ["d", "idx"], ["p"], axis=1, name="op"),
+            {"idx": np.array([3, 0], np.int64)},
+            (1, 2, 4, 4),
+        ),
+        (
+            h.make_node("Resize", ["d", "", "sc"], ["p"], mode="nearest", name="op"),
+            {"sc": np.array([1, 1, 2, 2], np.float32)},
+            (1, 4, 8, 8),
+        ),
+        (h.make_node("DepthToSpace", ["d"], ["p"], blocksize=2, name="op"), {}, (1, 1, 8, 8)),
+    ]
+    for node, inits, shape in cases:
+        model = _crossing_model(node, inits, shape)
+        rq = Requantizer()
+        out = rq.requantize(model)
+        assert ops(out) == ["QuantizeLinear", node.op_type, "DequantizeLinear"], node.op_type
+        np.testing.assert_array_equal(run(out, {"x": X})[0], run(model, {"x": X})[0])
+
+
+def test_linear_resize_is_not_crossed():
+    node = h.make_node("Resize", ["d", "", "sc"], ["p"], mode="linear", name="op")
+    model = _crossing_model(node, {"sc": np.array([1, 1, 2, 2], np.float32)}, (1, 4, 8, 8))
+    assert ops(Requantizer().requantize(model))[:3] == [
+        "QuantizeLinear",
+        "DequantizeLinear",
+        "Resize",
+    ]
