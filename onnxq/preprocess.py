@@ -16,7 +16,7 @@ import onnx
 import onnx_graphsurgeon as gs
 
 from onnxq.errors import ModelError
-from onnxq.graph import GraphEditor, export_model, import_graph, producer
+from onnxq.graph import GraphEditor, constant_value, export_model, import_graph, producer
 
 MIN_OPSET = 10
 TARGET_OPSET = 13
@@ -54,6 +54,7 @@ def preprocess(model: onnx.ModelProto) -> onnx.ModelProto:
     _name_nodes(graph)
     _fold_constants(graph)
     _fold_batchnorm(graph)
+    _fold_affine(graph)
     out = export_model(graph, model)
     out.producer_name = model.producer_name
     out.producer_version = model.producer_version
@@ -89,14 +90,85 @@ def _fold_constants(graph: gs.Graph) -> None:
             editor.redirect(out, gs.Constant(out.name + "_value", np.asarray(arr)))
             editor.remove_node(node)
     graph.cleanup(remove_unused_graph_inputs=False)
+    _quiet()
     try:
-        logging.getLogger("onnx_graphsurgeon").setLevel(logging.ERROR)
         graph.fold_constants(error_ok=True, fold_shapes=True).cleanup(
             remove_unused_graph_inputs=False
         )
     except Exception as exc:  # graphsurgeon folding is an optimisation, never required
         logging.getLogger("onnxq").info("constant folding skipped: %s", exc)
     graph.toposort()
+
+
+def _per_channel(value: np.ndarray, rank: int, channels: int) -> np.ndarray | None:
+    """``value`` as one number per channel (axis 1 of a rank-``rank`` tensor), else None."""
+    v = np.asarray(value, np.float64)
+    if v.ndim > rank:
+        return None
+    full = v.reshape((1,) * (rank - v.ndim) + v.shape)
+    if any(d != 1 for i, d in enumerate(full.shape) if i != 1):
+        return None
+    if full.shape[1] not in (1, channels):
+        return None
+    return np.broadcast_to(full.reshape(-1), (channels,)).copy()
+
+
+def _fold_affine(graph: gs.Graph) -> None:
+    """Conv → Mul(constant per channel) / Add(constant per channel) folds into W and b.
+
+    Old exporters write BatchNormalization as such a Mul and Add; folded, the Conv's output
+    range is the one that gets quantized and the pair costs nothing at run time.
+    """
+    editor = GraphEditor(graph)
+    changed = True
+    while changed:
+        changed = False
+        for conv in list(graph.nodes):
+            if conv.op != "Conv" or not conv.outputs or not isinstance(conv.inputs[1], gs.Constant):
+                continue
+            y = conv.outputs[0]
+            if len(y.outputs) != 1 or any(o is y for o in graph.outputs):
+                continue
+            nxt = y.outputs[0]
+            if nxt.op not in ("Mul", "Add") or len(nxt.inputs) != 2:
+                continue
+            other = nxt.inputs[1] if nxt.inputs[0] is y else nxt.inputs[0]
+            value = constant_value(other)
+            w = np.asarray(conv.inputs[1].values, np.float64)
+            if value is None or (y.shape is not None and len(y.shape) != w.ndim):
+                continue
+            vec = _per_channel(value, w.ndim, w.shape[0])
+            if vec is None:
+                continue
+            has_b = len(conv.inputs) > 2 and isinstance(conv.inputs[2], gs.Constant)
+            if len(conv.inputs) > 2 and not has_b:
+                continue
+            b = np.asarray(conv.inputs[2].values, np.float64) if has_b else np.zeros(w.shape[0])
+            if nxt.op == "Mul":
+                w = w * vec.reshape(-1, *([1] * (w.ndim - 1)))
+                b = b * vec
+            else:
+                b = b + vec
+            conv.inputs[1] = editor.constant(f"{conv.name}.W_folded", w.astype(np.float32))
+            bias = editor.constant(f"{conv.name}.B_folded", b.astype(np.float32))
+            if has_b:
+                conv.inputs[2] = bias
+            else:
+                conv.inputs.append(bias)
+            out = nxt.outputs[0]
+            nxt.outputs.clear()
+            conv.outputs[0] = out
+            changed = True
+        graph.cleanup(remove_unused_graph_inputs=False).toposort()
+
+
+def _quiet() -> None:
+    """Keep graphsurgeon's and onnxruntime's advice off the user's terminal."""
+    import onnxruntime as ort
+    from onnx_graphsurgeon.logger import G_LOGGER
+
+    G_LOGGER.severity = G_LOGGER.ERROR
+    ort.set_default_logger_severity(3)
 
 
 def _fold_batchnorm(graph: gs.Graph) -> None:

@@ -1,0 +1,111 @@
+"""Preprocessing: folds that make weights constant and fold affine ops, checked numerically."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import onnx
+import pytest
+from helpers import make_model, ops, rng, run
+from onnx import helper as h
+
+import onnxq
+from onnxq.preprocess import preprocess
+
+R = rng(21)
+
+
+def w(*shape, scale=0.3):
+    return R.normal(0, scale, shape).astype(np.float32)
+
+
+X = R.normal(0, 1, (2, 3, 8, 8)).astype(np.float32)
+
+
+def same_function(model):
+    pre = preprocess(model)
+    np.testing.assert_allclose(run(pre, {"x": X})[0], run(model, {"x": X})[0], rtol=1e-4, atol=1e-5)
+    return pre
+
+
+def test_batchnorm_folds_into_conv():
+    nodes = [
+        h.make_node("Conv", ["x", "W"], ["c"], name="conv"),
+        h.make_node("BatchNormalization", ["c", "g", "b", "m", "v"], ["y"], name="bn"),
+    ]
+    inits = {"W": w(4, 3, 3, 3), "g": w(4) + 1, "b": w(4), "m": w(4), "v": np.abs(w(4)) + 0.5}
+    pre = same_function(make_model(nodes, [("x", ["N", 3, 8, 8])], [("y", None)], inits))
+    assert ops(pre) == ["Conv"]
+
+
+@pytest.mark.parametrize("shape", [(1, 4, 1, 1), (4, 1, 1), (1,), ()])
+def test_mul_and_add_by_per_channel_constants_fold_into_conv(shape):
+    size = int(np.prod(shape)) if shape else 1
+    mul = (np.abs(w(size)) + 0.5).reshape(shape)
+    add = w(size).reshape(shape)
+    nodes = [
+        h.make_node("Conv", ["x", "W", "B"], ["c"], name="conv"),
+        h.make_node("Mul", ["c", "m"], ["cm"], name="mul"),
+        h.make_node("Add", ["a", "cm"], ["y"], name="add"),
+    ]
+    inits = {"W": w(4, 3, 3, 3), "B": w(4), "m": mul, "a": add}
+    pre = same_function(make_model(nodes, [("x", ["N", 3, 8, 8])], [("y", None)], inits))
+    assert ops(pre) == ["Conv"]
+
+
+def test_affine_with_spatial_constant_is_not_folded():
+    nodes = [
+        h.make_node("Conv", ["x", "W"], ["c"], pads=[1, 1, 1, 1], name="conv"),
+        h.make_node("Mul", ["c", "m"], ["y"], name="mul"),
+    ]
+    inits = {"W": w(4, 3, 3, 3), "m": w(1, 4, 8, 8)}
+    pre = same_function(make_model(nodes, [("x", ["N", 3, 8, 8])], [("y", None)], inits))
+    assert ops(pre) == ["Conv", "Mul"]
+
+
+def test_constant_node_and_constant_subgraph_weights_become_initializers():
+    weight = w(4, 3, 3, 3)
+    nodes = [
+        h.make_node(
+            "Constant",
+            [],
+            ["wt"],
+            name="k",
+            value=onnx.numpy_helper.from_array(weight.transpose(1, 0, 2, 3)),
+        ),
+        h.make_node("Transpose", ["wt"], ["W"], perm=[1, 0, 2, 3], name="t"),
+        h.make_node("Conv", ["x", "W"], ["y"], name="conv"),
+    ]
+    model = make_model(nodes, [("x", ["N", 3, 8, 8])], [("y", None)])
+    pre = same_function(model)
+    assert ops(pre) == ["Conv"]
+    q, report = onnxq.quantize(model, {"x": X}, progress=False)
+    assert "QLinearConv" in ops(q)
+
+
+LIGHT = os.path.join(os.path.dirname(onnx.__file__), "backend", "test", "data", "light")
+LIGHT_MODELS = (
+    sorted(f[:-5] for f in os.listdir(LIGHT) if f.endswith(".onnx")) if os.path.isdir(LIGHT) else []
+)
+SLOW = {"light_bvlc_alexnet", "light_vgg19", "light_zfnet512"}
+
+
+@pytest.mark.parametrize(
+    "name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW else n for n in LIGHT_MODELS]
+)
+def test_onnx_light_zoo_graphs_quantize(name):
+    """The onnx package's light_* graphs: opset 9, weights in ConstantOfShape nodes."""
+    from onnxq.dataset import model_inputs
+
+    path = os.path.join(LIGHT, name + ".onnx")
+    model = onnx.load(path)
+    spec = model_inputs(model)[0]
+    shape = [d or 1 for d in spec.shape]
+    x = R.uniform(0, 1, (3, *shape[1:])).astype(np.float32)
+    q, report = onnxq.quantize(path, [{spec.name: x[i : i + 1]} for i in range(3)], progress=False)
+    onnx.checker.check_model(q)
+    convs = [d for d in report.decisions if d.op == "Conv"]
+    assert convs and all(d.quantized for d in convs)  # ConstantOfShape weights were folded
+    ref, got = run(model, {spec.name: x[:1]})[0], run(q, {spec.name: x[:1]})[0]
+    assert np.isfinite(got).all() and got.shape == ref.shape
