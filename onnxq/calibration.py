@@ -301,7 +301,7 @@ class Calibrator:
         batches = self.dataset_manager.batches()
         bar = _progress(batches, self.dataset_manager.num_batches(), self.progress)
         for feeds in bar:
-            outs = session.run(names, feeds)
+            outs = run_checked(session, names, feeds, self.report.batches)
             if len(self.sample_feeds) < keep:
                 self.sample_feeds.append(feeds)
             self.report.batches += 1
@@ -382,6 +382,23 @@ class Calibrator:
             for q in [*r.inputs, *r.outputs]
             for name in (q.tensor, q.quantized)
         }
+
+
+def run_checked(
+    session: Any, names: list[str], feeds: Mapping[str, np.ndarray], index: int
+) -> list[np.ndarray]:
+    """``session.run`` with onnxruntime's failures turned into one clear CalibrationError."""
+    try:
+        return session.run(names, dict(feeds))
+    except Exception as exc:  # onnxruntime raises its own exception types
+        text = str(exc).strip().splitlines()
+        detail = text[0] if text else type(exc).__name__
+        shapes = {k: list(np.shape(v)) for k, v in feeds.items()}
+        raise CalibrationError(
+            f"onnxruntime failed to run the model on calibration batch "
+            f"{index} (input shapes {shapes}): {detail}; check that the "
+            "calibration data has the shapes and values the model expects"
+        ) from None
 
 
 def expose(model: onnx.ModelProto, names: Iterable[str]) -> onnx.ModelProto:

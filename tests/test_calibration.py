@@ -338,3 +338,23 @@ def test_empty_data_is_an_error():
         onnxq.quantize(conv_model(), [], progress=False)
     with pytest.raises(DataError, match="no calibration data"):
         onnxq.quantize(conv_model(), None, progress=False)
+
+
+def test_runtime_failure_on_calibration_data_is_a_clear_error():
+    # dynamic spatial dims, but the Reshape needs exactly 3*6*6 values per sample
+    nodes = [
+        h.make_node("Conv", ["x", "W"], ["c"], pads=[1, 1, 1, 1], name="conv"),
+        h.make_node("Reshape", ["c", "shape"], ["y"], name="flat"),
+    ]
+    model = make_model(
+        nodes,
+        [("x", ["N", 3, "H", "W"])],
+        [("y", [1, 144])],
+        {
+            "W": R.normal(0, 1, (4, 3, 3, 3)).astype(np.float32),
+            "shape": np.array([1, 144], np.int64),
+        },
+    )
+    bad = [{"x": np.zeros((1, 3, 5, 5), np.float32)}]
+    with pytest.raises(CalibrationError, match=r"calibration batch 0 \(input shapes"):
+        onnxq.quantize(model, bad, progress=False)
