@@ -176,6 +176,14 @@ def _pool(op: str) -> Callable[[_Builder, onnx.NodeProto], None]:
     return convert
 
 
+def _concat(b: _Builder, n: onnx.NodeProto) -> None:
+    i = list(n.input)
+    xs = [b.dq(i[k], i[k + 1], i[k + 2]) for k in range(2, len(i), 3)]
+    y = b.name(f"{n.output[0]}_float")
+    b.nodes.append(helper.make_node("Concat", xs, [y], name=n.name, axis=_attrs(n)["axis"]))
+    b.q(y, i[0], i[1], n.output[0])
+
+
 CONVERTERS: dict[str, Callable[[_Builder, onnx.NodeProto], None]] = {
     "QLinearConv": _conv,
     "QLinearMatMul": _matmul,
@@ -185,6 +193,7 @@ CONVERTERS: dict[str, Callable[[_Builder, onnx.NodeProto], None]] = {
     "QLinearGlobalAveragePool": _pool("GlobalAveragePool"),
     "QLinearAveragePool": _pool("AveragePool"),
     "QLinearSigmoid": _unary("Sigmoid"),
+    "QLinearConcat": _concat,
     "QLinearLeakyRelu": _unary("LeakyRelu", ("alpha",)),
     "QLinearSoftmax": _unary("Softmax", ("axis",)),
 }

@@ -13,12 +13,14 @@ from onnxq.patterns.activation import (
     SoftmaxPattern,
 )
 from onnxq.patterns.binary import AddPattern, BinaryPattern, MulPattern
+from onnxq.patterns.concat import ConcatPattern
 from onnxq.patterns.conv import ConvBiasPattern, ConvPattern
 from onnxq.patterns.dense import GemmBiasPattern, GemmPattern, MatMulAddPattern, MatMulPattern
 from onnxq.patterns.pool import AveragePoolPattern, GlobalAveragePoolPattern
 from onnxq.quantizer import QuantizerPattern
 
 __all__ = [
+    "ConcatPattern",
     "SoftmaxPattern",
     "SigmoidPattern",
     "MatMulActivationsPattern",
@@ -40,7 +42,14 @@ __all__ = [
 
 def default_patterns(callback: CalibrationCallback | None = None) -> list[QuantizerPattern]:
     """One instance of every rule, each calibrated by ``callback`` (None: the Calibrator's)."""
-    from onnxq.patterns import activation, binary, conv, dense, pool
+    from onnxq.patterns import activation, binary, concat, conv, dense, pool
 
-    rules = [*conv.RULES, *dense.RULES, *binary.RULES, *pool.RULES, *activation.RULES]
+    rules = [
+        *conv.RULES,
+        *dense.RULES,
+        *binary.RULES,
+        *pool.RULES,
+        *activation.RULES,
+        *concat.RULES,
+    ]
     return [rule(callback) for rule in rules]

@@ -239,3 +239,13 @@ def test_weight_bits_7(tmp_path):
                 "9",
             ]
         )
+
+
+def test_qdq_concat():
+    from test_patterns import _concat_model
+
+    model = _concat_model(extra_reader=True)
+    data = {"x": R.normal(0, 1, (8, 3, 8, 8)).astype(np.float32)}
+    qop, qdq, rep = both(model, data)
+    assert "Concat" in ops(qdq)
+    agree(qop, qdq, {"x": data["x"][:2]}, rep.values["y_scale"])
