@@ -13,6 +13,13 @@ from onnxq.quantizer import Quantizer
 R = rng(0)
 
 
+@pytest.fixture(autouse=True)
+def _fixed_weights():
+    """Every test draws its weights from the same seed, whatever ran before."""
+    global R
+    R = rng(0)
+
+
 def weights(*shape, scale=0.3):
     return R.normal(0, scale, shape).astype(np.float32)
 
