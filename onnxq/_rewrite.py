@@ -64,7 +64,7 @@ class DFPatternCallback:
     def in_group(self, node: gs.Node | None) -> bool:
         """True when ``node`` belongs to a group of the partition being rewritten."""
         part = getattr(self, "partition", None)
-        return node is not None and part is not None and any(node in g.nodes for g in part.groups)
+        return node is not None and part is not None and id(node) in part.grouped_ids()
 
 
 @dataclass
@@ -101,6 +101,12 @@ class Partition:
 
     groups: list[Group] = field(default_factory=list)
     attempts: list[Attempt] = field(default_factory=list)
+
+    def grouped_ids(self) -> set[int]:
+        """Identities of every node in a group (cached)."""
+        if not hasattr(self, "_ids"):
+            self._ids = {id(n) for g in self.groups for n in g.nodes}
+        return self._ids
 
     def reasons_for(self, node_name: str) -> list[Attempt]:
         """The attempts made with ``node_name`` as root."""

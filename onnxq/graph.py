@@ -341,6 +341,23 @@ class GraphEditor:
         first.outputs[0] = y
         self.modified = True
 
+    def move_after_split(self, first: gs.Node, split: gs.Node) -> None:
+        """``first → d → split → y₁…yₙ`` becomes ``split → y'ᵢ → copy of first → yᵢ``."""
+        src = first.inputs[0]
+        split.inputs[0] = src
+        for i, y in enumerate(list(split.outputs)):
+            moved = self.variable(y.name + "_quantized", src.dtype, y.shape)
+            split.outputs[i] = moved
+            self.add_node(
+                first.op,
+                [moved, *first.inputs[1:]],
+                [y],
+                f"{y.name}_{first.op}",
+                dict(first.attrs),
+                first.domain,
+            )
+        self.remove_node(first)
+
     def remove_node(self, node: gs.Node) -> None:
         """Detach a node (its outputs lose their producer)."""
         for out in node.outputs:

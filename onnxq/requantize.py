@@ -31,7 +31,22 @@ QLINEAR_INPUTS: dict[str, tuple[int, ...]] = {
     "QGemm": (0, 3),
     "QLinearAdd": (0, 3),
     "QLinearMul": (0, 3),
+    "QLinearGlobalAveragePool": (0,),
+    "QLinearAveragePool": (0,),
+    "QLinearSigmoid": (0,),
+    "QLinearLeakyRelu": (0,),
+    "QLinearSoftmax": (0,),
+    "QLinearConcat": (),  # variadic: see qlinear_positions
 }
+
+
+def qlinear_positions(node: gs.Node) -> tuple[int, ...]:
+    """Input positions of the (tensor, scale, zero point) triples a QLinear op reads."""
+    if node.op == "QLinearConcat":
+        return tuple(range(2, len(node.inputs), 3))
+    return QLINEAR_INPUTS[node.op]
+
+
 #: ops that commute with y = (q - z) * s on their first input (minimum opset for int8 inputs):
 #: they only select, move or take the maximum of elements
 PASS_THROUGH: dict[str, int] = {
@@ -61,6 +76,10 @@ def commutes(node: gs.Node, opset: int) -> bool:
     if node.op == "MaxPool":
         return len(node.outputs) == 1  # no Indices output
     return True
+
+
+#: ops through which int8 data flows unchanged in value (Split has several outputs)
+CARRIERS = frozenset(PASS_THROUGH) | {"Split"}
 
 
 @dataclass
@@ -107,11 +126,14 @@ class Requantizer:
             if id(d) in outputs or len(d.outputs) != 1:
                 continue
             op = d.outputs[0]
-            if not commutes(op, opset):
-                continue
             if op.inputs[0] is not d or any(t is d for t in op.inputs[1:]):
                 continue
-            editor.move_after(dq, op)
+            if op.op == "Split":
+                editor.move_after_split(dq, op)
+            elif commutes(op, opset):
+                editor.move_after(dq, op)
+            else:
+                continue
             self.stats.crossed_ops.append(op.name)
             changed = True
         return changed
@@ -159,7 +181,7 @@ class Requantizer:
                 changed = True
             elif _per_tensor(dq) and _dtype(dq) == _dtype(q) and _all_qlinear(q_out):
                 for user in list(q_out.outputs):
-                    for pos in QLINEAR_INPUTS[user.op]:
+                    for pos in qlinear_positions(user):
                         if user.inputs[pos] is q_out:
                             editor.set_input(user, pos, src)
                             editor.set_input(user, pos + 1, dq.inputs[1])

@@ -143,6 +143,36 @@ class WeightedPattern(QuantizerPattern):
         return q.dequantize(yq, y_var, m.root)
 
 
+def _carries(node: gs.Node | None) -> bool:
+    from onnxq.requantize import CARRIERS
+
+    return node is not None and node.op in CARRIERS
+
+
+def quantized_upstream(cb: QuantizerPattern, t: gs.Tensor) -> bool:
+    """``t`` comes from a quantized op, possibly through ops that carry int8 (MaxPool, Split…)."""
+    node = producer(t)
+    while _carries(node) and not cb.in_group(node):
+        assert node is not None
+        node = producer(node.inputs[0])
+    return cb.in_group(node)
+
+
+def quantized_downstream(cb: QuantizerPattern, t: gs.Tensor) -> bool:
+    """Some quantized op reads ``t``, possibly through ops that carry int8."""
+    todo, seen = list(t.outputs), set()
+    while todo:
+        node = todo.pop()
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        if cb.in_group(node):
+            return True
+        if _carries(node):
+            todo.extend(u for o in node.outputs for u in o.outputs)
+    return False
+
+
 class ActivationPattern(QuantizerPattern):
     """``op(a₁, …, aₙ) [→ Relu/Clip]`` on activations only → the int8 op (com.microsoft).
 
@@ -203,11 +233,12 @@ class ActivationPattern(QuantizerPattern):
         """Q(inputs) → int8 op → DQ, unless every neighbour stays float."""
         q = self.quantizer
         ins = [m.tensor(p) for p in self.args]
-        neighbours = [*(producer(t) for t in ins), *m.root.outputs]
-        if self.fixed_output is not None:
-            # a fixed 1/256 grid costs precision: worth it only when a quantized op reads it
-            neighbours = list(m.root.outputs)
-        if not any(self.in_group(n) for n in neighbours):
+        reads = quantized_downstream(self, m.root)
+        # a fixed 1/256 grid costs precision: worth it only when a quantized op reads it
+        pays = reads or (
+            self.fixed_output is None and any(quantized_upstream(self, t) for t in ins)
+        )
+        if not pays:
             q.leave_float(
                 self,
                 m,

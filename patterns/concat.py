@@ -12,9 +12,9 @@ from typing import Any
 
 import onnx_graphsurgeon as gs
 
-from onnxq.graph import MS_DOMAIN, producer
+from onnxq.graph import MS_DOMAIN
 from onnxq.pattern import Match, MatchResult, is_op, node_attr
-from onnxq.patterns.base import is_constant_tensor
+from onnxq.patterns.base import is_constant_tensor, quantized_downstream, quantized_upstream
 from onnxq.quantizer import PatternRecord, QuantizerPattern
 
 
@@ -45,8 +45,8 @@ class ConcatPattern(QuantizerPattern):
         q = self.quantizer
         node = m.node(self.pattern)
         ins = list(node.inputs)
-        if not all(self.in_group(producer(t)) for t in ins) or not any(
-            self.in_group(u) for u in m.root.outputs
+        if not all(quantized_upstream(self, t) for t in ins) or not quantized_downstream(
+            self, m.root
         ):
             q.leave_float(
                 self,

@@ -489,24 +489,31 @@ def test_attention_matmul_with_two_activations():
 
 
 def _concat_model(extra_reader: bool):
-    nodes = [h.make_node("Conv", ["x", "W1"], ["a"], pads=[1, 1, 1, 1], name="c1"),
-             h.make_node("Conv", ["x", "W2"], ["b"], pads=[1, 1, 1, 1], name="c2"),
-             h.make_node("Concat", ["a", "b"], ["t"], axis=1, name="cat")]
+    nodes = [
+        h.make_node("Conv", ["x", "W1"], ["a"], pads=[1, 1, 1, 1], name="c1"),
+        h.make_node("Conv", ["x", "W2"], ["b"], pads=[1, 1, 1, 1], name="c2"),
+        h.make_node("Concat", ["a", "b"], ["t"], axis=1, name="cat"),
+    ]
     if extra_reader:
         nodes.append(h.make_node("Conv", ["t", "W3"], ["y"], name="c3"))
         out = "y"
     else:
         out = "t"
-    inits = {"W1": weights(4, 3, 3, 3), "W2": weights(4, 3, 3, 3) * 10,
-             "W3": weights(2, 8, 1, 1)}
+    inits = {"W1": weights(4, 3, 3, 3), "W2": weights(4, 3, 3, 3) * 10, "W3": weights(2, 8, 1, 1)}
     return make_model(nodes, [("x", ["N", 3, 8, 8])], [(out, None)], inits)
 
 
 def test_concat_inside_the_quantized_region():
     model = _concat_model(extra_reader=True)
     q, report, feeds = quantize_random(model, {"x": [1, 3, 8, 8]})
-    assert ops(q) == ["QuantizeLinear", "QLinearConv", "QLinearConv", "QLinearConcat",
-                      "QLinearConv", "DequantizeLinear"]
+    assert ops(q) == [
+        "QuantizeLinear",
+        "QLinearConv",
+        "QLinearConv",
+        "QLinearConcat",
+        "QLinearConv",
+        "DequantizeLinear",
+    ]
     close_enough(model, q, feeds, tol=0.05)
 
 
@@ -517,3 +524,27 @@ def test_concat_at_the_output_stays_float_with_reason():
     d = next(d for d in report.decisions if d.node == "cat")
     assert not d.quantized and "different ranges" in d.reason
     close_enough(model, q, feeds)
+
+
+def test_yolo_c2f_block_stays_int8_through_split_and_concat():
+    nodes = [
+        h.make_node("Conv", ["x", "W1"], ["a"], pads=[1, 1, 1, 1], name="c1"),
+        h.make_node("Split", ["a"], ["s0", "s1"], axis=1, name="split"),
+        h.make_node("Conv", ["s1", "W2"], ["b"], pads=[1, 1, 1, 1], name="c2"),
+        h.make_node("Concat", ["s0", "s1", "b"], ["cat"], axis=1, name="cat"),
+        h.make_node("Conv", ["cat", "W3"], ["y"], name="c3"),
+    ]
+    inits = {"W1": weights(8, 3, 3, 3), "W2": weights(4, 4, 3, 3), "W3": weights(2, 12, 1, 1)}
+    model = make_model(nodes, [("x", ["N", 3, 8, 8])], [("y", None)], inits)
+    q, report, feeds = quantize_random(model, {"x": [1, 3, 8, 8]})
+    assert ops(q) == [
+        "QuantizeLinear",
+        "QLinearConv",
+        "Split",
+        "QLinearConv",
+        "QLinearConcat",
+        "QLinearConv",
+        "DequantizeLinear",
+    ]
+    assert dq_q_pairs_between_quantized(q) == []
+    close_enough(model, q, feeds, tol=0.05)
