@@ -139,6 +139,22 @@ def _parser() -> argparse.ArgumentParser:
     )
     c.add_argument("--quiet", action="store_true", help="no summary")
 
+    k = sub.add_parser("compare", help="per output and per layer SQNR/cosine, float vs quantized")
+    k.add_argument("float_model", help="the float .onnx model")
+    k.add_argument("quant_model", help="its quantized form (QOperator or QDQ)")
+    k.add_argument(
+        "--data", required=True, help="samples, as for quantize (.npz, folder, module:function)"
+    )
+    k.add_argument("--samples", type=int, default=None, help="use at most N samples")
+    k.add_argument("--batch-size", type=int, default=None)
+    k.add_argument(
+        "--report",
+        default=None,
+        metavar="FILE.html",
+        help="write an HTML report with a per-layer chart",
+    )
+    k.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
     d = sub.add_parser("demo", help="quantize the bundled digits CNN and compare fp32 vs int8")
     d.add_argument("-o", "--output", default=None, help="also write the int8 demo model here")
     d.add_argument("--runs", type=int, default=300, help="latency runs per model (default 300)")
@@ -157,6 +173,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 0
         if args.command == "quantize":
             return _quantize(args)
+        if args.command == "compare":
+            return _compare(args)
         if args.command == "convert":
             return _convert(args)
         if args.command == "inspect":
@@ -261,6 +279,24 @@ def _convert(args: argparse.Namespace) -> int:
     if not args.quiet:
         print(report.summary())
         print(f"wrote {dst}")
+    return 0
+
+
+def _compare(args: argparse.Namespace) -> int:
+    from onnxq.compare import compare
+    from onnxq.dataset import as_dataset, model_inputs
+    from onnxq.graph import load_model, write_text_atomic
+
+    float_model = load_model(args.float_model)
+    quant_model = load_model(args.quant_model)
+    dataset = as_dataset(args.data, model_inputs(float_model), args.batch_size, args.samples)
+    result = compare(float_model, quant_model, dataset)
+    if args.json:
+        print(json.dumps(result.to_dict(), indent=2))
+    else:
+        print(result.table())
+    if args.report:
+        write_text_atomic(args.report, result.html(f"onnxq compare: {Path(args.quant_model).name}"))
     return 0
 
 

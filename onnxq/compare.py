@@ -1,0 +1,257 @@
+"""Compare a float model with its quantized form, output by output and layer by layer.
+
+Layers are matched by tensor name. A tensor of the float model is found in the quantized model
+either under its own name (a DequantizeLinear output, or a float op left in place) or as the
+integer output of a quantized op whose output scale is the initializer ``<name>_scale`` (the
+naming of onnxq and of onnxruntime.quantization), dequantized here with its scale and zero
+point. Statistics stream over the samples (four sums per tensor):
+
+    SQNR = 10·log10(Σ f² / Σ (f − q)²)        cosine = Σ f·q / √(Σ f² · Σ q²)
+
+Layers are listed by the SQNR they lose themselves (their inputs' SQNR minus their own), largest
+first: errors accumulate along the graph, so the layer with the largest drop, not the deepest one,
+is where to look (``--exclude`` it, or try another calibration method).
+"""
+
+from __future__ import annotations
+
+import html
+import math
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+import onnx
+from onnx import numpy_helper
+
+from onnxq.calibration import expose, run_checked
+from onnxq.dataset import DatasetManager
+from onnxq.session import make_session, output_types
+
+FLOAT_TYPES = {onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.DOUBLE}
+CLEAN_DB = 60.0
+#: where a quantized op takes its output scale and zero point
+OUTPUT_PARAMS = {
+    "QuantizeLinear": (1, 2),
+    "QLinearConv": (6, 7),
+    "QLinearMatMul": (6, 7),
+    "QGemm": (7, 8),
+    "QLinearAdd": (6, 7),
+    "QLinearMul": (6, 7),
+    "QLinearGlobalAveragePool": (3, 4),
+    "QLinearAveragePool": (3, 4),
+    "QLinearSigmoid": (3, 4),
+    "QLinearLeakyRelu": (3, 4),
+    "QLinearSoftmax": (3, 4),
+    "QLinearConcat": (0, 1),
+}
+
+
+@dataclass
+class TensorStats:
+    """Streaming agreement statistics of one tensor."""
+
+    name: str
+    is_output: bool
+    order: int
+    ff: float = 0.0
+    ee: float = 0.0
+    fq: float = 0.0
+    qq: float = 0.0
+    count: int = 0
+    #: SQNR of the nearest compared tensors this one is computed from (inf: graph inputs)
+    input_sqnr_db: float = math.inf
+
+    def add(self, f: np.ndarray, q: np.ndarray) -> None:
+        """Fold one batch in."""
+        f64, q64 = f.astype(np.float64).ravel(), q.astype(np.float64).ravel()
+        self.ff += float(f64 @ f64)
+        self.qq += float(q64 @ q64)
+        self.fq += float(f64 @ q64)
+        d = f64 - q64
+        self.ee += float(d @ d)
+        self.count += f64.size
+
+    @property
+    def sqnr_db(self) -> float:
+        """Signal-to-quantization-noise ratio in dB (inf when identical)."""
+        if self.ee == 0.0:
+            return math.inf
+        if self.ff == 0.0:
+            return -math.inf
+        return 10.0 * math.log10(self.ff / self.ee)
+
+    @property
+    def cosine(self) -> float:
+        """Cosine similarity of the float and quantized values."""
+        denom = math.sqrt(self.ff * self.qq)
+        return self.fq / denom if denom else (1.0 if self.ee == 0 else 0.0)
+
+    @property
+    def drop_db(self) -> float:
+        """SQNR lost in this layer: its inputs' SQNR minus its own.
+
+        Both are capped at 60 dB, about the best 8-bit data reaches, so that an exactly
+        represented input does not exaggerate the drop.
+        """
+        own = min(self.sqnr_db, CLEAN_DB)
+        return min(self.input_sqnr_db, CLEAN_DB) - own
+
+    def row(self) -> dict[str, Any]:
+        """JSON-ready summary."""
+        d = asdict(self)
+        d.update(sqnr_db=self.sqnr_db, cosine=self.cosine, drop_db=self.drop_db)
+        return d
+
+
+@dataclass
+class Comparison:
+    """The comparison: graph outputs, then layers worst first."""
+
+    outputs: list[TensorStats]
+    layers: list[TensorStats]
+    samples: int
+
+    def table(self, limit: int = 20) -> str:
+        """A terminal table."""
+        lines = [
+            f"compared on {self.samples} samples; SQNR in dB (higher is better); drop: SQNR "
+            "lost in the layer itself",
+            f"{'tensor':<40} {'SQNR':>8} {'drop':>7} {'cosine':>9}",
+        ]
+        for title, rows in (("outputs", self.outputs), ("layers, largest drop first", self.layers)):
+            lines.append(f"-- {title}")
+            for s in rows[:limit]:
+                lines.append(
+                    f"{s.name[:40]:<40} {s.sqnr_db:>8.2f} {s.drop_db:>7.2f} {s.cosine:>9.5f}"
+                )
+            if len(rows) > limit:
+                lines.append(f"... {len(rows) - limit} more (see --json or --report)")
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready dict."""
+        return {
+            "samples": self.samples,
+            "outputs": [s.row() for s in self.outputs],
+            "layers": [s.row() for s in self.layers],
+        }
+
+    def html(self, title: str) -> str:
+        """A standalone HTML report with a per-layer SQNR chart (inline SVG)."""
+        by_order = sorted(self.layers, key=lambda s: s.order)
+        finite = [s.sqnr_db for s in by_order if math.isfinite(s.sqnr_db)]
+        top = max(finite + [1.0])
+        bar_h, width = 16, 520
+        bars = []
+        for i, s in enumerate(by_order):
+            v = s.sqnr_db if math.isfinite(s.sqnr_db) else top
+            w = max(1.0, width * max(v, 0.0) / top)
+            colour = "#c0392b" if v < 20 else "#e67e22" if v < 30 else "#27ae60"
+            y = i * (bar_h + 4)
+            bars.append(
+                f'<rect x="260" y="{y}" width="{w:.1f}" height="{bar_h}" '
+                f'fill="{colour}"/><text x="255" y="{y + 12}" text-anchor="end" '
+                f'font-size="11">{html.escape(s.name[:40])}</text><text x="{265 + w:.1f}"'
+                f' y="{y + 12}" font-size="11">{v:.1f} dB</text>'
+            )
+        height = max(1, len(by_order)) * (bar_h + 4)
+        rows = "".join(
+            f"<tr><td>{html.escape(s.name)}</td><td>{s.sqnr_db:.2f}</td><td>{s.cosine:.5f}</td>"
+            f"</tr>"
+            for s in [*self.outputs, *self.layers]
+        )
+        return (
+            f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(title)}"
+            f"</title></head><body><h1>{html.escape(title)}</h1><p>{self.samples} samples. "
+            "SQNR per layer in graph order (red &lt; 20 dB, orange &lt; 30 dB).</p>"
+            f"<svg width='{width + 340}' height='{height}'>{''.join(bars)}</svg>"
+            "<h2>Outputs, then layers worst first</h2><table border='1' cellpadding='3'>"
+            f"<tr><th>tensor</th><th>SQNR dB</th><th>cosine</th></tr>{rows}</table>"
+            "</body></html>"
+        )
+
+
+def _initializers(model: onnx.ModelProto) -> dict[str, np.ndarray]:
+    return {i.name: numpy_helper.to_array(i) for i in model.graph.initializer}
+
+
+def compare(
+    float_model: onnx.ModelProto, quant_model: onnx.ModelProto, dataset: DatasetManager
+) -> Comparison:
+    """Stream ``dataset`` through both models and compare every matched float tensor."""
+    try:
+        float_model = onnx.shape_inference.infer_shapes(float_model)
+    except Exception:  # shape inference is best effort; unknown tensors are skipped
+        pass
+    f_types = output_types(float_model)
+    inits = {i.name for i in float_model.graph.initializer}
+    graph_inputs = [i.name for i in float_model.graph.input if i.name not in inits]
+    f_names = [
+        o
+        for o in graph_inputs + [o for n in float_model.graph.node for o in n.output]
+        if o and f_types.get(o) in FLOAT_TYPES
+    ]
+    outputs = {o.name for o in float_model.graph.output}
+    q_types = output_types(quant_model)
+    q_produced = {o for n in quant_model.graph.node for o in n.output}
+    q_inits = _initializers(quant_model)
+    # float tensor -> (tensor to fetch, scale initializer, zero-point initializer or "")
+    plan: dict[str, tuple[str, str | None, str]] = {}
+    for name in f_names:
+        if name in q_produced and q_types.get(name, onnx.TensorProto.FLOAT) in FLOAT_TYPES:
+            plan[name] = (name, None, "")
+    wanted = set(f_names)
+    for node in quant_model.graph.node:
+        pos = OUTPUT_PARAMS.get(node.op_type)
+        if pos is None or len(node.input) <= pos[0]:
+            continue
+        scale = node.input[pos[0]]
+        base = scale[: -len("_scale")] if scale.endswith("_scale") else ""
+        if base in wanted and base not in plan and scale in q_inits:
+            zp = node.input[pos[1]] if len(node.input) > pos[1] else ""
+            plan[base] = (node.output[0], scale, zp)
+    plan = {n: plan[n] for n in f_names if n in plan}  # graph order
+    stats = {n: TensorStats(n, n in outputs, i) for i, n in enumerate(plan)}
+    f_sess = make_session(expose(float_model, list(plan)))
+    q_fetch = sorted({v[0] for v in plan.values()})
+    q_sess = make_session(expose(quant_model, q_fetch))
+    samples = 0
+    for index, feeds in enumerate(dataset.batches()):
+        f_vals = dict(zip(plan, run_checked(f_sess, list(plan), feeds, index)))
+        q_vals = dict(zip(q_fetch, run_checked(q_sess, q_fetch, feeds, index)))
+        samples += int(next(iter(feeds.values())).shape[0]) if feeds else 0
+        for name, (q_name, scale_name, zp_name) in plan.items():
+            q = q_vals[q_name]
+            if scale_name is not None:
+                scale = q_inits[scale_name].astype(np.float64)
+                zp = q_inits[zp_name].astype(np.float64) if zp_name in q_inits else 0.0
+                q = (q.astype(np.float64) - zp) * scale
+            stats[name].add(np.asarray(f_vals[name]), np.asarray(q))
+    _link_inputs(float_model, stats)
+    outs = [s for s in stats.values() if s.is_output]
+    layers = sorted(
+        (s for s in stats.values() if not s.is_output), key=lambda s: (-s.drop_db, s.order)
+    )
+    return Comparison(outs, layers, samples)
+
+
+def _link_inputs(model: onnx.ModelProto, stats: dict[str, TensorStats]) -> None:
+    """Give each compared tensor the worst SQNR of the nearest compared tensors it reads."""
+    producers = {o: n for n in model.graph.node for o in n.output}
+
+    def sources(name: str, seen: set[str]) -> list[str]:
+        node = producers.get(name)
+        if node is None:
+            return []
+        found: list[str] = []
+        for inp in node.input:
+            if not inp or inp in seen:
+                continue
+            seen.add(inp)
+            found.extend([inp] if inp in stats else sources(inp, seen))
+        return found
+
+    for name, st in stats.items():
+        ups = [stats[u].sqnr_db for u in sources(name, set())]
+        st.input_sqnr_db = min(ups) if ups else math.inf

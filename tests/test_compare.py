@@ -1,0 +1,86 @@
+"""onnxq compare: per output and per layer agreement between float and quantized models."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import onnx
+import pytest
+from helpers import MODELS
+
+import onnxq
+from onnxq.cli import main
+from onnxq.compare import compare
+from onnxq.dataset import as_dataset, model_inputs
+
+X = np.random.default_rng(4).uniform(0, 1, (32, 1, 28, 28)).astype(np.float32)
+CNN = MODELS / "digits_cnn.onnx"
+
+
+def test_identical_models_compare_perfectly():
+    model = onnx.load(str(CNN))
+    res = compare(model, model, as_dataset({"input": X[:4]}, model_inputs(model)))
+    assert res.samples == 4 and res.outputs[0].sqnr_db == math.inf
+    assert all(s.cosine == pytest.approx(1.0) for s in res.layers)
+
+
+@pytest.mark.parametrize("fmt", ["qoperator", "qdq"])
+def test_quantized_layers_are_matched_and_ordered_worst_first(fmt):
+    fp32 = onnx.load(str(CNN))
+    q, _ = onnxq.quantize(fp32, {"input": X}, format=fmt, progress=False)
+    res = compare(fp32, q, as_dataset({"input": X}, model_inputs(fp32)))
+    names = [s.name for s in res.layers]
+    assert {"r1", "r2", "r3"} <= set(names)
+    drops = [s.drop_db for s in res.layers]
+    assert drops == sorted(drops, reverse=True)
+    assert res.outputs[0].sqnr_db > 25 and res.outputs[0].cosine > 0.999
+
+
+def test_a_badly_calibrated_layer_is_reported_first():
+    from onnxq.calibrators import MinMaxCallback
+
+    class Squash(MinMaxCallback):
+        """MinMax, except tensor r2 squeezed into a tenth of its range."""
+
+        def activation_range(self, info, qt):
+            lo, hi = super().activation_range(info, qt)
+            return (lo, hi / 10) if qt.tensor == "r2" else (lo, hi)
+
+    fp32 = onnx.load(str(CNN))
+    q, _ = onnxq.quantize(fp32, {"input": X}, callback=Squash(), progress=False)
+    res = compare(fp32, q, as_dataset({"input": X}, model_inputs(fp32)))
+    assert res.layers[0].name == "r2"  # the culprit, though r3 downstream has a lower SQNR
+    assert res.layers[0].drop_db > 10 + max(s.drop_db for s in res.layers[1:])
+
+
+def test_cli_compare_json_and_html(tmp_path, capsys):
+    data = tmp_path / "d.npz"
+    np.savez(data, input=X)
+    q = tmp_path / "q.onnx"
+    assert main(["quantize", str(CNN), "-o", str(q), "--data", str(data), "--quiet"]) == 0
+    capsys.readouterr()
+    report = tmp_path / "r.html"
+    assert (
+        main(
+            [
+                "compare",
+                str(CNN),
+                str(q),
+                "--data",
+                str(data),
+                "--samples",
+                "8",
+                "--json",
+                "--report",
+                str(report),
+            ]
+        )
+        == 0
+    )
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["samples"] == 8 and doc["outputs"][0]["name"] == "logits"
+    text = report.read_text()
+    assert "<svg" in text and "r2" in text
+    assert main(["compare", str(CNN), str(q), "--data", str(tmp_path / "none.npz")]) == 2
