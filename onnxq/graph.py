@@ -216,11 +216,6 @@ def node_label(node: gs.Node) -> str:
     return f"{node.op} node producing '{out}'"
 
 
-def graph_output_names(graph: gs.Graph) -> set[str]:
-    """Names of the graph's outputs."""
-    return {t.name for t in graph.outputs}
-
-
 # --------------------------------------------------------------------------------------------
 # editing
 

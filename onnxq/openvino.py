@@ -62,6 +62,7 @@ def to_fakequantize(
     tensors = graph.tensors()
     group_nodes = {n for rec in quantizer.records for n in rec.nodes}
     produced = {q.tensor for rec in quantizer.records for q in rec.outputs}
+    by_tensor = {q.tensor: q for rec in quantizer.records for q in rec.outputs}
     done: set[str] = set()
     for rec in quantizer.records:
         for qt in [*rec.inputs, *rec.outputs]:
@@ -72,19 +73,22 @@ def to_fakequantize(
             if qt.role == "weight":
                 _fq_weight(editor, t, qt, values, group_nodes, weight_qrange)
             else:
+                # like the requantize pass: data that reached this op through MaxPool, Split…
+                # from a quantized op keeps that op's parameters
+                source = _pass_through_source(t, by_tensor) or qt
                 _fq_activation(
-                    editor, graph, t, qt, values, group_nodes, all_readers=qt.tensor in produced
+                    editor, graph, t, source, values, group_nodes, all_readers=qt.tensor in produced
                 )
     editor.finish()
     return export_model(graph, quantizer.float_model)
 
 
 def _pass_through_source(t: gs.Tensor, outputs: dict[str, QTensor]) -> QTensor | None:
-    from onnxq.requantize import PASS_THROUGH
+    from onnxq.requantize import CARRIERS
 
     node = producer(t)
     seen = False
-    while node is not None and node.op in PASS_THROUGH and node.inputs:
+    while node is not None and node.op in CARRIERS and node.inputs:
         seen = True
         t = node.inputs[0]
         node = producer(t)

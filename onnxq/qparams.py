@@ -154,13 +154,6 @@ def weight_params(
     return params_from_range(-absmax, absmax, dtype, symmetric=True, axis=axis, narrow=narrow)
 
 
-def bias_params(input_scale: np.ndarray, weight_scale: np.ndarray) -> QParams:
-    """Derived bias parameters: ``scale = s_x · s_w`` (per channel), zero point 0, int32."""
-    scale = np.asarray(input_scale, np.float64) * np.asarray(weight_scale, np.float64)
-    scale = np.maximum(scale, MIN_SCALE).astype(np.float32)
-    return QParams(scale, np.zeros(scale.shape, np.int32), 0 if scale.ndim == 1 else None)
-
-
 def widen_for_bias(
     bias: np.ndarray, input_scale: np.ndarray, weight_scale: np.ndarray, limit: int = INT32_MAX
 ) -> np.ndarray:

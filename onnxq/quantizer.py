@@ -33,7 +33,6 @@ from onnxq.graph import (
     load_model,
     node_label,
     nodes_in_order,
-    producer,
 )
 from onnxq.preprocess import preprocess
 from onnxq.qparams import QParams, qrange, quantize, widen_for_bias
@@ -231,11 +230,6 @@ class Quantizer:
 
     # ----------------------------------------------------------------------------------------
     # helpers used by QuantizerPattern.quantize_match
-
-    @property
-    def activation_qmin(self) -> int:
-        """Lowest quantized value of activations (where a folded Relu clamps)."""
-        return qrange(self.config.activation_dtype)[0]
 
     def quantize_input(self, tensor: gs.Tensor) -> QTensor:
         """The activation ``tensor`` quantized (one QuantizeLinear per tensor, shared)."""
@@ -474,8 +468,3 @@ class Quantizer:
         for i, node in enumerate(self.float_model.graph.node):
             order[node.name or node.output[0]] = i
         return sorted(self.records, key=lambda r: min(order.get(n, 0) for n in r.nodes))
-
-    def producer_of(self, name: str) -> gs.Node | None:
-        """Node of the template graph producing ``name``."""
-        t = self._graph.tensors().get(name)
-        return producer(t) if t is not None else None
