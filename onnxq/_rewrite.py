@@ -109,8 +109,13 @@ class Partition:
         return self._ids
 
     def reasons_for(self, node_name: str) -> list[Attempt]:
-        """The attempts made with ``node_name`` as root."""
-        return [a for a in self.attempts if a.node == node_name]
+        """The attempts made with ``node_name`` as root (indexed on first use)."""
+        if getattr(self, "_by_node_count", -1) != len(self.attempts):
+            self._by_node: dict[str, list[Attempt]] = {}
+            for a in self.attempts:
+                self._by_node.setdefault(a.node, []).append(a)
+            self._by_node_count = len(self.attempts)
+        return self._by_node.get(node_name, [])
 
 
 NodeFilter = Callable[[gs.Node], "str | None"]

@@ -372,7 +372,8 @@ class Quantizer:
 
     def _explain(self, part: Partition) -> None:
         quantized = {n: r.label for r in self.records for n in r.nodes}
-        for node in nodes_in_order(import_graph(self.float_model)):
+        float_graph = import_graph(self.float_model)
+        for node in nodes_in_order(float_graph):
             name = node.name
             attempts = part.reasons_for(name)
             if name in quantized:
@@ -385,7 +386,7 @@ class Quantizer:
                 self.decisions[name] = Decision(name, node.op, False, attempts[0].pattern, reason)
             else:
                 self.decisions[name] = Decision(
-                    name, node.op, False, "", self._inside_reason(name, part)
+                    name, node.op, False, "", self._inside_reason(node, part)
                 )
 
     def leave_float(self, pattern: QuantizerPattern, m: Match, reason: str) -> None:
@@ -393,18 +394,25 @@ class Quantizer:
         for n in m.nodes:
             self._left_float[n.name] = (pattern.label(), reason)
 
-    def _inside_reason(self, name: str, part: Partition) -> str:
-        for a in part.attempts:
-            if not a.accepted and f"'{name}'" in a.reason:
-                return f"{a.pattern} (rooted at '{a.node}'): {a.reason}"
-        from onnxq.requantize import PASS_THROUGH
+    def _inside_reason(self, node: gs.Node, part: Partition) -> str:
+        """Why a node that no pattern was rooted at stays float."""
+        from onnxq.requantize import CARRIERS
 
-        op = next((n.op for n in self._graph.nodes if n.name == name), "")
-        if op in PASS_THROUGH:
+        # a rejected pattern rooted at a consumer may name this node (an escaping value, …)
+        for out in node.outputs:
+            for user in out.outputs:
+                for a in part.reasons_for(user.name):
+                    if not a.accepted and f"'{node.name}'" in a.reason:
+                        return f"{a.pattern} (rooted at '{a.node}'): {a.reason}"
+        dtypes = {tensor_dtype(o) for o in node.outputs}
+        if node.op in CARRIERS and dtypes <= {np.dtype(np.float32), None}:
             return (
                 "no pattern: it carries int8 through when its input comes from a quantized op "
                 "(requantize pass)"
             )
+        if dtypes and not dtypes & {np.dtype(np.float32), None}:
+            kinds = ", ".join(sorted(str(d) for d in dtypes if d is not None))
+            return f"computes {kinds} values (shapes, indices): nothing to quantize"
         return "no quantizer pattern handles this op"
 
     # ----------------------------------------------------------------------------------------
