@@ -321,6 +321,18 @@ class GraphEditor:
         node.inputs[index] = tensor
         self.modified = True
 
+    def append_input(self, node: gs.Node, tensor: gs.Tensor) -> None:
+        """Add an input at the end (an optional input such as a bias)."""
+        node.inputs.append(tensor)
+        self.modified = True
+
+    def absorb(self, node: gs.Node, follower: gs.Node) -> None:
+        """``node → follower → y`` becomes ``node → y``: ``node`` takes over the output."""
+        y = follower.outputs[0]
+        self.remove_node(follower)
+        node.outputs[0] = y
+        self.modified = True
+
     def move_after(self, first: gs.Node, second: gs.Node) -> None:
         """``first → d → second → y`` becomes ``second → y' → first → y``.
 

@@ -16,7 +16,7 @@ import onnx
 import onnx_graphsurgeon as gs
 
 from onnxq.errors import ModelError
-from onnxq.graph import GraphEditor, constant_value, export_model, import_graph, producer
+from onnxq.graph import GraphEditor, constant_value, export_model, import_graph, is_absent
 
 MIN_OPSET = 10
 TARGET_OPSET = 13
@@ -100,6 +100,75 @@ def _fold_constants(graph: gs.Graph) -> None:
     graph.toposort()
 
 
+def _quiet() -> None:
+    """Keep graphsurgeon's and onnxruntime's advice off the user's terminal."""
+    import onnxruntime as ort
+    from onnx_graphsurgeon.logger import G_LOGGER
+
+    G_LOGGER.severity = G_LOGGER.ERROR
+    ort.set_default_logger_severity(3)
+
+
+def _weights(conv: gs.Node) -> tuple[np.ndarray, np.ndarray, bool, int] | None:
+    """(W, b, has_bias, output-channel axis of W) of a Conv/ConvTranspose with constant W, b."""
+    if conv.op not in ("Conv", "ConvTranspose") or not isinstance(conv.inputs[1], gs.Constant):
+        return None
+    if conv.op == "ConvTranspose" and int(conv.attrs.get("group", 1)) != 1:
+        return None
+    has_b = len(conv.inputs) > 2 and not is_absent(conv.inputs[2])
+    if has_b and not isinstance(conv.inputs[2], gs.Constant):
+        return None
+    w = np.asarray(conv.inputs[1].values, np.float64)
+    axis = 1 if conv.op == "ConvTranspose" else 0
+    b = np.asarray(conv.inputs[2].values, np.float64) if has_b else np.zeros(w.shape[axis])
+    return w, b, has_b, axis
+
+
+def _scale_shift(editor: GraphEditor, conv: gs.Node, scale: np.ndarray, shift: np.ndarray) -> None:
+    """Make ``conv`` compute ``conv(x) · scale + shift`` (per output channel) by itself."""
+    found = _weights(conv)
+    assert found is not None
+    w, b, has_b, axis = found
+    shape = [1] * w.ndim
+    shape[axis] = -1
+    editor.set_input(
+        conv,
+        1,
+        editor.constant(f"{conv.name}.W_folded", (w * scale.reshape(shape)).astype(np.float32)),
+    )
+    bias = editor.constant(f"{conv.name}.B_folded", (b * scale + shift).astype(np.float32))
+    if has_b:
+        editor.set_input(conv, 2, bias)
+    else:
+        editor.append_input(conv, bias)
+
+
+def _single_reader(graph: gs.Graph, node: gs.Node) -> gs.Node | None:
+    """The one node reading ``node``'s output, when the output is not also a graph output."""
+    y = node.outputs[0] if node.outputs else None
+    if y is None or len(y.outputs) != 1 or any(o is y for o in graph.outputs):
+        return None
+    return y.outputs[0]
+
+
+def _fold_batchnorm(graph: gs.Graph) -> None:
+    """Conv/ConvTranspose → BatchNormalization (inference form) becomes one node."""
+    editor = GraphEditor(graph)
+    for conv in list(graph.nodes):
+        bn = _single_reader(graph, conv)
+        if bn is None or bn.op != "BatchNormalization" or len(bn.outputs) != 1:
+            continue
+        params = [constant_value(t) for t in bn.inputs[1:5]]
+        found = _weights(conv)
+        if found is None or any(p is None for p in params):
+            continue
+        gamma, beta, mean, var = (np.asarray(p, np.float64) for p in params)
+        scale = gamma / np.sqrt(var + float(bn.attrs.get("epsilon", 1e-5)))
+        _scale_shift(editor, conv, scale, beta - mean * scale)
+        editor.absorb(conv, bn)
+    editor.finish()
+
+
 def _per_channel(value: np.ndarray, rank: int, channels: int) -> np.ndarray | None:
     """``value`` as one number per channel (axis 1 of a rank-``rank`` tensor), else None."""
     v = np.asarray(value, np.float64)
@@ -124,89 +193,23 @@ def _fold_affine(graph: gs.Graph) -> None:
     while changed:
         changed = False
         for conv in list(graph.nodes):
-            if conv.op != "Conv" or not conv.outputs or not isinstance(conv.inputs[1], gs.Constant):
+            nxt = _single_reader(graph, conv)
+            found = _weights(conv)
+            if nxt is None or found is None or nxt.op not in ("Mul", "Add"):
                 continue
             y = conv.outputs[0]
-            if len(y.outputs) != 1 or any(o is y for o in graph.outputs):
-                continue
-            nxt = y.outputs[0]
-            if nxt.op not in ("Mul", "Add") or len(nxt.inputs) != 2:
-                continue
             other = nxt.inputs[1] if nxt.inputs[0] is y else nxt.inputs[0]
             value = constant_value(other)
-            w = np.asarray(conv.inputs[1].values, np.float64)
+            w, _, _, axis = found
             if value is None or (y.shape is not None and len(y.shape) != w.ndim):
                 continue
-            vec = _per_channel(value, w.ndim, w.shape[0])
+            vec = _per_channel(value, w.ndim, w.shape[axis])
             if vec is None:
                 continue
-            has_b = len(conv.inputs) > 2 and isinstance(conv.inputs[2], gs.Constant)
-            if len(conv.inputs) > 2 and not has_b:
-                continue
-            b = np.asarray(conv.inputs[2].values, np.float64) if has_b else np.zeros(w.shape[0])
             if nxt.op == "Mul":
-                w = w * vec.reshape(-1, *([1] * (w.ndim - 1)))
-                b = b * vec
+                _scale_shift(editor, conv, vec, np.zeros_like(vec))
             else:
-                b = b + vec
-            conv.inputs[1] = editor.constant(f"{conv.name}.W_folded", w.astype(np.float32))
-            bias = editor.constant(f"{conv.name}.B_folded", b.astype(np.float32))
-            if has_b:
-                conv.inputs[2] = bias
-            else:
-                conv.inputs.append(bias)
-            out = nxt.outputs[0]
-            nxt.outputs.clear()
-            conv.outputs[0] = out
+                _scale_shift(editor, conv, np.ones_like(vec), vec)
+            editor.absorb(conv, nxt)
             changed = True
-        graph.cleanup(remove_unused_graph_inputs=False).toposort()
-
-
-def _quiet() -> None:
-    """Keep graphsurgeon's and onnxruntime's advice off the user's terminal."""
-    import onnxruntime as ort
-    from onnx_graphsurgeon.logger import G_LOGGER
-
-    G_LOGGER.severity = G_LOGGER.ERROR
-    ort.set_default_logger_severity(3)
-
-
-def _fold_batchnorm(graph: gs.Graph) -> None:
-    """Conv → BatchNormalization (inference form) becomes one Conv with adjusted W and b."""
-    editor = GraphEditor(graph)
-    for bn in list(graph.nodes):
-        if bn.op != "BatchNormalization" or len(bn.outputs) != 1:
-            continue
-        x = bn.inputs[0]
-        conv = producer(x)
-        if conv is None or conv.op != "Conv" or len(x.outputs) != 1 or x in graph.outputs:
-            continue
-        params = [t for t in bn.inputs[1:5]]
-        if not all(isinstance(t, gs.Constant) for t in params):
-            continue
-        if not isinstance(conv.inputs[1], gs.Constant):
-            continue
-        if len(conv.inputs) > 2 and not isinstance(conv.inputs[2], gs.Constant):
-            continue
-        gamma, beta, mean, var = (np.asarray(t.values, np.float64) for t in params)
-        eps = float(bn.attrs.get("epsilon", 1e-5))
-        w = np.asarray(conv.inputs[1].values, np.float64)
-        b = (
-            np.asarray(conv.inputs[2].values, np.float64)
-            if len(conv.inputs) > 2
-            else np.zeros(w.shape[0])
-        )
-        factor = gamma / np.sqrt(var + eps)
-        new_w = (w * factor.reshape(-1, *([1] * (w.ndim - 1)))).astype(np.float32)
-        new_b = ((b - mean) * factor + beta).astype(np.float32)
-        w_const = editor.constant(f"{conv.name}.W_bnfolded", new_w)
-        b_const = editor.constant(f"{conv.name}.B_bnfolded", new_b)
-        conv.inputs[1] = w_const
-        if len(conv.inputs) > 2:
-            conv.inputs[2] = b_const
-        else:
-            conv.inputs.append(b_const)
-        y = bn.outputs[0]
-        bn.outputs.clear()
-        conv.outputs[0] = y
-    graph.cleanup(remove_unused_graph_inputs=False).toposort()
+        editor.finish()

@@ -39,6 +39,15 @@ def test_batchnorm_folds_into_conv():
     assert ops(pre) == ["Conv"]
 
 
+def test_batchnorm_folds_into_conv_transpose():
+    nodes = [h.make_node("ConvTranspose", ["x", "W", "B"], ["c"], strides=[2, 2], name="up"),
+             h.make_node("BatchNormalization", ["c", "g", "b", "m", "v"], ["y"], name="bn")]
+    inits = {"W": w(3, 4, 2, 2), "B": w(4), "g": w(4) + 1, "b": w(4), "m": w(4),
+             "v": np.abs(w(4)) + 0.5}
+    pre = same_function(make_model(nodes, [("x", ["N", 3, 8, 8])], [("y", None)], inits))
+    assert ops(pre) == ["ConvTranspose"]
+
+
 @pytest.mark.parametrize("shape", [(1, 4, 1, 1), (4, 1, 1), (1,), ()])
 def test_mul_and_add_by_per_channel_constants_fold_into_conv(shape):
     size = int(np.prod(shape)) if shape else 1
