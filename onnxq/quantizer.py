@@ -259,7 +259,9 @@ class Quantizer:
         qt = self._activation_qtensor(root, output=True)
         return qt, self._variable(qt.quantized, qt.dtype, root.shape)
 
-    def dequantize(self, qt: QTensor, quantized: gs.Variable, like: gs.Tensor) -> gs.Variable:
+    def dequantize(
+        self, qt: QTensor, quantized: gs.Variable, like: gs.Tensor, axis: int | None = None
+    ) -> gs.Variable:
         """DequantizeLinear of ``quantized``; the result replaces float tensor ``like``."""
         out = self.editor.variable(like.name + "_dequantized", np.float32, like.shape)
         self.editor.add_node(
@@ -267,6 +269,7 @@ class Quantizer:
             [quantized, self._consts[qt.scale], self._consts[qt.zero_point]],
             [out],
             name=f"{like.name}_DequantizeLinear",
+            attrs={"axis": axis} if axis is not None else None,
         )
         return out
 

@@ -16,10 +16,12 @@ from onnxq.patterns.binary import AddPattern, BinaryPattern, MulPattern
 from onnxq.patterns.concat import ConcatPattern
 from onnxq.patterns.conv import ConvBiasPattern, ConvPattern
 from onnxq.patterns.dense import GemmBiasPattern, GemmPattern, MatMulAddPattern, MatMulPattern
+from onnxq.patterns.gather import GatherPattern
 from onnxq.patterns.pool import AveragePoolPattern, GlobalAveragePoolPattern
 from onnxq.quantizer import QuantizerPattern
 
 __all__ = [
+    "GatherPattern",
     "ConcatPattern",
     "SoftmaxPattern",
     "SigmoidPattern",
@@ -42,7 +44,7 @@ __all__ = [
 
 def default_patterns(callback: CalibrationCallback | None = None) -> list[QuantizerPattern]:
     """One instance of every rule, each calibrated by ``callback`` (None: the Calibrator's)."""
-    from onnxq.patterns import activation, binary, concat, conv, dense, pool
+    from onnxq.patterns import activation, binary, concat, conv, dense, gather, pool
 
     rules = [
         *conv.RULES,
@@ -51,5 +53,6 @@ def default_patterns(callback: CalibrationCallback | None = None) -> list[Quanti
         *pool.RULES,
         *activation.RULES,
         *concat.RULES,
+        *gather.RULES,
     ]
     return [rule(callback) for rule in rules]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import onnx
 import pytest
 from helpers import dq_q_pairs_between_quantized, make_model, ops, rng, run
 from onnx import helper as h
@@ -548,3 +549,41 @@ def test_yolo_c2f_block_stays_int8_through_split_and_concat():
     ]
     assert dq_q_pairs_between_quantized(q) == []
     close_enough(model, q, feeds, tol=0.05)
+
+
+def test_embedding_table_is_stored_int8_and_gathered_exactly():
+    table = weights(50, 16, scale=1.0)
+    nodes = [
+        h.make_node("Gather", ["E", "ids"], ["e"], axis=0, name="embed"),
+        h.make_node("MatMul", ["e", "W"], ["y"], name="proj"),
+    ]
+    graph = h.make_graph(
+        nodes,
+        "g",
+        [h.make_tensor_value_info("ids", onnx.TensorProto.INT64, ["N", 7])],
+        [h.make_tensor_value_info("y", onnx.TensorProto.FLOAT, ["N", 7, 8])],
+        [
+            onnx.numpy_helper.from_array(table, "E"),
+            onnx.numpy_helper.from_array(weights(16, 8), "W"),
+        ],
+    )
+    model = h.make_model(graph, opset_imports=[h.make_opsetid("", 13)])
+    model.ir_version = 8
+    ids = np.random.default_rng(2).integers(0, 50, (4, 7)).astype(np.int64)
+    q, report = onnxq.quantize(model, {"ids": ids}, progress=False)
+    assert ops(q) == [
+        "Gather",
+        "DequantizeLinear",
+        "QuantizeLinear",
+        "QLinearMatMul",
+        "DequantizeLinear",
+    ]
+    ints = {i.name: onnx.numpy_helper.to_array(i) for i in q.graph.initializer}
+    assert ints["E_quantized"].dtype == np.int8 and ints["E_scale"].shape == (16,)
+    embed = next(d for d in report.decisions if d.node == "embed")
+    assert embed.quantized and embed.pattern == "gather-table"
+    # the gathered rows equal the dequantized table rows
+    scale = ints["E_scale"]
+    ref = ints["E_quantized"][ids].astype(np.float32) * scale
+    np.testing.assert_allclose(np.abs(ref - table[ids]).max(), 0, atol=scale.max())
+    close_enough(model, q, {"ids": ids}, tol=0.05)

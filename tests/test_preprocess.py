@@ -40,10 +40,18 @@ def test_batchnorm_folds_into_conv():
 
 
 def test_batchnorm_folds_into_conv_transpose():
-    nodes = [h.make_node("ConvTranspose", ["x", "W", "B"], ["c"], strides=[2, 2], name="up"),
-             h.make_node("BatchNormalization", ["c", "g", "b", "m", "v"], ["y"], name="bn")]
-    inits = {"W": w(3, 4, 2, 2), "B": w(4), "g": w(4) + 1, "b": w(4), "m": w(4),
-             "v": np.abs(w(4)) + 0.5}
+    nodes = [
+        h.make_node("ConvTranspose", ["x", "W", "B"], ["c"], strides=[2, 2], name="up"),
+        h.make_node("BatchNormalization", ["c", "g", "b", "m", "v"], ["y"], name="bn"),
+    ]
+    inits = {
+        "W": w(3, 4, 2, 2),
+        "B": w(4),
+        "g": w(4) + 1,
+        "b": w(4),
+        "m": w(4),
+        "v": np.abs(w(4)) + 0.5,
+    }
     pre = same_function(make_model(nodes, [("x", ["N", 3, 8, 8])], [("y", None)], inits))
     assert ops(pre) == ["ConvTranspose"]
 
