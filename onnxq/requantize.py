@@ -8,7 +8,8 @@ computing the same function up to rounding in which
   with ``s1, z1`` directly (they take their input's scale as an argument, so nothing is lost);
 * a DequantizeLinear moves past ops that commute with the affine map (MaxPool, Reshape,
   Flatten, Transpose, Squeeze, Unsqueeze, Slice, Gather, Depth/SpaceToDepth, Expand, Tile,
-  nearest Resize), so the pair it forms with a later Q can fold;
+  nearest Resize, Split, and Pad with 0 — which becomes Pad with the zero point), so the pair
+  it forms with a later Q can fold;
 * a Relu after a DQ whose zero point is the type's minimum is dropped (provably a no-op).
 """
 
@@ -130,6 +131,18 @@ class Requantizer:
                 continue
             if op.op == "Split":
                 editor.move_after_split(dq, op)
+            elif op.op == "Pad" and _copying_pad(op, opset):
+                editor.move_after(dq, op)  # reflect/edge padding only copies values
+            elif op.op == "Pad" and _zero_padding(op, opset):
+                # padding with 0.0 in float is padding with the zero point in int8
+                zp = _zero_point(dq)
+                assert zp is not None
+                value = editor.constant(f"{op.name}.pad_value", zp.reshape(()))
+                editor.move_after(dq, op)
+                if len(op.inputs) > 2:
+                    editor.set_input(op, 2, value)
+                else:
+                    editor.append_input(op, value)
             elif commutes(op, opset):
                 editor.move_after(dq, op)
             else:
@@ -190,6 +203,26 @@ class Requantizer:
                 self.stats.rescaled_pairs += 1
                 changed = True
         return changed
+
+
+def _pad_mode(pad: gs.Node) -> str:
+    mode = pad.attrs.get("mode", "constant")
+    return mode.decode() if isinstance(mode, bytes) else str(mode)
+
+
+def _copying_pad(pad: gs.Node, opset: int) -> bool:
+    """A Pad that only copies existing values (reflect, edge)."""
+    return opset >= 11 and _pad_mode(pad) in ("reflect", "edge")
+
+
+def _zero_padding(pad: gs.Node, opset: int) -> bool:
+    """A constant-mode Pad (opset ≥ 11 form) whose pad value is 0.0 or absent."""
+    if opset < 11 or _pad_mode(pad) != "constant":
+        return False
+    if len(pad.inputs) < 3 or pad.inputs[2].name == "":
+        return True
+    value = constant_value(pad.inputs[2])
+    return value is not None and value.size == 1 and float(value.reshape(-1)[0]) == 0.0
 
 
 def _zero_point(node: gs.Node) -> np.ndarray | None:

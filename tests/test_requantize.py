@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import onnx
+import pytest
 from helpers import ops, run
 from onnx import TensorProto
 from onnx import helper as h
@@ -171,3 +172,37 @@ def test_linear_resize_is_not_crossed():
         "DequantizeLinear",
         "Resize",
     ]
+
+
+@pytest.mark.parametrize("zp", [0, 60])
+def test_zero_pad_becomes_zero_point_pad(zp):
+    node = h.make_node("Pad", ["d", "pads"], ["p"], name="op")
+    pads = np.array([0, 0, 1, 1, 0, 0, 1, 1], np.int64)
+    nodes = [
+        h.make_node("QuantizeLinear", ["x", "s1", "z1"], ["q"], name="q0"),
+        h.make_node("DequantizeLinear", ["q", "s1", "z1"], ["d"], name="dq0"),
+        node,
+        h.make_node("QuantizeLinear", ["p", "s1", "z1"], ["q2"], name="q1"),
+        h.make_node("DequantizeLinear", ["q2", "s1", "z1"], ["y"], name="dq1"),
+    ]
+    model = qdq_model(nodes, {**scalars(s1=0.02, z1=zp), "pads": pads}, out_shape=(1, 4, 6, 6))
+    out = Requantizer().requantize(model)
+    assert ops(out) == ["QuantizeLinear", "Pad", "DequantizeLinear"]
+    np.testing.assert_array_equal(run(out, {"x": X})[0], run(model, {"x": X})[0])
+
+
+@pytest.mark.parametrize("mode", ["reflect", "edge"])
+def test_copying_pads_are_crossed(mode):
+    node = h.make_node("Pad", ["d", "pads"], ["p"], mode=mode, name="op")
+    pads = np.array([0, 0, 1, 1, 0, 0, 1, 1], np.int64)
+    model = _crossing_model(node, {"pads": pads}, (1, 4, 6, 6))
+    out = Requantizer().requantize(model)
+    assert ops(out) == ["QuantizeLinear", "Pad", "DequantizeLinear"]
+    np.testing.assert_array_equal(run(out, {"x": X})[0], run(model, {"x": X})[0])
+
+
+def test_nonzero_constant_pad_is_not_crossed():
+    node = h.make_node("Pad", ["d", "pads", "v"], ["p"], name="op")
+    pads = np.array([0, 0, 1, 1, 0, 0, 1, 1], np.int64)
+    model = _crossing_model(node, {"pads": pads, "v": np.float32(0.5)}, (1, 4, 6, 6))
+    assert ops(Requantizer().requantize(model))[:3] == ["QuantizeLinear", "DequantizeLinear", "Pad"]
