@@ -116,6 +116,7 @@ def quantize(
     method: str = "minmax",
     per_channel: bool = True,
     activation_dtype: str = "uint8",
+    symmetric_activations: bool = False,
     exclude: Sequence[str] = (),
     patterns: Sequence[QuantizerPattern] | None = None,
     callback: CalibrationCallback | None = None,
@@ -159,6 +160,7 @@ def quantize(
         float_model = raise_opset(float_model, PER_CHANNEL_OPSET, "per-channel QDQ")
     config = QuantizerConfig(
         activation_dtype=activation_dtype,
+        activation_symmetric=symmetric_activations,
         per_channel=per_channel,
         exclude=tuple(exclude),
         weight_bits=weight_bits,

@@ -110,6 +110,12 @@ def _parser() -> argparse.ArgumentParser:
         help="activation type (default uint8, the fast U8S8 path of onnxruntime CPU)",
     )
     q.add_argument(
+        "--symmetric-activations",
+        action="store_true",
+        help="zero point 0 for every activation (with --activation-dtype int8: what TensorRT "
+        "expects; use with --format qdq)",
+    )
+    q.add_argument(
         "--exclude", nargs="+", default=[], metavar="NODE", help="node names to keep in float"
     )
     q.add_argument(
@@ -229,6 +235,7 @@ def _quantize(args: argparse.Namespace) -> int:
         method=args.method,
         per_channel=args.per_channel,
         activation_dtype=args.activation_dtype,
+        symmetric_activations=args.symmetric_activations,
         exclude=args.exclude,
         batch_size=args.batch_size,
         samples=args.samples,

@@ -249,3 +249,50 @@ def test_qdq_concat():
     qop, qdq, rep = both(model, data)
     assert "Concat" in ops(qdq)
     agree(qop, qdq, {"x": data["x"][:2]}, rep.values["y_scale"])
+
+
+@pytest.mark.parametrize("fmt", ["qoperator", "qdq"])
+def test_symmetric_int8_activations(fmt, tmp_path):
+    xtr, _, xte, yte = ds.digits()
+    path = str(MODELS / "digits_cnn.onnx")
+    q, _ = onnxq.quantize(
+        path,
+        {"input": xtr[:100]},
+        activation_dtype="int8",
+        symmetric_activations=True,
+        format=fmt,
+        progress=False,
+    )
+    zps = [
+        onnx.numpy_helper.to_array(i) for i in q.graph.initializer if i.name.endswith("zero_point")
+    ]
+    assert zps and all(not np.any(z) for z in zps)
+    assert {z.dtype for z in zps} <= {np.dtype(np.int8), np.dtype(np.int32)}
+    fp = (run(path, {"input": xte})[0].argmax(1) == yte).mean()
+    assert (run(q, {"input": xte})[0].argmax(1) == yte).mean() >= fp - 0.005
+    np.savez(tmp_path / "c.npz", input=xtr[:50])
+    out = tmp_path / "s.onnx"
+    assert (
+        main(
+            [
+                "quantize",
+                path,
+                "-o",
+                str(out),
+                "--data",
+                str(tmp_path / "c.npz"),
+                "--activation-dtype",
+                "int8",
+                "--symmetric-activations",
+                "--format",
+                fmt,
+                "--quiet",
+            ]
+        )
+        == 0
+    )
+    assert all(
+        not np.any(onnx.numpy_helper.to_array(i))
+        for i in onnx.load(str(out)).graph.initializer
+        if i.name.endswith("zero_point")
+    )
