@@ -76,7 +76,7 @@ class OutputAwareCallback(ObserverCallback):
                 if err < best_err:
                     best, best_err = (cand, qp), err
             assert best is not None
-            info.calibrator.ranges[qt.tensor] = (float(best[0][0]), float(best[0][1]))
+            info.calibrator.ranges.setdefault(qt.tensor, (float(best[0][0]), float(best[0][1])))
             self._set(values, qt, best[1])
         return values
 
@@ -86,7 +86,7 @@ class OutputAwareCallback(ObserverCallback):
         if qt.scale in info.values:
             return QParams(info.values[qt.scale], info.values[qt.zero_point])
         lo, hi = self.base.activation_range(info, qt)
-        info.calibrator.ranges[qt.tensor] = (float(lo), float(hi))
+        info.calibrator.ranges.setdefault(qt.tensor, (float(lo), float(hi)))
         return params_from_range(lo, hi, qt.dtype, qt.symmetric)
 
     @staticmethod

@@ -129,6 +129,7 @@ def quantize(
     load_ranges: str | os.PathLike[str] | None = None,
     format: str = "qoperator",
     weight_bits: int = 8,
+    config: Any = None,
     progress: bool | None = None,
     output: str | os.PathLike[str] | None = None,
 ) -> tuple[onnx.ModelProto, QuantizeReport]:
@@ -158,7 +159,11 @@ def quantize(
     refuse_quantized(float_model, where)
     if format == "qdq" and per_channel:
         float_model = raise_opset(float_model, PER_CHANNEL_OPSET, "per-channel QDQ")
-    config = QuantizerConfig(
+    from onnxq.config import UserConfig
+
+    user = config if isinstance(config, UserConfig) or config is None else UserConfig.load(config)
+    qconfig = QuantizerConfig(
+        user=user,
         activation_dtype=activation_dtype,
         activation_symmetric=symmetric_activations,
         per_channel=per_channel,
@@ -169,7 +174,7 @@ def quantize(
         cb: CalibrationCallback = RangeTableCallback(read_ranges(load_ranges), f"'{load_ranges}'")
     else:
         cb = callback or method_callback(method, percentile, bins)
-    quantizer = Quantizer(float_model, patterns, config)
+    quantizer = Quantizer(float_model, patterns, qconfig)
     times["match+rewrite"] = time.perf_counter() - t0
 
     t1 = time.perf_counter()
@@ -179,7 +184,12 @@ def quantize(
         if load_ranges is not None and data is None
         else as_dataset(data, inputs, batch_size, samples, preprocess)
     )
-    calibrator = Calibrator(quantizer, dataset, cb, progress)
+    node_callbacks = (
+        {}
+        if load_ranges is not None
+        else {n: method_callback(m, percentile, bins) for n, m in quantizer.node_methods.items()}
+    )
+    calibrator = Calibrator(quantizer, dataset, cb, progress, node_callbacks)
     values = calibrator.calibrate()
     times["calibrate"] = time.perf_counter() - t1
 

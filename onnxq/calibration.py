@@ -73,7 +73,7 @@ class ObserverCallback(CalibrationCallback):
                 qp = weight_params(info.constant(qt.tensor), qt.axis, qt.dtype, bits=qt.bits)
             else:
                 lo, hi = self.activation_range(info, qt)
-                info.calibrator.ranges[qt.tensor] = (float(lo), float(hi))
+                info.calibrator.ranges.setdefault(qt.tensor, (float(lo), float(hi)))
                 qp = params_from_range(lo, hi, qt.dtype, qt.symmetric)
             values[qt.scale] = qp.scale
             values[qt.zero_point] = qp.zero_point
@@ -114,6 +114,8 @@ class CalibrationInfo:
         self.pattern = record.pattern
         self.dataset_manager = calibrator.dataset_manager
         self.default_callback = calibrator.default_callback
+        #: the callback that calibrates this pattern (per-node configuration included)
+        self.callback = calibrator.callback_for(record)
 
     @property
     def inputs(self) -> list[QTensor]:
@@ -142,9 +144,8 @@ class CalibrationInfo:
 
     def observer(self, tensor: str) -> Observer:
         """The streaming observer of ``tensor`` for this pattern's callback."""
-        cb = self.pattern.calibration_callback or self.default_callback
         try:
-            return self.calibrator.observers[(tensor, cb.observer_key or "")]
+            return self.calibrator.observers[(tensor, self.callback.observer_key or "")]
         except KeyError:
             raise CalibrationError(
                 f"no statistics were collected for tensor '{tensor}'; the "
@@ -197,15 +198,18 @@ class Calibrator:
         dataset_manager: DatasetManager | None = None,
         callback: CalibrationCallback | None = None,
         progress: bool | None = None,
+        node_callbacks: Mapping[str, CalibrationCallback] | None = None,
     ):
         from onnxq.calibrators import MinMaxCallback
 
         self.quantizer = quantizer
         self.dataset_manager = dataset_manager
         self.default_callback = callback or MinMaxCallback()
+        self.node_callbacks = dict(node_callbacks or {})
         self.progress = sys.stderr.isatty() if progress is None else progress
         self.values: dict[str, np.ndarray] = {}
-        #: the activation range chosen per tensor (what --save-ranges writes)
+        #: the activation range chosen per tensor, first writer wins like the values (what
+        #: --save-ranges writes)
         self.ranges: dict[str, tuple[float, float]] = {}
         self.observers: dict[tuple[str, str], Observer] = {}
         #: the first batches, kept for callbacks that search on real layer outputs
@@ -217,7 +221,11 @@ class Calibrator:
         self._quant_version = -1
         self._version = 0
 
-    def _callback(self, record: PatternRecord) -> CalibrationCallback:
+    def callback_for(self, record: PatternRecord) -> CalibrationCallback:
+        """A per-node callback (``--config``) first, then the pattern's, then the default."""
+        for node in record.nodes:
+            if node in self.node_callbacks:
+                return self.node_callbacks[node]
         return record.pattern.calibration_callback or self.default_callback
 
     def calibrate(self) -> dict[str, np.ndarray]:
@@ -281,7 +289,7 @@ class Calibrator:
     def _observe(self, records: list[PatternRecord]) -> None:
         wanted: dict[tuple[str, str], CalibrationCallback] = {}
         for rec in records:
-            cb = self._callback(rec)
+            cb = self.callback_for(rec)
             if cb.observer_key is None:
                 continue
             for qt in [*rec.inputs, *rec.outputs]:
@@ -297,7 +305,7 @@ class Calibrator:
         for (tensor, _), obs in self.observers.items():
             by_tensor.setdefault(tensor, []).append(obs)
         session = self._float(names)
-        keep = max((getattr(self._callback(r), "feeds_needed", 0) for r in records), default=0)
+        keep = max((getattr(self.callback_for(r), "feeds_needed", 0) for r in records), default=0)
         batches = self.dataset_manager.batches()
         bar = _progress(batches, self.dataset_manager.num_batches(), self.progress)
         for feeds in bar:

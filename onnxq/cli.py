@@ -119,6 +119,12 @@ def _parser() -> argparse.ArgumentParser:
         "--exclude", nargs="+", default=[], metavar="NODE", help="node names to keep in float"
     )
     q.add_argument(
+        "--config",
+        default=None,
+        metavar="FILE.toml",
+        help="per-node settings (keep_float, method) by op type, node-name regex and node name",
+    )
+    q.add_argument(
         "--batch-size",
         type=int,
         default=None,
@@ -133,6 +139,7 @@ def _parser() -> argparse.ArgumentParser:
     i.add_argument("--explain", action="store_true", help="list every node with its reason")
     i.add_argument("--json", action="store_true", help="print JSON instead of a table")
     i.add_argument("--exclude", nargs="+", default=[], metavar="NODE")
+    i.add_argument("--config", default=None, metavar="FILE.toml", help="per-node settings")
 
     c = sub.add_parser("convert", help="retarget an already-quantized model (no calibration)")
     c.add_argument("model", help="a quantized .onnx model (QDQ or QOperator; never modified)")
@@ -236,6 +243,7 @@ def _quantize(args: argparse.Namespace) -> int:
         per_channel=args.per_channel,
         activation_dtype=args.activation_dtype,
         symmetric_activations=args.symmetric_activations,
+        config=args.config,
         exclude=args.exclude,
         batch_size=args.batch_size,
         samples=args.samples,
@@ -309,9 +317,13 @@ def _compare(args: argparse.Namespace) -> int:
 
 def _inspect(args: argparse.Namespace) -> int:
     from onnxq.api import op_histogram
+    from onnxq.config import UserConfig
     from onnxq.quantizer import Quantizer, QuantizerConfig
 
-    quantizer = Quantizer(args.model, config=QuantizerConfig(exclude=tuple(args.exclude)))
+    user = UserConfig.load(args.config) if args.config else None
+    quantizer = Quantizer(
+        args.model, config=QuantizerConfig(exclude=tuple(args.exclude), user=user)
+    )
     hist = op_histogram(quantizer.float_model)
     decisions = list(quantizer.decisions.values())
     if args.json:

@@ -53,6 +53,8 @@ class QuantizerConfig:
     per_channel: bool = True
     exclude: tuple[str, ...] = ()
     weight_bits: int = 8
+    #: per-node settings (onnxq.config.UserConfig) from --config
+    user: Any = None
 
     def __post_init__(self) -> None:
         if self.activation_dtype not in ACTIVATION_DTYPES:
@@ -160,8 +162,7 @@ class QuantizerPattern(DFPatternCallback):
 
     def calibrate_pattern(self, calibration_info: CalibrationInfo) -> dict[str, np.ndarray]:
         """Values for this pattern's placeholders: the callback's choice."""
-        cb = self.calibration_callback or calibration_info.default_callback
-        return cb.calibrate_pattern(calibration_info)
+        return calibration_info.callback.calibrate_pattern(calibration_info)
 
     def callback(self, pre: gs.Tensor, post: gs.Tensor, node_map: dict) -> gs.Tensor | None:
         """Rewrite the current match (``self.match``) through :meth:`quantize_match`."""
@@ -217,11 +218,32 @@ class Quantizer:
         for p in self.patterns:
             p.quantizer = self
         excluded = set(self.config.exclude)
+        kept: dict[str, str] = {}
+        #: calibration method per node from the user configuration
+        self.node_methods: dict[str, str] = {}
+        if self.config.user is not None:
+            user = self.config.user
+            missing = user.unknown_nodes({n.name for n in graph.nodes})
+            if missing:
+                raise ConfigError(
+                    f"{user.path} names node(s) {missing} that are not in the "
+                    "model; `onnxq inspect MODEL` lists node names"
+                )
+            for n in graph.nodes:
+                st = user.resolve(n.name, n.op)
+                if st.keep_float:
+                    kept[n.name] = f"--config ({st.source})"
+                if st.method is not None:
+                    self.node_methods[n.name] = st.method
         result = rewrite(
             self.patterns,
             graph,
             node_filter=lambda n: (
-                f"{node_label(n)} is excluded by --exclude" if n.name in excluded else None
+                f"{node_label(n)} is excluded by --exclude"
+                if n.name in excluded
+                else f"{node_label(n)} is kept float by {kept[n.name]}"
+                if n.name in kept
+                else None
             ),
             editor=self.editor,
         )

@@ -1,0 +1,137 @@
+"""Per-node configuration from a TOML file (``--config``).
+
+Priority, lowest first: the global keys < ``[op_type.<Op>]`` < each matching ``[[node_regex]]``
+entry in file order < ``[node."<name>"]``. Keys at every level:
+
+| key | meaning |
+|---|---|
+| ``keep_float`` | true: leave the node float (like ``--exclude``) |
+| ``method`` | calibration method of the patterns rooted at the node (``minmax``, ``entropy``, …) |
+
+Example::
+
+    method = "minmax"
+
+    [op_type.Gemm]
+    method = "percentile"
+
+    [[node_regex]]
+    pattern = "^head/"
+    keep_float = true
+
+    [node."conv1"]
+    method = "entropy"
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from onnxq.errors import ConfigError
+
+KEYS = {"keep_float", "method"}
+
+
+@dataclass(frozen=True)
+class NodeSettings:
+    """The resolved settings of one node and where each came from."""
+
+    keep_float: bool = False
+    method: str | None = None
+    source: str = "defaults"
+
+
+@dataclass
+class UserConfig:
+    """Parsed configuration; :meth:`resolve` applies the priority rules."""
+
+    global_: dict[str, Any] = field(default_factory=dict)
+    op_type: dict[str, dict[str, Any]] = field(default_factory=dict)
+    node_regex: list[tuple[re.Pattern[str], dict[str, Any]]] = field(default_factory=list)
+    node: dict[str, dict[str, Any]] = field(default_factory=dict)
+    path: str = "the configuration"
+
+    @staticmethod
+    def load(path: str | os.PathLike[str]) -> UserConfig:
+        """Read and validate a TOML file."""
+        import tomllib
+
+        try:
+            with open(path, "rb") as handle:
+                doc = tomllib.load(handle)
+        except FileNotFoundError:
+            raise ConfigError(f"--config file '{path}' does not exist") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"--config file '{path}' is not valid TOML: {exc}") from None
+        return UserConfig.from_dict(doc, str(path))
+
+    @staticmethod
+    def from_dict(doc: dict[str, Any], path: str = "the configuration") -> UserConfig:
+        """Validate a parsed document."""
+        from onnxq.calibrators import METHODS
+
+        cfg = UserConfig(path=f"'{path}'")
+
+        def settings(where: str, table: Any, extra: frozenset[str] = frozenset()) -> dict[str, Any]:
+            if not isinstance(table, dict):
+                raise ConfigError(f"{cfg.path}: {where} must be a table of settings")
+            unknown = set(table) - KEYS - extra
+            if unknown:
+                raise ConfigError(
+                    f"{cfg.path}: {where} has unknown key(s) {sorted(unknown)}; "
+                    f"valid keys: {sorted(KEYS)}"
+                )
+            if "keep_float" in table and not isinstance(table["keep_float"], bool):
+                raise ConfigError(f"{cfg.path}: {where}.keep_float must be true or false")
+            if "method" in table and table["method"] not in METHODS:
+                raise ConfigError(
+                    f"{cfg.path}: {where}.method {table['method']!r} is unknown; "
+                    f"choose one of {', '.join(METHODS)}"
+                )
+            return {k: v for k, v in table.items() if k in KEYS}
+
+        sections = {"op_type", "node_regex", "node"}
+        cfg.global_ = settings("the top level", {k: v for k, v in doc.items() if k not in sections})
+        for op, table in doc.get("op_type", {}).items():
+            cfg.op_type[op] = settings(f"[op_type.{op}]", table)
+        regexes = doc.get("node_regex", [])
+        if not isinstance(regexes, list):
+            raise ConfigError(f"{cfg.path}: node_regex must be an array of tables ([[node_regex]])")
+        for i, table in enumerate(regexes):
+            where = f"[[node_regex]] #{i + 1}"
+            if not isinstance(table, dict) or "pattern" not in table:
+                raise ConfigError(f'{cfg.path}: {where} needs a pattern = "regex"')
+            try:
+                rx = re.compile(table["pattern"])
+            except (re.error, TypeError) as exc:
+                raise ConfigError(
+                    f"{cfg.path}: {where} pattern {table['pattern']!r} is not a "
+                    f"valid regular expression ({exc})"
+                ) from None
+            cfg.node_regex.append((rx, settings(where, table, frozenset({"pattern"}))))
+        for name, table in doc.get("node", {}).items():
+            cfg.node[name] = settings(f'[node."{name}"]', table)
+        return cfg
+
+    def resolve(self, node: str, op: str) -> NodeSettings:
+        """The settings of ``node`` (an op of type ``op``) after applying the priorities."""
+        out = NodeSettings()
+        layers: list[tuple[str, dict[str, Any]]] = [("global", self.global_)]
+        if op in self.op_type:
+            layers.append((f"[op_type.{op}]", self.op_type[op]))
+        layers += [
+            (f"node_regex {rx.pattern!r}", t) for rx, t in self.node_regex if rx.search(node)
+        ]
+        if node in self.node:
+            layers.append((f'[node."{node}"]', self.node[node]))
+        for source, table in layers:
+            if table:
+                out = replace(out, **table, source=source)
+        return out
+
+    def unknown_nodes(self, names: set[str]) -> list[str]:
+        """``[node."…"]`` entries naming no node of the model."""
+        return sorted(n for n in self.node if n not in names)
