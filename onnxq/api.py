@@ -114,9 +114,9 @@ def quantize(
     data: Any = None,
     *,
     method: str = "minmax",
-    per_channel: bool = True,
-    activation_dtype: str = "uint8",
-    symmetric_activations: bool = False,
+    per_channel: bool | None = None,
+    activation_dtype: str | None = None,
+    symmetric_activations: bool | None = None,
     exclude: Sequence[str] = (),
     patterns: Sequence[QuantizerPattern] | None = None,
     callback: CalibrationCallback | None = None,
@@ -127,9 +127,10 @@ def quantize(
     preprocess: str | None = None,
     save_ranges: str | os.PathLike[str] | None = None,
     load_ranges: str | os.PathLike[str] | None = None,
-    format: str = "qoperator",
-    weight_bits: int = 8,
+    format: str | None = None,
+    weight_bits: int | None = None,
     config: Any = None,
+    target: Any = None,
     progress: bool | None = None,
     output: str | os.PathLike[str] | None = None,
 ) -> tuple[onnx.ModelProto, QuantizeReport]:
@@ -144,11 +145,25 @@ def quantize(
     is ``qoperator`` (QLinear ops, onnxruntime CPU), ``qdq`` (standard ONNX Q/DQ around float
     ops; the opset is raised to 13 when per-channel scales need it) or ``openvino`` (float graph
     with FakeQuantize, run by the OpenVINO runtime). ``weight_bits=7`` restricts weights to
-    [-63, 63] for CPUs without VNNI. With ``output`` the model
+    [-63, 63] for CPUs without VNNI. ``target`` (a name or :class:`~onnxq.targets.Target`) sets
+    the defaults of format, activation dtype and symmetry, per-channel, weight bits and the
+    patterns; explicit arguments win. With ``output`` the model
     is also written atomically. The input model is never modified.
     """
     from onnxq.calibrators import method_callback
     from onnxq.ranges import read_ranges, write_ranges
+    from onnxq.targets import Target, get_target
+
+    # explicit options win over the target's conventions (default target: ort-cpu)
+    tgt = target if isinstance(target, Target) else get_target(target or "ort-cpu")
+    format = tgt.format if format is None else format
+    per_channel = tgt.per_channel if per_channel is None else per_channel
+    activation_dtype = tgt.activation_dtype if activation_dtype is None else activation_dtype
+    if symmetric_activations is None:
+        symmetric_activations = tgt.symmetric_activations
+    weight_bits = tgt.weight_bits if weight_bits is None else weight_bits
+    if patterns is None and tgt.patterns is not None:
+        patterns = _target_patterns(tgt)
 
     times: dict[str, float] = {}
     t0 = time.perf_counter()
@@ -227,6 +242,19 @@ def quantize(
         values={k: v.tolist() for k, v in quantizer.final_values.items()},
     )
     return result, report
+
+
+def _target_patterns(tgt: Any) -> list[QuantizerPattern]:
+    from onnxq.patterns import default_patterns
+
+    library = {p.label(): p for p in default_patterns()}
+    unknown = [n for n in tgt.patterns if n not in library]
+    if unknown:
+        raise ConfigError(
+            f"target {tgt.name!r} names pattern(s) {unknown} that onnxq does not "
+            f"have; known patterns: {', '.join(sorted(library))}"
+        )
+    return [library[n] for n in tgt.patterns]
 
 
 def verify(model: onnx.ModelProto, runtime: str = "onnxruntime") -> None:

@@ -41,8 +41,20 @@ def _parser() -> argparse.ArgumentParser:
         help="calibration method (default minmax)",
     )
     q.add_argument(
+        "--target",
+        default=None,
+        help="runtime conventions: ort-cpu (default), tensorrt, openvino, generic, or one from "
+        "--target-file; explicit options win (`onnxq targets` lists them)",
+    )
+    q.add_argument(
+        "--target-file",
+        default=None,
+        metavar="FILE.toml",
+        help="register targets from [target.NAME] tables",
+    )
+    q.add_argument(
         "--format",
-        default="qoperator",
+        default=None,
         choices=["qoperator", "qdq", "openvino"],
         help="qoperator: QLinear ops for onnxruntime CPU (default); qdq: standard ONNX "
         "QuantizeLinear/DequantizeLinear around float ops; openvino: FakeQuantize "
@@ -51,7 +63,7 @@ def _parser() -> argparse.ArgumentParser:
     q.add_argument(
         "--weight-bits",
         type=int,
-        default=8,
+        default=None,
         choices=[8, 7],
         help="7: weights in [-63, 63] to avoid int16 accumulator overflow on "
         "AVX2/AVX-512 CPUs without VNNI",
@@ -96,22 +108,29 @@ def _parser() -> argparse.ArgumentParser:
     pc.add_argument(
         "--per-channel",
         dest="per_channel",
-        action="store_true",
-        default=True,
-        help="per-channel weight scales (default)",
+        action="store_const",
+        const=True,
+        default=None,
+        help="per-channel weight scales (the default of every built-in target)",
     )
     pc.add_argument(
-        "--per-tensor", dest="per_channel", action="store_false", help="one scale per weight tensor"
+        "--per-tensor",
+        dest="per_channel",
+        action="store_const",
+        const=False,
+        help="one scale per weight tensor",
     )
     q.add_argument(
         "--activation-dtype",
-        default="uint8",
+        default=None,
         choices=["uint8", "int8"],
         help="activation type (default uint8, the fast U8S8 path of onnxruntime CPU)",
     )
     q.add_argument(
         "--symmetric-activations",
-        action="store_true",
+        action="store_const",
+        const=True,
+        default=None,
         help="zero point 0 for every activation (with --activation-dtype int8: what TensorRT "
         "expects; use with --format qdq)",
     )
@@ -168,6 +187,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     k.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
+    t = sub.add_parser("targets", help="list the targets and their conventions")
+    t.add_argument("--target-file", default=None, metavar="FILE.toml")
+
     d = sub.add_parser("demo", help="quantize the bundled digits CNN and compare fp32 vs int8")
     d.add_argument("-o", "--output", default=None, help="also write the int8 demo model here")
     d.add_argument("--runs", type=int, default=300, help="latency runs per model (default 300)")
@@ -186,6 +208,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 0
         if args.command == "quantize":
             return _quantize(args)
+        if args.command == "targets":
+            return _targets(args)
         if args.command == "compare":
             return _compare(args)
         if args.command == "convert":
@@ -219,6 +243,10 @@ def _quantize(args: argparse.Namespace) -> int:
     from onnxq.api import quantize
 
     src, dst = Path(args.model), _output_path(args.model, args.output)
+    if args.target_file:
+        from onnxq.targets import load_targets
+
+        load_targets(args.target_file)
     if args.data is None and args.load_ranges is None:
         raise ConfigError("quantize needs calibration data: --data PATH (or --load-ranges FILE)")
     callback = None
@@ -244,6 +272,7 @@ def _quantize(args: argparse.Namespace) -> int:
         activation_dtype=args.activation_dtype,
         symmetric_activations=args.symmetric_activations,
         config=args.config,
+        target=args.target,
         exclude=args.exclude,
         batch_size=args.batch_size,
         samples=args.samples,
@@ -294,6 +323,23 @@ def _convert(args: argparse.Namespace) -> int:
     if not args.quiet:
         print(report.summary())
         print(f"wrote {dst}")
+    return 0
+
+
+def _targets(args: argparse.Namespace) -> int:
+    from onnxq.targets import load_targets, targets
+
+    if args.target_file:
+        load_targets(args.target_file)
+    for t in targets():
+        pats = "all patterns" if t.patterns is None else ", ".join(t.patterns)
+        sym = " symmetric" if t.symmetric_activations else ""
+        print(
+            f"{t.name:<10} format={t.format} activations={t.activation_dtype}{sym} "
+            f"per_channel={t.per_channel} weight_bits={t.weight_bits}; {pats}"
+        )
+        if t.description:
+            print(f"{'':<10} {t.description}")
     return 0
 
 

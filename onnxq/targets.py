@@ -1,0 +1,128 @@
+"""Targets as data: what a runtime runs well, separate from what the user asks for.
+
+A :class:`Target` names the output format, the activation and weight conventions and the
+patterns worth quantizing for one runtime. ``--target NAME`` picks one; explicit options
+(``--format``, ``--activation-dtype``, …) still win. Users add targets from Python
+(:func:`register_target`) or from a TOML file (``--target-file``)::
+
+    [target.my-npu]
+    format = "qdq"
+    activation_dtype = "int8"
+    symmetric_activations = true
+    weight_bits = 8
+    patterns = ["conv", "conv+bias", "gemm", "gemm+bias"]
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, fields
+
+from onnxq.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class Target:
+    """A runtime's conventions. ``patterns`` None means every pattern of the library."""
+
+    name: str
+    description: str = ""
+    format: str = "qoperator"
+    activation_dtype: str = "uint8"
+    symmetric_activations: bool = False
+    per_channel: bool = True
+    weight_bits: int = 8
+    patterns: tuple[str, ...] | None = None
+
+    def __post_init__(self) -> None:
+        from onnxq.export import FORMATS
+
+        if self.format not in FORMATS:
+            raise ConfigError(
+                f"target {self.name!r}: format {self.format!r} is not one of {', '.join(FORMATS)}"
+            )
+        if self.activation_dtype not in ("uint8", "int8"):
+            raise ConfigError(f"target {self.name!r}: activation_dtype must be uint8 or int8")
+        if self.weight_bits not in (7, 8):
+            raise ConfigError(f"target {self.name!r}: weight_bits must be 8 or 7")
+
+
+BUILTIN = (
+    Target(
+        "ort-cpu",
+        "onnxruntime CPU: uint8 activations (U8S8 kernels), int8 per-channel weights, QLinear ops",
+        "qoperator",
+        "uint8",
+    ),
+    Target(
+        "tensorrt",
+        "TensorRT: int8 symmetric activations and weights, standard Q/DQ that TensorRT fuses",
+        "qdq",
+        "int8",
+        symmetric_activations=True,
+    ),
+    Target(
+        "openvino",
+        "OpenVINO: FakeQuantize on the float graph, uint8 activations",
+        "openvino",
+        "uint8",
+    ),
+    Target("generic", "any runtime that reads standard ONNX Q/DQ", "qdq", "uint8"),
+)
+_REGISTRY: dict[str, Target] = {t.name: t for t in BUILTIN}
+
+
+def register_target(target: Target) -> None:
+    """Add (or replace) a target by name."""
+    _REGISTRY[target.name] = target
+
+
+def get_target(name: str) -> Target:
+    """The target called ``name``."""
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        raise ConfigError(
+            f"target {name!r} is unknown; known targets: {', '.join(sorted(_REGISTRY))}"
+        ) from None
+
+
+def targets() -> list[Target]:
+    """Every registered target."""
+    return [_REGISTRY[k] for k in sorted(_REGISTRY)]
+
+
+def load_targets(path: str | os.PathLike[str]) -> list[Target]:
+    """Register the ``[target.NAME]`` tables of a TOML file and return them."""
+    import tomllib
+
+    try:
+        with open(path, "rb") as handle:
+            doc = tomllib.load(handle)
+    except FileNotFoundError:
+        raise ConfigError(f"--target-file '{path}' does not exist") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"--target-file '{path}' is not valid TOML: {exc}") from None
+    known = {f.name for f in fields(Target)} - {"name"}
+    loaded = []
+    for name, table in doc.get("target", {}).items():
+        if not isinstance(table, dict):
+            raise ConfigError(f"'{path}': [target.{name}] must be a table")
+        unknown = set(table) - known
+        if unknown:
+            raise ConfigError(
+                f"'{path}': [target.{name}] has unknown key(s) {sorted(unknown)}; "
+                f"valid keys: {sorted(known)}"
+            )
+        values = dict(table)
+        if "patterns" in values:
+            values["patterns"] = tuple(values["patterns"])
+        try:
+            target = Target(name=name, **values)
+        except TypeError as exc:
+            raise ConfigError(f"'{path}': [target.{name}]: {exc}") from None
+        register_target(target)
+        loaded.append(target)
+    if not loaded:
+        raise ConfigError(f"'{path}' defines no [target.NAME] table")
+    return loaded
