@@ -159,6 +159,8 @@ def _parser() -> argparse.ArgumentParser:
     i.add_argument("--json", action="store_true", help="print JSON instead of a table")
     i.add_argument("--exclude", nargs="+", default=[], metavar="NODE")
     i.add_argument("--config", default=None, metavar="FILE.toml", help="per-node settings")
+    i.add_argument("--target", default=None, help="explain for this target's patterns")
+    i.add_argument("--target-file", default=None, metavar="FILE.toml")
 
     c = sub.add_parser("convert", help="retarget an already-quantized model (no calibration)")
     c.add_argument("model", help="a quantized .onnx model (QDQ or QOperator; never modified)")
@@ -362,14 +364,25 @@ def _compare(args: argparse.Namespace) -> int:
 
 
 def _inspect(args: argparse.Namespace) -> int:
-    from onnxq.api import op_histogram
+    from onnxq.api import _target_patterns, op_histogram
     from onnxq.config import UserConfig
     from onnxq.quantizer import Quantizer, QuantizerConfig
+    from onnxq.targets import get_target, load_targets
 
+    if args.target_file:
+        load_targets(args.target_file)
+    tgt = get_target(args.target or "ort-cpu")
     user = UserConfig.load(args.config) if args.config else None
-    quantizer = Quantizer(
-        args.model, config=QuantizerConfig(exclude=tuple(args.exclude), user=user)
+    config = QuantizerConfig(
+        exclude=tuple(args.exclude),
+        user=user,
+        activation_dtype=tgt.activation_dtype,
+        activation_symmetric=tgt.symmetric_activations,
+        per_channel=tgt.per_channel,
+        weight_bits=tgt.weight_bits,
     )
+    patterns = _target_patterns(tgt) if tgt.patterns is not None else None
+    quantizer = Quantizer(args.model, patterns, config)
     hist = op_histogram(quantizer.float_model)
     decisions = list(quantizer.decisions.values())
     if args.json:

@@ -13,6 +13,7 @@ the same one the next pattern's input uses, so the Requantizer can fold the DQâ†
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -41,6 +42,7 @@ if TYPE_CHECKING:
     from onnxq.calibration import CalibrationCallback, CalibrationInfo
 
 ACTIVATION_DTYPES = ("uint8", "int8")
+_WRONG_OP = re.compile(r" is [\w.]+, expected [\w.]+$")
 
 
 @dataclass(frozen=True)
@@ -407,7 +409,10 @@ class Quantizer:
                 pattern, reason = self._left_float[name]
                 self.decisions[name] = Decision(name, node.op, False, pattern, reason)
             elif attempts:
-                reason = "; ".join(f"{a.pattern}: {a.reason}" for a in attempts)
+                # the near misses that got past the op type say the most
+                specific = [a for a in attempts if not _WRONG_OP.search(a.reason)]
+                chosen = (specific or attempts)[:3]
+                reason = "; ".join(f"{a.pattern}: {a.reason}" for a in chosen)
                 self.decisions[name] = Decision(name, node.op, False, attempts[0].pattern, reason)
             else:
                 self.decisions[name] = Decision(

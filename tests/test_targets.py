@@ -23,8 +23,11 @@ def digits():
 
 
 def zero_points(model):
-    return [onnx.numpy_helper.to_array(i) for i in model.graph.initializer
-            if i.name.endswith("zero_point")]
+    return [
+        onnx.numpy_helper.to_array(i)
+        for i in model.graph.initializer
+        if i.name.endswith("zero_point")
+    ]
 
 
 def accurate(model, digits):
@@ -66,8 +69,9 @@ def test_openvino_runs_in_openvino(digits):
 
 
 def test_explicit_options_win_over_the_target(digits):
-    q, _ = onnxq.quantize(CNN, {"input": digits[0]}, target="tensorrt", format="qoperator",
-                          progress=False)
+    q, _ = onnxq.quantize(
+        CNN, {"input": digits[0]}, target="tensorrt", format="qoperator", progress=False
+    )
     assert "QLinearConv" in ops(q)
     assert all(z.dtype in (np.dtype(np.int8), np.dtype(np.int32)) for z in zero_points(q))
 
@@ -77,8 +81,24 @@ def test_target_from_toml_with_a_pattern_subset(tmp_path, digits):
     toml.write_text('[target.convs-only]\nformat = "qdq"\npatterns = ["conv+bias"]\n')
     np.savez(tmp_path / "c.npz", input=digits[0])
     out = tmp_path / "q.onnx"
-    assert main(["quantize", CNN, "-o", str(out), "--data", str(tmp_path / "c.npz"),
-                 "--target-file", str(toml), "--target", "convs-only", "--quiet"]) == 0
+    assert (
+        main(
+            [
+                "quantize",
+                CNN,
+                "-o",
+                str(out),
+                "--data",
+                str(tmp_path / "c.npz"),
+                "--target-file",
+                str(toml),
+                "--target",
+                "convs-only",
+                "--quiet",
+            ]
+        )
+        == 0
+    )
     model = onnx.load(str(out))
     assert "Gemm" in ops(model) and ops(model).count("Conv") == 3
 
@@ -97,13 +117,35 @@ def test_bad_targets(tmp_path, capsys):
         Target("x", weight_bits=4)
     toml = tmp_path / "t.toml"
     toml.write_text('[target.bad]\nformat = "qdq"\ncolour = "red"\n')
-    rc = main(["quantize", CNN, "-o", str(tmp_path / "o.onnx"), "--data", "x.npz",
-               "--target-file", str(toml)])
+    rc = main(
+        [
+            "quantize",
+            CNN,
+            "-o",
+            str(tmp_path / "o.onnx"),
+            "--data",
+            "x.npz",
+            "--target-file",
+            str(toml),
+        ]
+    )
     assert rc == 2 and "unknown key(s) ['colour']" in capsys.readouterr().err
     toml.write_text('[target.nopat]\npatterns = ["warp-drive"]\n')
     np.savez(tmp_path / "c.npz", input=np.zeros((2, 1, 28, 28), np.float32))
-    rc = main(["quantize", CNN, "-o", str(tmp_path / "o.onnx"), "--data",
-               str(tmp_path / "c.npz"), "--target-file", str(toml), "--target", "nopat"])
+    rc = main(
+        [
+            "quantize",
+            CNN,
+            "-o",
+            str(tmp_path / "o.onnx"),
+            "--data",
+            str(tmp_path / "c.npz"),
+            "--target-file",
+            str(toml),
+            "--target",
+            "nopat",
+        ]
+    )
     assert rc == 2 and "warp-drive" in capsys.readouterr().err
 
 
