@@ -129,6 +129,8 @@ def quantize(
     load_ranges: str | os.PathLike[str] | None = None,
     format: str | None = None,
     weight_bits: int | None = None,
+    weight_dtype: str = "int8",
+    block_size: int = 32,
     config: Any = None,
     target: Any = None,
     progress: bool | None = None,
@@ -153,6 +155,11 @@ def quantize(
     from onnxq.calibrators import method_callback
     from onnxq.ranges import read_ranges, write_ranges
     from onnxq.targets import Target, get_target
+
+    if weight_dtype == "int4":
+        return _int4(model, format, block_size, output)
+    if weight_dtype != "int8":
+        raise ConfigError(f"--weight-dtype {weight_dtype!r} is not supported; use int8 or int4")
 
     # explicit options win over the target's conventions (default target: ort-cpu)
     tgt = target if isinstance(target, Target) else get_target(target or "ort-cpu")
@@ -242,6 +249,37 @@ def quantize(
         values={k: v.tolist() for k, v in quantizer.final_values.items()},
     )
     return result, report
+
+
+def _int4(
+    model: Any, format: str | None, block_size: int, output: Any
+) -> tuple[onnx.ModelProto, QuantizeReport]:
+    """Weight-only block-wise int4 (no calibration)."""
+    from onnxq.weight_only import quantize_weights_int4
+
+    if format not in (None, "qdq"):
+        raise ConfigError(
+            f"int4 weights are written as standard QDQ (opset 21 DequantizeLinear "
+            f"with block_size); --format {format} is not available for them"
+        )
+    t0 = time.perf_counter()
+    where = f"'{model}'" if not isinstance(model, onnx.ModelProto) else "the given model"
+    float_model = load_model(model)
+    refuse_quantized(float_model, where)
+    result, wo = quantize_weights_int4(float_model, block_size)
+    verify(result)
+    if output is not None:
+        save_model(result, output)
+    decisions = [Decision(n, "", True, "int4-weights") for n in wo.quantized]
+    decisions += [Decision(n, "", False, "int4-weights", why) for n, why in wo.skipped.items()]
+    return result, QuantizeReport(
+        decisions,
+        CalibrationReport(),
+        RequantizeStats(),
+        {"int4": time.perf_counter() - t0},
+        op_histogram(float_model),
+        op_histogram(result),
+    )
 
 
 def _target_patterns(tgt: Any) -> list[QuantizerPattern]:

@@ -53,6 +53,19 @@ def _parser() -> argparse.ArgumentParser:
         help="register targets from [target.NAME] tables",
     )
     q.add_argument(
+        "--weight-dtype",
+        default="int8",
+        choices=["int8", "int4"],
+        help="int4: weight-only block-wise int4 MatMul/Gemm weights (QDQ, opset 21); "
+        "no calibration data needed",
+    )
+    q.add_argument(
+        "--block-size",
+        type=int,
+        default=32,
+        help="rows per int4 block along the reduced axis (default 32)",
+    )
+    q.add_argument(
         "--format",
         default=None,
         choices=["qoperator", "qdq", "openvino"],
@@ -249,7 +262,7 @@ def _quantize(args: argparse.Namespace) -> int:
         from onnxq.targets import load_targets
 
         load_targets(args.target_file)
-    if args.data is None and args.load_ranges is None:
+    if args.data is None and args.load_ranges is None and args.weight_dtype != "int4":
         raise ConfigError("quantize needs calibration data: --data PATH (or --load-ranges FILE)")
     callback = None
     if args.callback is not None:
@@ -275,6 +288,8 @@ def _quantize(args: argparse.Namespace) -> int:
         symmetric_activations=args.symmetric_activations,
         config=args.config,
         target=args.target,
+        weight_dtype=args.weight_dtype,
+        block_size=args.block_size,
         exclude=args.exclude,
         batch_size=args.batch_size,
         samples=args.samples,
