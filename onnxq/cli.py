@@ -136,7 +136,7 @@ def _parser() -> argparse.ArgumentParser:
     q.add_argument(
         "--activation-dtype",
         default=None,
-        choices=["uint8", "int8"],
+        choices=["uint8", "int8", "int16"],
         help="activation type (default uint8, the fast U8S8 path of onnxruntime CPU)",
     )
     q.add_argument(

@@ -41,7 +41,7 @@ from onnxq.qparams import QParams, qrange, quantize, widen_for_bias
 if TYPE_CHECKING:
     from onnxq.calibration import CalibrationCallback, CalibrationInfo
 
-ACTIVATION_DTYPES = ("uint8", "int8")
+ACTIVATION_DTYPES = ("uint8", "int8", "int16")
 _WRONG_OP = re.compile(r" is [\w.]+, expected [\w.]+$")
 
 

@@ -79,6 +79,8 @@ def commutes(node: gs.Node, opset: int) -> bool:
     return True
 
 
+#: carriers whose onnxruntime kernels take 8-bit integers but not int16
+BYTE_ONLY = frozenset({"MaxPool", "Resize", "Pad"})
 #: ops through which int8 data flows unchanged in value (Split has several outputs)
 CARRIERS = frozenset(PASS_THROUGH) | {"Split"}
 
@@ -129,6 +131,8 @@ class Requantizer:
             op = d.outputs[0]
             if op.inputs[0] is not d or any(t is d for t in op.inputs[1:]):
                 continue
+            if _dtype(dq) not in (np.dtype(np.uint8), np.dtype(np.int8)) and op.op in BYTE_ONLY:
+                continue  # onnxruntime has these kernels for 8-bit integers only
             if op.op == "Split":
                 editor.move_after_split(dq, op)
             elif op.op == "Pad" and _copying_pad(op, opset):

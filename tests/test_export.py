@@ -11,6 +11,7 @@ from test_patterns import ACT_CASES, BINARY_CASES, CONV_CASES, DENSE_CASES, POOL
 
 import onnxq
 from onnxq.cli import main
+from onnxq.errors import ConfigError
 
 R = rng(5)
 ds = zoo_datasets()
@@ -296,3 +297,26 @@ def test_symmetric_int8_activations(fmt, tmp_path):
         for i in onnx.load(str(out)).graph.initializer
         if i.name.endswith("zero_point")
     )
+
+
+def test_int16_activations_a16w8_qdq():
+    xtr, _, xte, yte = ds.digits()
+    path = str(MODELS / "digits_cnn.onnx")
+    q, _ = onnxq.quantize(
+        path, {"input": xtr[:100]}, activation_dtype="int16", format="qdq", progress=False
+    )
+    assert {o.domain: o.version for o in q.opset_import}[""] >= 21
+    acts = [
+        onnx.numpy_helper.to_array(i)
+        for i in q.graph.initializer
+        if i.name.endswith("zero_point") and onnx.numpy_helper.to_array(i).ndim == 0
+    ]
+    assert acts and {a.dtype for a in acts} >= {np.dtype(np.int16)}
+    ref = run(path, {"input": xte})[0]
+    out = run(q, {"input": xte})[0]
+    q8, _ = onnxq.quantize(path, {"input": xtr[:100]}, format="qdq", progress=False)
+    err16 = np.abs(out - ref).mean()
+    err8 = np.abs(run(q8, {"input": xte})[0] - ref).mean()
+    assert err16 <= err8
+    with pytest.raises(ConfigError, match="int16 activations"):
+        onnxq.quantize(path, {"input": xtr[:10]}, activation_dtype="int16", progress=False)
