@@ -35,6 +35,19 @@ from onnxq.errors import ConfigError
 KEYS = {"keep_float", "method"}
 
 
+def load_toml(path: str | os.PathLike[str], option: str) -> dict[str, Any]:
+    """A TOML file as a dict; a missing or malformed file is a ConfigError naming ``option``."""
+    import tomllib
+
+    try:
+        with open(path, "rb") as handle:
+            return tomllib.load(handle)
+    except FileNotFoundError:
+        raise ConfigError(f"{option} file '{path}' does not exist") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{option} file '{path}' is not valid TOML: {exc}") from None
+
+
 @dataclass(frozen=True)
 class NodeSettings:
     """The resolved settings of one node and where each came from."""
@@ -57,16 +70,7 @@ class UserConfig:
     @staticmethod
     def load(path: str | os.PathLike[str]) -> UserConfig:
         """Read and validate a TOML file."""
-        import tomllib
-
-        try:
-            with open(path, "rb") as handle:
-                doc = tomllib.load(handle)
-        except FileNotFoundError:
-            raise ConfigError(f"--config file '{path}' does not exist") from None
-        except tomllib.TOMLDecodeError as exc:
-            raise ConfigError(f"--config file '{path}' is not valid TOML: {exc}") from None
-        return UserConfig.from_dict(doc, str(path))
+        return UserConfig.from_dict(load_toml(path, "--config"), str(path))
 
     @staticmethod
     def from_dict(doc: dict[str, Any], path: str = "the configuration") -> UserConfig:

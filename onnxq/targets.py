@@ -94,15 +94,9 @@ def targets() -> list[Target]:
 
 def load_targets(path: str | os.PathLike[str]) -> list[Target]:
     """Register the ``[target.NAME]`` tables of a TOML file and return them."""
-    import tomllib
+    from onnxq.config import load_toml
 
-    try:
-        with open(path, "rb") as handle:
-            doc = tomllib.load(handle)
-    except FileNotFoundError:
-        raise ConfigError(f"--target-file '{path}' does not exist") from None
-    except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(f"--target-file '{path}' is not valid TOML: {exc}") from None
+    doc = load_toml(path, "--target-file")
     known = {f.name for f in fields(Target)} - {"name"}
     loaded = []
     for name, table in doc.get("target", {}).items():
