@@ -31,6 +31,7 @@ from onnxq.graph import (
     constant_value,
     export_model,
     import_graph,
+    iter_subgraph_nodes,
     load_model,
     node_label,
     nodes_in_order,
@@ -434,6 +435,13 @@ class Quantizer:
                 for a in part.reasons_for(user.name):
                     if not a.accepted and f"'{node.name}'" in a.reason:
                         return f"{a.pattern} (rooted at '{a.node}'): {a.reason}"
+        bodies = [v for v in node.attrs.values() if isinstance(v, gs.Graph)]
+        if bodies:
+            inner = sum(1 for b in bodies for _ in iter_subgraph_nodes(b))
+            return (
+                f"holds {len(bodies)} subgraph(s) with {inner} node(s); onnxq does not "
+                "quantize inside If/Loop/Scan bodies yet, so they stay float"
+            )
         dtypes = {tensor_dtype(o) for o in node.outputs}
         if node.op in CARRIERS and dtypes <= {np.dtype(np.float32), None}:
             return (

@@ -261,3 +261,31 @@ def test_large_models_are_saved_with_external_data(tmp_path, calib, monkeypatch)
     from helpers import run
 
     np.testing.assert_array_equal(run(reloaded, {"input": x})[0], run(model, {"input": x})[0])
+
+
+def test_explain_names_subgraphs_it_does_not_enter(tmp_path, capsys):
+    branch = onnx.helper.make_graph(
+        [h.make_node("Conv", ["x", "W"], ["yb"], name="inner_conv")],
+        "then",
+        [],
+        [onnx.helper.make_tensor_value_info("yb", onnx.TensorProto.FLOAT, [1, 2, 4, 4])],
+    )
+    nodes = [
+        h.make_node("If", ["cond"], ["y"], then_branch=branch, else_branch=branch, name="branch")
+    ]
+    graph = onnx.helper.make_graph(
+        nodes,
+        "g",
+        [
+            onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1, 3, 4, 4]),
+            onnx.helper.make_tensor_value_info("cond", onnx.TensorProto.BOOL, []),
+        ],
+        [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1, 2, 4, 4])],
+        [onnx.numpy_helper.from_array(np.ones((2, 3, 1, 1), np.float32), "W")],
+    )
+    model = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 13)])
+    model.ir_version = 8
+    path = tmp_path / "if.onnx"
+    onnx.save(model, str(path))
+    assert main(["inspect", str(path), "--explain"]) == 0
+    assert "holds 2 subgraph(s) with 2 node(s)" in capsys.readouterr().out
