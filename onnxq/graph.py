@@ -20,7 +20,7 @@ import onnx_graphsurgeon as gs
 from onnxq.errors import ModelError
 
 MS_DOMAIN = "com.microsoft"
-_TWO_GIB = 2**31
+TWO_GIB = 2**31  # protobuf's limit on one serialized message
 
 
 # --------------------------------------------------------------------------------------------
@@ -60,7 +60,7 @@ def load_model(
 def check_model(proto: onnx.ModelProto, where: str = "the model") -> None:
     """Run onnx.checker (full check, size-aware) and raise ModelError with its first line."""
     try:
-        if proto.ByteSize() < _TWO_GIB:
+        if proto.ByteSize() < TWO_GIB:
             onnx.checker.check_model(proto)
         else:  # the in-memory checker refuses protos over 2 GB: check the graph with its opsets
             ctx = onnx.checker.C.CheckerContext()
@@ -85,7 +85,7 @@ def save_model(proto: onnx.ModelProto, path: str | os.PathLike[str]) -> None:
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=folder)
     os.close(fd)
     try:
-        if proto.ByteSize() >= _TWO_GIB:
+        if proto.ByteSize() >= TWO_GIB:
             data_name = path.name + ".data"
             external = onnx.ModelProto()
             external.CopyFrom(proto)  # saving as external data rewrites the proto it is given

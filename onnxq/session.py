@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import os
+import tempfile
 from typing import Any
 
 import onnx
 
+from onnxq import graph
 from onnxq.errors import ModelError
 from onnxq.graph import serialize
 
@@ -21,7 +24,13 @@ def make_session(model: onnx.ModelProto, threads: int = 0, optimize: bool = True
     if not optimize:
         opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     try:
-        return ort.InferenceSession(serialize(model), opts, providers=["CPUExecutionProvider"])
+        if model.ByteSize() < graph.TWO_GIB:
+            return ort.InferenceSession(serialize(model), opts, providers=["CPUExecutionProvider"])
+        # protobuf cannot serialize 2 GB: hand onnxruntime a file with external data
+        with tempfile.TemporaryDirectory(prefix="onnxq-session-") as tmp:
+            path = os.path.join(tmp, "model.onnx")
+            graph.save_model(model, path)
+            return ort.InferenceSession(path, opts, providers=["CPUExecutionProvider"])
     except Exception as exc:  # onnxruntime raises its own exception types
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ModelError(f"onnxruntime cannot load the model: {first}") from None

@@ -251,7 +251,7 @@ def test_large_models_are_saved_with_external_data(tmp_path, calib, monkeypatch)
     import onnxq
     import onnxq.graph
 
-    monkeypatch.setattr(onnxq.graph, "_TWO_GIB", 10_000)
+    monkeypatch.setattr(onnxq.graph, "TWO_GIB", 10_000)  # sessions load from files too
     out = tmp_path / "big.int8.onnx"
     model, _ = onnxq.quantize(str(CNN), str(calib), output=str(out), progress=False)
     assert (tmp_path / "big.int8.onnx.data").is_file()
