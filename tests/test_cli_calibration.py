@@ -272,3 +272,31 @@ def test_output_aware_beats_minmax_on_layer_error():
         )
         errs[m] = float(np.mean((run(q, {"x": x})[0] - ref) ** 2))
     assert errs["output-aware"] <= errs["minmax"]
+
+
+INTERRUPT = """
+import numpy as np
+
+def feeds():
+    for i in range(100):
+        if i == 3:
+            raise KeyboardInterrupt
+        yield {"input": np.zeros((1, 1, 28, 28), np.float32)}
+"""
+
+
+def test_interrupted_calibration_leaves_no_file(tmp_path, monkeypatch, capsys):
+    (tmp_path / "slowdata.py").write_text(INTERRUPT)
+    monkeypatch.chdir(tmp_path)
+    out = tmp_path / "q.onnx"
+    assert main(["quantize", str(CNN), "-o", str(out), "--data", "slowdata:feeds"]) == 130
+    assert "interrupted; no output written" in capsys.readouterr().err
+    assert not out.exists() and not list(tmp_path.glob(".q.onnx*"))
+
+
+def test_progress_bar_on_request(capsys):
+    import onnxq
+
+    onnxq.quantize(str(CNN), {"input": X[:6]}, progress=True)
+    err = capsys.readouterr().err
+    assert "calibrating" in err and "/6" in err and "batch" in err
