@@ -148,10 +148,18 @@ def _binary(op: str) -> Callable[[_Builder, onnx.NodeProto], None]:
     return convert
 
 
-def _unary(op: str, keep: tuple[str, ...] = ()) -> Callable[[_Builder, onnx.NodeProto], None]:
+def _unary(
+    op: str, keep: tuple[str, ...] | None = ()
+) -> Callable[[_Builder, onnx.NodeProto], None]:
+    """DQ → ``op`` → Q; ``keep`` names the attributes carried over (None: all of them)."""
+
     def convert(b: _Builder, n: onnx.NodeProto) -> None:
         i = list(n.input)
-        attrs = {k: v for k, v in _attrs(n).items() if k in keep}
+        attrs = {
+            k: v
+            for k, v in _attrs(n).items()
+            if k != "channels_last" and (keep is None or k in keep)
+        }
         x = b.dq(i[0], i[1], i[2])
         y = b.name(f"{n.output[0]}_float")
         b.nodes.append(helper.make_node(op, [x], [y], name=n.name, **attrs))
@@ -161,17 +169,14 @@ def _unary(op: str, keep: tuple[str, ...] = ()) -> Callable[[_Builder, onnx.Node
 
 
 def _pool(op: str) -> Callable[[_Builder, onnx.NodeProto], None]:
+    unary = _unary(op, keep=None)
+
     def convert(b: _Builder, n: onnx.NodeProto) -> None:
-        i = list(n.input)
         if int(_attrs(n).get("channels_last", 0)):
             raise QuantizationError(
                 f"{n.op_type} node '{n.name}' is channels-last; QDQ export handles NCHW only"
             )
-        attrs = {k: v for k, v in _attrs(n).items() if k != "channels_last"}
-        x = b.dq(i[0], i[1], i[2])
-        y = b.name(f"{n.output[0]}_float")
-        b.nodes.append(helper.make_node(op, [x], [y], name=n.name, **attrs))
-        b.q(y, i[3], i[4], n.output[0])
+        unary(b, n)
 
     return convert
 

@@ -209,6 +209,7 @@ class Quantizer:
         self._qtensors: dict[str, QTensor] = {}
         self._consts: dict[str, gs.Constant] = {}
         self._qvars: dict[str, gs.Variable] = {}
+        self._by_tensor: dict[tuple[str, str], str] = {}  # (tensor, kind) -> first placeholder
         self._float_values: dict[str, np.ndarray] = {}
         self._left_float: dict[str, tuple[str, str]] = {}
         #: scales and zero points of the last materialized model (after bias widening)
@@ -369,10 +370,10 @@ class Quantizer:
         shape: tuple[int, ...],
         reuse: bool = False,
     ) -> str:
-        for existing, ph in self.placeholders.items():
-            if reuse and ph.tensor == tensor and ph.kind == kind:
-                return existing
+        if reuse and (tensor, kind) in self._by_tensor:
+            return self._by_tensor[(tensor, kind)]
         final = self.editor.unique_name(name)
+        self._by_tensor.setdefault((tensor, kind), final)
         if kind == "scale":
             default = np.ones(shape, np.float32)
         else:
