@@ -196,10 +196,18 @@ class Requantizer:
                 editor.remove_node(q)
                 self.stats.folded_pairs += 1
                 changed = True
-            elif _per_tensor(dq) and _dtype(dq) == _dtype(q) and _all_qlinear(q_out):
+            elif (
+                _per_tensor(dq)
+                and _per_tensor(q)
+                and _dtype(dq) == _dtype(q)
+                and _all_qlinear(q_out)
+                and all(_bias_rescalable(u, q_out, q, dq) for u in q_out.outputs)
+            ):
                 for user in list(q_out.outputs):
                     for pos in qlinear_positions(user):
                         if user.inputs[pos] is q_out:
+                            if pos == 0:
+                                _rescale_bias(editor, user, q, dq)
                             editor.set_input(user, pos, src)
                             editor.set_input(user, pos + 1, dq.inputs[1])
                             editor.set_input(user, pos + 2, dq.inputs[2])
@@ -207,6 +215,42 @@ class Requantizer:
                 self.stats.rescaled_pairs += 1
                 changed = True
         return changed
+
+
+#: QLinear ops whose int32 bias is stored at the scale of input 0 × the weight scale
+BIAS_INPUT = {"QLinearConv": 8, "QGemm": 6}
+
+
+def _new_bias(user: gs.Node, q: gs.Node, dq: gs.Node) -> np.ndarray | None:
+    """The bias of ``user`` re-expressed for input scale dq's instead of q's (None: no bias)."""
+    index = BIAS_INPUT.get(user.op)
+    if index is None or len(user.inputs) <= index or user.inputs[index].name == "":
+        return None
+    bias = constant_value(user.inputs[index])
+    if bias is None or bias.dtype != np.int32:
+        return None
+    old, new = constant_value(q.inputs[1]), constant_value(dq.inputs[1])
+    assert old is not None and new is not None
+    ratio = np.float64(old.reshape(-1)[0]) / np.float64(new.reshape(-1)[0])
+    return np.round(bias.astype(np.float64) * ratio)
+
+
+def _bias_rescalable(user: gs.Node, q_out: gs.Tensor, q: gs.Node, dq: gs.Node) -> bool:
+    """Reading the producer's scale keeps ``user``'s int32 bias (if any) inside int32."""
+    if not user.inputs or user.inputs[0] is not q_out:
+        return True
+    bias = _new_bias(user, q, dq)
+    info = np.iinfo(np.int32)
+    return bias is None or bool(np.all((bias >= info.min) & (bias <= info.max)))
+
+
+def _rescale_bias(editor: GraphEditor, user: gs.Node, q: gs.Node, dq: gs.Node) -> None:
+    """QLinearConv/QGemm add the int32 bias at s_x·s_w: a new s_x needs a rescaled bias."""
+    bias = _new_bias(user, q, dq)
+    if bias is not None:
+        index = BIAS_INPUT[user.op]
+        rescaled = editor.constant(f"{user.inputs[index].name}_rescaled", bias.astype(np.int32))
+        editor.set_input(user, index, rescaled)
 
 
 def _pad_mode(pad: gs.Node) -> str:

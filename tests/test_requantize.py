@@ -206,3 +206,65 @@ def test_nonzero_constant_pad_is_not_crossed():
     pads = np.array([0, 0, 1, 1, 0, 0, 1, 1], np.int64)
     model = _crossing_model(node, {"pads": pads, "v": np.float32(0.5)}, (1, 4, 6, 6))
     assert ops(Requantizer().requantize(model))[:3] == ["QuantizeLinear", "DequantizeLinear", "Pad"]
+
+
+def test_rescaled_pair_rescales_the_int32_bias():
+    # Q(x, s1) -> DQ -> Q(s2) -> QLinearConv with an int32 bias at s2·s_w. Reading the s1 tensor
+    # directly changes the accumulator scale to s1·s_w: the bias must follow, or every output
+    # shifts by bias·(1 − s2/s1) (a bug that once cost nudenet a third of its box IoU).
+    w = np.random.default_rng(1).integers(-60, 60, (4, 4, 1, 1)).astype(np.int8)
+    nodes = [
+        h.make_node("QuantizeLinear", ["x", "s1", "z1"], ["q"], name="q0"),
+        h.make_node("DequantizeLinear", ["q", "s1", "z1"], ["d"], name="dq0"),
+        h.make_node("QuantizeLinear", ["d", "s2", "z2"], ["q2"], name="q1"),
+        h.make_node(
+            "QLinearConv",
+            ["q2", "s2", "z2", "w", "sw", "zw", "sy", "zy", "b"],
+            ["yq"],
+            name="conv",
+        ),
+        h.make_node("DequantizeLinear", ["yq", "sy", "zy"], ["y"], name="dq1"),
+    ]
+    inits = {
+        **scalars(s1=0.015, z1=70, s2=0.012, z2=85, sy=0.1, zy=128),
+        "w": w,
+        "sw": np.float32(0.01),
+        "zw": np.int8(0),
+        "b": np.array([20000, -15000, 5000, 40000], np.int32),
+    }
+    model = qdq_model(nodes, inits)
+    rq = Requantizer()
+    out = rq.requantize(model)
+    assert rq.stats.rescaled_pairs == 1 and "QuantizeLinear" not in ops(out)[1:]
+    bias = {i.name: nh.to_array(i) for i in out.graph.initializer}
+    conv = next(n for n in out.graph.node if n.op_type == "QLinearConv")
+    np.testing.assert_array_equal(bias[conv.input[8]], np.round(inits["b"] * 0.012 / 0.015))
+    # the folded model differs from the original only by the input's rounding, not by the bias
+    diff = np.abs(run(out, {"x": X})[0] - run(model, {"x": X})[0])
+    assert diff.max() <= 0.1 * 2 + 1e-6  # at most two output steps
+    assert diff.mean() < 0.1
+
+
+def test_rescaled_bias_that_would_overflow_keeps_the_pair():
+    nodes = [
+        h.make_node("QuantizeLinear", ["x", "s1", "z1"], ["q"], name="q0"),
+        h.make_node("DequantizeLinear", ["q", "s1", "z1"], ["d"], name="dq0"),
+        h.make_node("QuantizeLinear", ["d", "s2", "z2"], ["q2"], name="q1"),
+        h.make_node(
+            "QLinearConv",
+            ["q2", "s2", "z2", "w", "sw", "zw", "sy", "zy", "b"],
+            ["yq"],
+            name="conv",
+        ),
+        h.make_node("DequantizeLinear", ["yq", "sy", "zy"], ["y"], name="dq1"),
+    ]
+    inits = {
+        **scalars(s1=0.0001, z1=70, s2=0.012, z2=85, sy=0.1, zy=128),
+        "w": np.ones((4, 4, 1, 1), np.int8),
+        "sw": np.float32(0.01),
+        "zw": np.int8(0),
+        "b": np.full(4, 2_000_000_000 // 2, np.int32),
+    }
+    rq = Requantizer()
+    out = rq.requantize(qdq_model(nodes, inits))
+    assert rq.stats.rescaled_pairs == 0 and ops(out).count("QuantizeLinear") == 2
