@@ -31,6 +31,11 @@ from onnxq.errors import ConfigError
 
 METHODS = ("minmax", "average-max", "percentile", "entropy", "mse", "output-aware")
 
+#: the method used when none is named: on the PyPI zoo models (OCR recognisers, magika,
+#: YOLOv8) it beat MinMax clearly (PP-OCRv4 CER 1.14% → 0.18%, magika agreement 88% → 98%)
+#: and tied it on the small CNNs; its histograms cost about 16 KiB per tensor
+DEFAULT_METHOD = "mse"
+
 __all__ = [
     "DEFAULT_BINS",
     "METHODS",

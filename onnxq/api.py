@@ -17,6 +17,7 @@ from onnxq.calibration import (
     Calibrator,
     RangeTableCallback,
 )
+from onnxq.calibrators import DEFAULT_METHOD
 from onnxq.dataset import as_dataset, model_inputs
 from onnxq.errors import ConfigError, ModelError
 from onnxq.export import FORMATS, PER_CHANNEL_OPSET, to_qdq
@@ -113,7 +114,7 @@ def quantize(
     model: str | os.PathLike[str] | onnx.ModelProto,
     data: Any = None,
     *,
-    method: str = "minmax",
+    method: str = DEFAULT_METHOD,
     per_channel: bool | None = None,
     activation_dtype: str | None = None,
     symmetric_activations: bool | None = None,

@@ -222,10 +222,16 @@ class Calibrator:
         self._version = 0
 
     def callback_for(self, record: PatternRecord) -> CalibrationCallback:
-        """A per-node callback (``--config``) first, then the pattern's, then the default."""
-        for node in record.nodes:
-            if node in self.node_callbacks:
-                return self.node_callbacks[node]
+        """A per-node callback (``--config``) first, then the pattern's, then the default.
+
+        Among the nodes of one group (a Conv and its folded Relu, say) the most specific
+        setting wins: a method named for the Conv beats a global one reaching the Relu.
+        """
+        levels = self.quantizer.node_method_levels
+        configured = [n for n in record.nodes if n in self.node_callbacks]
+        if configured:
+            best = max(configured, key=lambda n: levels.get(n, 0))  # first on ties
+            return self.node_callbacks[best]
         return record.pattern.calibration_callback or self.default_callback
 
     def calibrate(self) -> dict[str, np.ndarray]:

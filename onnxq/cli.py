@@ -13,7 +13,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from onnxq.calibrators import METHODS
+from onnxq.calibrators import DEFAULT_METHOD, METHODS
 from onnxq.errors import ConfigError, OnnxqError
 
 
@@ -36,9 +36,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     q.add_argument(
         "--method",
-        default="minmax",
+        default=DEFAULT_METHOD,
         choices=list(METHODS),
-        help="calibration method (default minmax)",
+        help=f"calibration method (default {DEFAULT_METHOD})",
     )
     q.add_argument(
         "--target",

@@ -55,6 +55,8 @@ class NodeSettings:
     keep_float: bool = False
     method: str | None = None
     source: str = "defaults"
+    #: priority level of the layer that set ``method``: global 0, op type 1, regex 2, name 3
+    method_level: int = -1
 
 
 @dataclass
@@ -123,17 +125,19 @@ class UserConfig:
     def resolve(self, node: str, op: str) -> NodeSettings:
         """The settings of ``node`` (an op of type ``op``) after applying the priorities."""
         out = NodeSettings()
-        layers: list[tuple[str, dict[str, Any]]] = [("global", self.global_)]
+        layers: list[tuple[int, str, dict[str, Any]]] = [(0, "global", self.global_)]
         if op in self.op_type:
-            layers.append((f"[op_type.{op}]", self.op_type[op]))
+            layers.append((1, f"[op_type.{op}]", self.op_type[op]))
         layers += [
-            (f"node_regex {rx.pattern!r}", t) for rx, t in self.node_regex if rx.search(node)
+            (2, f"node_regex {rx.pattern!r}", t) for rx, t in self.node_regex if rx.search(node)
         ]
         if node in self.node:
-            layers.append((f'[node."{node}"]', self.node[node]))
-        for source, table in layers:
+            layers.append((3, f'[node."{node}"]', self.node[node]))
+        for level, source, table in layers:
             if table:
                 out = replace(out, **table, source=source)
+                if "method" in table:
+                    out = replace(out, method_level=level)
         return out
 
     def unknown_nodes(self, names: set[str]) -> list[str]:

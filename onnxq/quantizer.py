@@ -223,8 +223,9 @@ class Quantizer:
             p.quantizer = self
         excluded = set(self.config.exclude)
         kept: dict[str, str] = {}
-        #: calibration method per node from the user configuration
+        #: calibration method per node from the user configuration, and its priority level
         self.node_methods: dict[str, str] = {}
+        self.node_method_levels: dict[str, int] = {}
         if self.config.user is not None:
             user = self.config.user
             missing = user.unknown_nodes({n.name for n in graph.nodes})
@@ -239,6 +240,7 @@ class Quantizer:
                     kept[n.name] = f"--config ({st.source})"
                 if st.method is not None:
                     self.node_methods[n.name] = st.method
+                    self.node_method_levels[n.name] = st.method_level
         result = rewrite(
             self.patterns,
             graph,

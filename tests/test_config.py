@@ -39,7 +39,9 @@ def test_priority_global_op_regex_name():
 
 def test_config_drives_quantization(tmp_path):
     toml = tmp_path / "c.toml"
-    toml.write_text('[op_type.Gemm]\nkeep_float = true\n\n[node."conv2"]\nmethod = "mse"\n')
+    toml.write_text(
+        'method = "minmax"\n\n[op_type.Gemm]\nkeep_float = true\n\n[node."conv2"]\nmethod = "mse"\n'
+    )
     ranges = tmp_path / "r.json"
     q, report = onnxq.quantize(
         CNN, {"input": X}, config=str(toml), save_ranges=str(ranges), progress=False
@@ -49,7 +51,7 @@ def test_config_drives_quantization(tmp_path):
     fc = next(d for d in report.decisions if d.node == "fc")
     assert not fc.quantized and "[op_type.Gemm]" in fc.reason
     minmax, _ = onnxq.quantize(
-        CNN, {"input": X}, save_ranges=str(tmp_path / "m.json"), progress=False
+        CNN, {"input": X}, method="minmax", save_ranges=str(tmp_path / "m.json"), progress=False
     )
     got = json.loads(ranges.read_text())["tensors"]
     ref = json.loads((tmp_path / "m.json").read_text())["tensors"]
