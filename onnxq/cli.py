@@ -205,6 +205,13 @@ def _parser() -> argparse.ArgumentParser:
     t = sub.add_parser("targets", help="list the targets and their conventions")
     t.add_argument("--target-file", default=None, metavar="FILE.toml")
 
+    z = sub.add_parser("zoo", help="the model zoo: list, fetch or run its models")
+    z.add_argument("action", choices=["list", "fetch", "run"])
+    z.add_argument("models", nargs="*", help="model names (default: all)")
+    z.add_argument("--manifest", default=None, help="manifest.toml (default models/manifest.toml)")
+    z.add_argument("--target", default="ort-cpu", help="target for run (default ort-cpu)")
+    z.add_argument("--json", action="store_true", help="run: print the results as JSON")
+    z.add_argument("--output-dir", default=None, help="run: also save each int8 model here")
     d = sub.add_parser("demo", help="quantize the bundled digits CNN and compare fp32 vs int8")
     d.add_argument("-o", "--output", default=None, help="also write the int8 demo model here")
     d.add_argument("--runs", type=int, default=300, help="latency runs per model (default 300)")
@@ -231,6 +238,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _convert(args)
         if args.command == "inspect":
             return _inspect(args)
+        if args.command == "zoo":
+            return _zoo(args)
         if args.command == "demo":
             from onnxq.demo import run_demo
 
@@ -252,6 +261,48 @@ def main(argv: Sequence[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 1
+
+
+def _zoo(args: argparse.Namespace) -> int:
+    from onnxq import zoo
+
+    manifest = zoo.load_manifest(args.manifest)
+    models = manifest.select(args.models)
+    if args.action == "list":
+        width = max(len(m.name) for m in models)
+        for m in models:
+            flags = " (slow)" if m.slow else ""
+            print(f"{m.name:<{width}}  {m.source:<32} {m.description}{flags}")
+        return 0
+    if args.action == "fetch":
+        for m in models:
+            files = zoo.fetch(manifest, m, log=lambda s: print(s, file=sys.stderr))
+            print(f"{m.name}: {files['model']}")
+        return 0
+    results, failed = [], []
+    for m in models:
+        out = None
+        if args.output_dir:
+            Path(args.output_dir).mkdir(parents=True, exist_ok=True)
+            out = Path(args.output_dir) / f"{m.name}.int8.onnx"
+        res = zoo.run_model(
+            manifest, m, target=args.target, output=out, log=lambda s: print(s, file=sys.stderr)
+        )
+        results.append(res)
+        if res.failures:
+            failed.append(m.name)
+        if not args.json:
+            verdict = "ok" if not res.failures else "FAILED: " + "; ".join(res.failures)
+            print(
+                f"{m.name}: {res.metric} fp32 {res.fp32:.2f}{res.unit} → int8 "
+                f"{res.int8:.2f}{res.unit} (bar: ≤ {res.max_loss:g} points worse), "
+                f"{res.quantized_nodes} nodes int8, {res.fp32_bytes / 1024:.0f} → "
+                f"{res.int8_bytes / 1024:.0f} KiB, {res.seconds:.1f} s: {verdict}",
+                flush=True,
+            )
+    if args.json:
+        print(json.dumps([r.to_dict() for r in results], indent=1))
+    return 1 if failed else 0
 
 
 def _quantize(args: argparse.Namespace) -> int:

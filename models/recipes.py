@@ -1,0 +1,509 @@
+"""Data recipes of the model zoo: calibration feeds and the evaluation metric of each model.
+
+Every recipe is built from the machine alone (no network): text lines and pages rendered with
+Pillow and the DejaVu fonts, speech synthesised with Debian's espeak-ng, files of the Python
+installation for magika, the digits/Fashion-MNIST datasets of ``datasets.py``. Calibration and
+evaluation samples never overlap (different seeds, or disjoint slices).
+
+A recipe is a class taking ``(model_path, files, options)`` with
+
+* ``calibration(n)`` → a list of feed dicts (one batch each),
+* ``evaluate(run, n)`` → the metric, where ``run(feeds)`` returns the model's outputs,
+* ``metric``, ``unit`` and ``higher_is_better``.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import shutil
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import wave
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+if str(HERE) not in sys.path:
+    sys.path.insert(0, str(HERE))
+
+import datasets  # noqa: E402  (models/datasets.py, next to this file)
+
+Feeds = dict[str, np.ndarray]
+Runner = Callable[[Feeds], list[np.ndarray]]
+
+FONT_DIR = Path("/usr/share/fonts/truetype/dejavu")
+FONTS = ("DejaVuSans.ttf", "DejaVuSerif.ttf", "DejaVuSansMono.ttf", "DejaVuSans-Bold.ttf")
+
+# words for rendered text: a fixed list, so every machine renders the same lines
+WORDS = (
+    "the of and to in is was for on are with as by at from his that have not this but had "
+    "they which one you were her all she there would their we him been has when who will more "
+    "no if out so said what up its about into than them can only other new some could time "
+    "these two may then do first any my now such like our over man me even most made after "
+    "also did many before must through back years where much your way well down should "
+    "because each just those people how too little state good very make world still own see "
+    "men work long get here between both life being under never day same another know while "
+    "last might us great old year off come since against go came right used take three "
+    "invoice total amount date number page order model quantized onnx runtime python scale "
+    "zero point weight bias tensor kernel batch channel matrix vector error report table"
+).split()
+
+
+def _font(name: str, size: int) -> Any:
+    from PIL import ImageFont
+
+    path = FONT_DIR / name
+    if not path.is_file():
+        raise FileNotFoundError(f"font {path} is missing: apt-get install fonts-dejavu-core")
+    return ImageFont.truetype(str(path), size)
+
+
+def _sentence(rng: np.random.Generator, lo: int, hi: int) -> str:
+    words = [WORDS[i] for i in rng.integers(0, len(WORDS), int(rng.integers(lo, hi + 1)))]
+    if rng.random() < 0.5:
+        words.insert(int(rng.integers(0, len(words) + 1)), str(int(rng.integers(0, 100000))))
+    if rng.random() < 0.3:
+        words[0] = words[0].capitalize()
+    text = " ".join(words)
+    return text + ("." if rng.random() < 0.3 else "")
+
+
+def render_line(text: str, rng: np.random.Generator) -> np.ndarray:
+    """A text line as an RGB uint8 image: dark text on a light background, blur and noise."""
+    from PIL import Image, ImageDraw, ImageFilter
+
+    font = _font(FONTS[int(rng.integers(0, len(FONTS)))], int(rng.integers(26, 38)))
+    left, top, right, bottom = font.getbbox(text)
+    pad = int(rng.integers(3, 9))
+    img = Image.new("L", (right - left + 2 * pad, bottom - top + 2 * pad), int(rng.integers(215, 256)))
+    ImageDraw.Draw(img).text((pad - left, pad - top), text, fill=int(rng.integers(0, 60)), font=font)
+    img = img.filter(ImageFilter.GaussianBlur(float(rng.uniform(0.0, 1.2))))
+    noisy = np.asarray(img, np.float32) + rng.normal(0.0, float(rng.uniform(2, 12)), (img.height, img.width))
+    return np.repeat(np.clip(noisy, 0, 255).astype(np.uint8)[..., None], 3, axis=2)
+
+
+def edit_distance(a: str, b: str) -> int:
+    """Levenshtein distance (insertions, deletions, substitutions cost 1)."""
+    prev = list(range(len(b) + 1))
+    for i, ca in enumerate(a, 1):
+        cur = [i]
+        for j, cb in enumerate(b, 1):
+            cur.append(min(prev[j] + 1, cur[j - 1] + 1, prev[j - 1] + (ca != cb)))
+        prev = cur
+    return prev[-1]
+
+
+class OcrLines:
+    """CTC text recogniser (PaddleOCR rec): character error rate on rendered lines, in %."""
+
+    metric, unit, higher_is_better = "CER", "%", False
+
+    def __init__(self, model_path: Path, files: dict[str, Path], options: dict[str, Any]):
+        self.height = int(options.get("height", 48))
+        self.width = int(options.get("width", 320))
+        self.batch = int(options.get("batch", 8))
+        if "dict" in files:
+            chars = files["dict"].read_text(encoding="utf-8").splitlines()
+        else:  # the dictionary stored in the model's metadata (rapidocr)
+            import onnx
+
+            meta = {p.key: p.value for p in onnx.load(str(model_path), load_external_data=False).metadata_props}
+            chars = meta["character"].splitlines()
+        self.chars = ["<blank>", *chars, " "]
+
+    def _image(self, img: np.ndarray) -> np.ndarray:
+        from PIL import Image
+
+        h, w = img.shape[:2]
+        new_w = min(self.width, math.ceil(self.height * w / h))
+        resized = np.asarray(Image.fromarray(img).resize((new_w, self.height), Image.BILINEAR))
+        x = np.zeros((3, self.height, self.width), np.float32)
+        x[:, :, :new_w] = (resized.astype(np.float32).transpose(2, 0, 1) / 255.0 - 0.5) / 0.5
+        return x
+
+    def _lines(self, seed: int, n: int) -> list[tuple[str, np.ndarray]]:
+        rng = np.random.default_rng(seed)
+        out = []
+        while len(out) < n:
+            text = _sentence(rng, 2, 4)
+            img = render_line(text, rng)
+            if img.shape[1] * self.height / img.shape[0] > self.width:  # would be squeezed
+                continue
+            out.append((text, self._image(img)))
+        return out
+
+    def _batches(self, lines: Sequence[tuple[str, np.ndarray]]) -> list[tuple[list[str], Feeds]]:
+        return [
+            ([t for t, _ in lines[i : i + self.batch]], {"x": np.stack([x for _, x in lines[i : i + self.batch]])})
+            for i in range(0, len(lines), self.batch)
+        ]
+
+    def calibration(self, n: int) -> list[Feeds]:
+        """Rendered lines (seed 1), ``batch`` per feed."""
+        return [feeds for _, feeds in self._batches(self._lines(1, n))]
+
+    def decode(self, probs: np.ndarray) -> list[str]:
+        """Greedy CTC: best class per step, repeats merged, blanks dropped."""
+        texts = []
+        for seq in probs.argmax(-1):
+            keep = np.concatenate([[True], seq[1:] != seq[:-1]]) & (seq != 0)
+            texts.append("".join(self.chars[i] if i < len(self.chars) else "" for i in seq[keep]))
+        return texts
+
+    def evaluate(self, run: Runner, n: int) -> float:
+        """CER (%) over ``n`` rendered lines (seed 2)."""
+        errors = total = 0
+        for texts, feeds in self._batches(self._lines(2, n)):
+            for ref, hyp in zip(texts, self.decode(run(feeds)[0]), strict=True):
+                errors += edit_distance(ref, hyp.strip())
+                total += len(ref)
+        return 100.0 * errors / total
+
+
+class RotatedPages:
+    """Page orientation (0/90/180/270): accuracy (%) on rendered pages turned four ways."""
+
+    metric, unit, higher_is_better = "accuracy", "%", True
+    MEAN = np.array([0.485, 0.456, 0.406], np.float32).reshape(3, 1, 1)
+    STD = np.array([0.229, 0.224, 0.225], np.float32).reshape(3, 1, 1)
+
+    def __init__(self, model_path: Path, files: dict[str, Path], options: dict[str, Any]):
+        self.size = int(options.get("size", 320))
+
+    def _page(self, rng: np.random.Generator) -> np.ndarray:
+        from PIL import Image, ImageDraw
+
+        width, height = int(rng.integers(600, 900)), int(rng.integers(800, 1200))
+        img = Image.new("L", (width, height), 255)
+        draw = ImageDraw.Draw(img)
+        size = int(rng.integers(18, 30))
+        font = _font(FONTS[int(rng.integers(0, len(FONTS)))], size)
+        y = int(rng.integers(30, 80))
+        while y < height - 60:
+            line = _sentence(rng, 5, 10)
+            draw.text((int(rng.integers(30, 60)), y), line, fill=int(rng.integers(0, 60)), font=font)
+            y += int(size * rng.uniform(1.3, 1.8)) + (int(size * 1.5) if rng.random() < 0.1 else 0)
+        return np.asarray(img.convert("RGB"))
+
+    def _prep(self, page: np.ndarray) -> np.ndarray:
+        from PIL import Image
+
+        im = Image.fromarray(page)
+        w, h = im.size
+        nw, nh = (self.size, max(1, round(h * self.size / w))) if w >= h else (max(1, round(w * self.size / h)), self.size)
+        canvas = Image.new("RGB", (self.size, self.size), (255, 255, 255))
+        canvas.paste(im.resize((nw, nh), Image.BILINEAR), ((self.size - nw) // 2, (self.size - nh) // 2))
+        x = np.asarray(canvas).astype(np.float32).transpose(2, 0, 1) / 255.0
+        return (x - self.MEAN) / self.STD
+
+    def _samples(self, seed: int, pages: int) -> list[tuple[int, np.ndarray]]:
+        rng = np.random.default_rng(seed)
+        out = []
+        for _ in range(pages):
+            page = self._page(rng)
+            for k in range(4):  # class k: the page is turned k·90° clockwise
+                out.append((k, self._prep(np.rot90(page, -k).copy())))
+        return out
+
+    def calibration(self, n: int) -> list[Feeds]:
+        """``n`` images (seed 1), one per feed."""
+        return [{"x": x[None]} for _, x in self._samples(1, max(1, n // 4))][:n]
+
+    def evaluate(self, run: Runner, n: int) -> float:
+        """Accuracy (%) over ``n`` images (seed 2): n/4 pages in each orientation."""
+        samples = self._samples(2, max(1, n // 4))
+        hits = 0
+        for i in range(0, len(samples), 4):
+            labels = [k for k, _ in samples[i : i + 4]]
+            logits = run({"x": np.stack([x for _, x in samples[i : i + 4]])})[0]
+            hits += int(np.sum(logits.argmax(-1) == np.array(labels)))
+        return 100.0 * hits / len(samples)
+
+
+class Classification:
+    """An image classifier of ``datasets.py``: top-1 accuracy (%) on the test split."""
+
+    metric, unit, higher_is_better = "accuracy", "%", True
+
+    def __init__(self, model_path: Path, files: dict[str, Path], options: dict[str, Any]):
+        self.dataset = str(options["dataset"])
+        self.layout = str(options.get("layout", "nchw"))
+        import onnx
+
+        graph = onnx.load(str(model_path), load_external_data=False).graph
+        weights = {t.name for t in graph.initializer}
+        self.input = next(i.name for i in graph.input if i.name not in weights)
+
+    def _split(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        xtr, ytr, xte, yte = getattr(datasets, self.dataset)()
+        if self.layout == "nhwc":
+            xtr, xte = datasets.nhwc(xtr), datasets.nhwc(xte)
+        return xtr, ytr, xte, yte
+
+    def calibration(self, n: int) -> list[Feeds]:
+        """The first ``n`` training images, one per feed."""
+        xtr = self._split()[0][:n]
+        return [{self.input: x[None]} for x in xtr]
+
+    def evaluate(self, run: Runner, n: int) -> float:
+        """Accuracy (%) on the first ``n`` test images, batches of 100."""
+        _, _, xte, yte = self._split()
+        xte, yte = xte[:n], yte[:n]
+        pred = np.concatenate([run({self.input: xte[i : i + 100]})[0].argmax(-1) for i in range(0, len(xte), 100)])
+        return 100.0 * float(np.mean(pred == yte))
+
+
+class Agreement:
+    """Shared by recipes scored against the float model's own decisions (no labels exist)."""
+
+    metric, unit, higher_is_better = "agreement with fp32", "%", True
+    _reference: dict[int, Any]
+
+    def __init__(self, model_path: Path, files: dict[str, Path], options: dict[str, Any]):
+        import onnxruntime as ort
+
+        self.model_path = model_path
+        self.options = options
+        self._float = ort.InferenceSession(str(model_path), providers=["CPUExecutionProvider"])
+        self._reference = {}
+
+    def float_run(self, feeds: Feeds) -> list[np.ndarray]:
+        """The float model on ``feeds``."""
+        return self._float.run(None, feeds)
+
+
+def magika_features(data: bytes, beg: int = 1024, end: int = 1024, block: int = 4096, pad: int = 256) -> np.ndarray:
+    """magika's input: the first and last bytes of a file, whitespace-stripped, padded."""
+    head, tail = data[:block], data[-block:]
+    if len(data) <= block:
+        head = tail = data.strip()
+    else:
+        head, tail = head.lstrip(), tail.rstrip()
+    first = list(head[:beg]) + [pad] * max(0, beg - len(head))
+    last = [pad] * max(0, end - len(tail)) + list(tail[-end:] if tail else b"")
+    return np.array(first + last[-end:], np.int32)
+
+
+@functools.lru_cache(maxsize=4)
+def machine_files(limit: int) -> list[Path]:
+    """Files of the Python installation (sources, bytecode, data, shared objects), sorted."""
+    roots = [Path(sysconfig.get_paths()["stdlib"]), Path(np.__file__).parent]
+    found: list[Path] = []
+    for root in roots:
+        for suffix in ("*.py", "*.pyc", "*.txt", "*.json", "*.so", "*.html", "*.csv", "*.xml", "*.cfg", "*.c", "*.h", "*.pyi", "*.gz", "*.zip", "*.png", "*.wav"):
+            found.extend(p for p in sorted(root.rglob(suffix)) if p.is_file() and p.stat().st_size >= 64)
+    rng = np.random.default_rng(0)
+    order = rng.permutation(len(found))
+    return [found[i] for i in order[:limit]]
+
+
+class FileTypes(Agreement):
+    """magika: the float model's content-type label reproduced on files of this machine."""
+
+    def _features(self, offset: int, n: int) -> np.ndarray:
+        files = machine_files(offset + n)[offset:]
+        return np.stack([magika_features(p.read_bytes()) for p in files])
+
+    def calibration(self, n: int) -> list[Feeds]:
+        """``n`` files, 16 per feed."""
+        x = self._features(0, n)
+        return [{"bytes": x[i : i + 16]} for i in range(0, len(x), 16)]
+
+    def evaluate(self, run: Runner, n: int) -> float:
+        """Top-1 agreement (%) over ``n`` other files."""
+        x = self._features(2000, n)
+        agree = 0
+        for i in range(0, len(x), 64):
+            feeds = {"bytes": x[i : i + 64]}
+            agree += int(np.sum(run(feeds)[0].argmax(-1) == self.float_run(feeds)[0].argmax(-1)))
+        return 100.0 * agree / len(x)
+
+
+class Detections(Agreement):
+    """nudenet (YOLOv8): the float model's strongest candidate boxes reproduced on rendered scenes.
+
+    The scenes (drawn shapes, blur, noise) hold nothing the detector was trained on, so the
+    metric does not count detections: for the ``top`` anchors with the highest float score of
+    each image it is the mean IoU (%) of the quantized box with the float box, where an anchor
+    whose quantized score leaves [0, 1] scores 0. The output concatenates pixel boxes with 0–1
+    scores; a quantizer that gives both one scale fails this metric.
+    """
+
+    def __init__(self, model_path: Path, files: dict[str, Path], options: dict[str, Any]):
+        super().__init__(model_path, files, options)
+        self.size = int(options.get("size", 320))
+        self.top = int(options.get("top", 50))
+
+    def _scene(self, rng: np.random.Generator) -> np.ndarray:
+        from PIL import Image, ImageDraw, ImageFilter
+
+        s = self.size
+        img = Image.new("RGB", (s, s), tuple(int(v) for v in rng.integers(0, 256, 3)))
+        draw = ImageDraw.Draw(img)
+        for _ in range(int(rng.integers(4, 12))):
+            x0, y0 = (int(v) for v in rng.integers(0, s - 20, 2))
+            x1, y1 = x0 + int(rng.integers(15, s // 2)), y0 + int(rng.integers(15, s // 2))
+            colour = tuple(int(v) for v in rng.integers(0, 256, 3))
+            if rng.random() < 0.5:
+                draw.ellipse((x0, y0, x1, y1), fill=colour)
+            else:
+                draw.rectangle((x0, y0, x1, y1), fill=colour)
+        img = img.filter(ImageFilter.GaussianBlur(float(rng.uniform(0, 2))))
+        noise = rng.normal(0, 8, (s, s, 3))
+        return np.clip(np.asarray(img).astype(np.float32) + noise, 0, 255).astype(np.uint8)
+
+    def _images(self, seed: int, n: int) -> list[np.ndarray]:
+        rng = np.random.default_rng(seed)
+        return [np.asarray(self._scene(rng), np.float32).transpose(2, 0, 1)[None] / 255.0 for _ in range(n)]
+
+    def calibration(self, n: int) -> list[Feeds]:
+        """``n`` scenes (seed 1), one per feed."""
+        return [{"images": x} for x in self._images(1, n)]
+
+    @staticmethod
+    def _xyxy(boxes: np.ndarray) -> np.ndarray:
+        cx, cy, w, h = boxes
+        return np.stack([cx - w / 2, cy - h / 2, cx + w / 2, cy + h / 2])
+
+    def evaluate(self, run: Runner, n: int) -> float:
+        """Mean IoU (%) at the float model's ``top`` anchors, over ``n`` scenes (seed 2)."""
+        ious = []
+        for x in self._images(2, n):
+            feeds = {"images": x}
+            ref, hyp = self.float_run(feeds)[0][0], run(feeds)[0][0]
+            anchors = np.argsort(-ref[4:].max(0), kind="stable")[: self.top]
+            a, b = self._xyxy(ref[:4, anchors]), self._xyxy(hyp[:4, anchors])
+            w = np.clip(np.minimum(a[2], b[2]) - np.maximum(a[0], b[0]), 0, None)
+            h = np.clip(np.minimum(a[3], b[3]) - np.maximum(a[1], b[1]), 0, None)
+            inter = w * h
+            union = (a[2] - a[0]) * (a[3] - a[1]) + (b[2] - b[0]) * (b[3] - b[1]) - inter
+            iou = np.where(union > 0, inter / np.maximum(union, 1e-12), 0.0)
+            scores = hyp[4:, anchors]
+            valid = np.all((scores >= 0) & (scores <= 1), axis=0)
+            ious.append(np.where(valid, iou, 0.0))
+        return 100.0 * float(np.mean(np.concatenate(ious)))
+
+
+class CaptchaText(Agreement):
+    """ddddocr (already int8): its decoded label sequence reproduced after a conversion.
+
+    Rendered words (grayscale, height 64); the metric is the share (%) of images whose
+    label sequence equals the original model's.
+    """
+
+    def _images(self, seed: int, n: int) -> list[np.ndarray]:
+        from PIL import Image
+
+        rng = np.random.default_rng(seed)
+        out = []
+        for _ in range(n):
+            img = Image.fromarray(render_line(_sentence(rng, 1, 2), rng)).convert("L")
+            w, h = img.size
+            img = img.resize((max(16, int(w * 64 / h)), 64), Image.BILINEAR)
+            x = (np.asarray(img, np.float32) / 255.0 - 0.5) / 0.5
+            out.append(x[None, None])
+        return out
+
+    def calibration(self, n: int) -> list[Feeds]:
+        """``n`` rendered words (seed 1), one per feed."""
+        return [{"input1": x} for x in self._images(1, n)]
+
+    def evaluate(self, run: Runner, n: int) -> float:
+        """Exact sequence agreement (%) over ``n`` rendered words (seed 2)."""
+        same = 0
+        for x in self._images(2, n):
+            ref, hyp = self.float_run({"input1": x})[0], run({"input1": x})[0]
+            same += int(ref.shape == hyp.shape and np.array_equal(ref, hyp))
+        return 100.0 * same / n
+
+
+def synthesise(text: str, rate: int = 16000) -> np.ndarray:
+    """Speech for ``text`` from espeak-ng, resampled to ``rate`` Hz, float32 in [-1, 1]."""
+    exe = shutil.which("espeak-ng")
+    if exe is None:
+        raise FileNotFoundError("espeak-ng is missing: apt-get install espeak-ng")
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "speech.wav"
+        subprocess.run([exe, "-w", str(path), text], check=True, capture_output=True)
+        with wave.open(str(path)) as handle:
+            src_rate = handle.getframerate()
+            pcm = np.frombuffer(handle.readframes(handle.getnframes()), np.int16)
+    audio = pcm.astype(np.float32) / 32768.0
+    t_new = np.arange(int(len(audio) * rate / src_rate)) / rate
+    return np.interp(t_new, np.arange(len(audio)) / src_rate, audio).astype(np.float32)
+
+
+class VoiceActivity(Agreement):
+    """silero-vad: speech probability per 32 ms chunk on espeak-ng speech between silences.
+
+    The metric is the agreement (%) of the quantized model's speech/non-speech decisions
+    (probability ≥ 0.5) with the float model's; the state is carried from chunk to chunk.
+    """
+
+    def __init__(self, model_path: Path, files: dict[str, Path], options: dict[str, Any]):
+        super().__init__(model_path, files, options)
+        self.chunk = int(options.get("chunk", 512))
+        self.rate = int(options.get("rate", 16000))
+
+    def _clip(self, seed: int) -> np.ndarray:
+        rng = np.random.default_rng(seed)
+        parts = []
+        for _ in range(3):
+            parts.append(rng.normal(0, 0.003, int(self.rate * rng.uniform(0.3, 1.0))).astype(np.float32))
+            parts.append(synthesise(_sentence(rng, 4, 8), self.rate) * float(rng.uniform(0.3, 1.0)))
+        parts.append(rng.normal(0, 0.003, int(self.rate * 0.5)).astype(np.float32))
+        audio = np.concatenate(parts)
+        audio = audio[: len(audio) // self.chunk * self.chunk]
+        return audio.reshape(-1, self.chunk)
+
+    def _stream(self, runner: Runner, chunks: np.ndarray) -> tuple[list[Feeds], np.ndarray]:
+        state = np.zeros((2, 1, 128), np.float32)
+        feeds_list, probs = [], []
+        for chunk in chunks:
+            feeds = {"input": chunk[None], "state": state, "sr": np.array(self.rate, np.int64)}
+            feeds_list.append(feeds)
+            prob, state = runner(feeds)
+            probs.append(float(prob.ravel()[0]))
+        return feeds_list, np.array(probs)
+
+    def calibration(self, n: int) -> list[Feeds]:
+        """``n`` chunks with the float model's own states, from clips of seeds 100, 101, …."""
+        feeds: list[Feeds] = []
+        seed = 100
+        while len(feeds) < n:
+            feeds.extend(self._stream(self.float_run, self._clip(seed))[0])
+            seed += 1
+        return feeds[:n]
+
+    def evaluate(self, run: Runner, n: int) -> float:
+        """Decision agreement (%) over clips of seeds 0, 1, … until ``n`` chunks."""
+        agree = total = seed = 0
+        while total < n:
+            chunks = self._clip(seed)
+            ref = self._stream(self.float_run, chunks)[1] >= 0.5
+            hyp = self._stream(run, chunks)[1] >= 0.5
+            agree, total, seed = agree + int(np.sum(ref == hyp)), total + len(ref), seed + 1
+        return 100.0 * agree / total
+
+
+RECIPES: dict[str, type] = {
+    "ocr-lines": OcrLines,
+    "rotated-pages": RotatedPages,
+    "classification": Classification,
+    "file-types": FileTypes,
+    "detections": Detections,
+    "voice-activity": VoiceActivity,
+    "captcha-text": CaptchaText,
+}
+
+
+def describe() -> str:
+    """The recipes, one line each (used by ``onnxq zoo list --recipes``)."""
+    return json.dumps({name: (cls.__doc__ or "").splitlines()[0] for name, cls in RECIPES.items()}, indent=1)

