@@ -47,6 +47,11 @@ OUTPUT_PARAMS = {
 }
 
 
+
+def short(name: str, width: int = 40) -> str:
+    """A tensor name cut to ``width`` characters, keeping its end (the distinctive part)."""
+    return name if len(name) <= width else "…" + name[-(width - 1) :]
+
 @dataclass
 class TensorStats:
     """Streaming agreement statistics of one tensor."""
@@ -123,7 +128,7 @@ class Comparison:
             lines.append(f"-- {title}")
             for s in rows[:limit]:
                 lines.append(
-                    f"{s.name[:40]:<40} {s.sqnr_db:>8.2f} {s.drop_db:>7.2f} {s.cosine:>9.5f}"
+                    f"{short(s.name):<40} {s.sqnr_db:>8.2f} {s.drop_db:>7.2f} {s.cosine:>9.5f}"
                 )
             if len(rows) > limit:
                 lines.append(f"... {len(rows) - limit} more (see --json or --report)")
@@ -152,7 +157,7 @@ class Comparison:
             bars.append(
                 f'<rect x="260" y="{y}" width="{w:.1f}" height="{bar_h}" '
                 f'fill="{colour}"/><text x="255" y="{y + 12}" text-anchor="end" '
-                f'font-size="11">{html.escape(s.name[:40])}</text><text x="{265 + w:.1f}"'
+                f'font-size="11">{html.escape(short(s.name))}</text><text x="{265 + w:.1f}"'
                 f' y="{y + 12}" font-size="11">{v:.1f} dB</text>'
             )
         height = max(1, len(by_order)) * (bar_h + 4)

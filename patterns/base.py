@@ -233,17 +233,15 @@ class ActivationPattern(QuantizerPattern):
         """Q(inputs) → int8 op → DQ, unless every neighbour stays float."""
         q = self.quantizer
         ins = [m.tensor(p) for p in self.args]
-        reads = quantized_downstream(self, m.root)
-        # a fixed 1/256 grid costs precision: worth it only when a quantized op reads it
-        pays = reads or (
-            self.fixed_output is None and any(quantized_upstream(self, t) for t in ins)
-        )
-        if not pays:
+        # an int8 output that only float ops read is dequantized at once: it saves nothing
+        # and costs a rounding of the result (x·x of a LayerNorm's variance, say, which a
+        # reciprocal square root then amplifies), so the op runs in float on DQ'd inputs
+        if not quantized_downstream(self, m.root):
             q.leave_float(
                 self,
                 m,
-                f"{self.op_type} sits between float neighbours: quantizing "
-                "it alone would only add Q/DQ round trips",
+                f"no quantized op reads the output of {self.op_type}: an int8 result would "
+                "be dequantized at once (a Q/DQ round trip and a rounding for nothing)",
             )
             return None
         node = m.node(self.core)

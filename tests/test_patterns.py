@@ -257,6 +257,22 @@ def test_isolated_add_stays_float():
     assert qz.records == []
 
 
+def test_op_read_only_by_float_ops_stays_float():
+    # Conv (int8) → Mul(a, a) → ReduceSum: an int8 square would be dequantized at once for the
+    # float reduction, costing a rounding of the variance-like sum (magika's LayerNorm)
+    nodes = [
+        h.make_node("Conv", ["x", "W"], ["a"], name="conv"),
+        h.make_node("Mul", ["a", "a"], ["sq"], name="square"),
+        h.make_node("ReduceSum", ["sq"], ["y"], name="sum", keepdims=0),
+    ]
+    model = make_model(nodes, [("x", ["N", 3, 8, 8])], [("y", None)], {"W": weights(4, 3, 3, 3)})
+    q, report, feeds = quantize_random(model, {"x": [2, 3, 8, 8]})
+    square = next(d for d in report.decisions if d.node == "square")
+    assert not square.quantized and "dequantized at once" in square.reason
+    assert "QLinearMul" not in ops(q) and "QLinearConv" in ops(q)
+    np.testing.assert_allclose(run(q, feeds)[0], run(model, feeds)[0], rtol=0.01)
+
+
 def test_shared_input_is_quantized_once():
     nodes = [
         h.make_node("Conv", ["x", "W1"], ["a"], name="c1"),
