@@ -82,10 +82,16 @@ def render_line(text: str, rng: np.random.Generator) -> np.ndarray:
     font = _font(FONTS[int(rng.integers(0, len(FONTS)))], int(rng.integers(26, 38)))
     left, top, right, bottom = font.getbbox(text)
     pad = int(rng.integers(3, 9))
-    img = Image.new("L", (right - left + 2 * pad, bottom - top + 2 * pad), int(rng.integers(215, 256)))
-    ImageDraw.Draw(img).text((pad - left, pad - top), text, fill=int(rng.integers(0, 60)), font=font)
+    img = Image.new(
+        "L", (right - left + 2 * pad, bottom - top + 2 * pad), int(rng.integers(215, 256))
+    )
+    ImageDraw.Draw(img).text(
+        (pad - left, pad - top), text, fill=int(rng.integers(0, 60)), font=font
+    )
     img = img.filter(ImageFilter.GaussianBlur(float(rng.uniform(0.0, 1.2))))
-    noisy = np.asarray(img, np.float32) + rng.normal(0.0, float(rng.uniform(2, 12)), (img.height, img.width))
+    noisy = np.asarray(img, np.float32) + rng.normal(
+        0.0, float(rng.uniform(2, 12)), (img.height, img.width)
+    )
     return np.repeat(np.clip(noisy, 0, 255).astype(np.uint8)[..., None], 3, axis=2)
 
 
@@ -114,7 +120,10 @@ class OcrLines:
         else:  # the dictionary stored in the model's metadata (rapidocr)
             import onnx
 
-            meta = {p.key: p.value for p in onnx.load(str(model_path), load_external_data=False).metadata_props}
+            meta = {
+                p.key: p.value
+                for p in onnx.load(str(model_path), load_external_data=False).metadata_props
+            }
             chars = meta["character"].splitlines()
         self.chars = ["<blank>", *chars, " "]
 
@@ -141,7 +150,10 @@ class OcrLines:
 
     def _batches(self, lines: Sequence[tuple[str, np.ndarray]]) -> list[tuple[list[str], Feeds]]:
         return [
-            ([t for t, _ in lines[i : i + self.batch]], {"x": np.stack([x for _, x in lines[i : i + self.batch]])})
+            (
+                [t for t, _ in lines[i : i + self.batch]],
+                {"x": np.stack([x for _, x in lines[i : i + self.batch]])},
+            )
             for i in range(0, len(lines), self.batch)
         ]
 
@@ -188,7 +200,9 @@ class RotatedPages:
         y = int(rng.integers(30, 80))
         while y < height - 60:
             line = _sentence(rng, 5, 10)
-            draw.text((int(rng.integers(30, 60)), y), line, fill=int(rng.integers(0, 60)), font=font)
+            draw.text(
+                (int(rng.integers(30, 60)), y), line, fill=int(rng.integers(0, 60)), font=font
+            )
             y += int(size * rng.uniform(1.3, 1.8)) + (int(size * 1.5) if rng.random() < 0.1 else 0)
         return np.asarray(img.convert("RGB"))
 
@@ -197,9 +211,15 @@ class RotatedPages:
 
         im = Image.fromarray(page)
         w, h = im.size
-        nw, nh = (self.size, max(1, round(h * self.size / w))) if w >= h else (max(1, round(w * self.size / h)), self.size)
+        nw, nh = (
+            (self.size, max(1, round(h * self.size / w)))
+            if w >= h
+            else (max(1, round(w * self.size / h)), self.size)
+        )
         canvas = Image.new("RGB", (self.size, self.size), (255, 255, 255))
-        canvas.paste(im.resize((nw, nh), Image.BILINEAR), ((self.size - nw) // 2, (self.size - nh) // 2))
+        canvas.paste(
+            im.resize((nw, nh), Image.BILINEAR), ((self.size - nw) // 2, (self.size - nh) // 2)
+        )
         x = np.asarray(canvas).astype(np.float32).transpose(2, 0, 1) / 255.0
         return (x - self.MEAN) / self.STD
 
@@ -256,7 +276,9 @@ class Classification:
         """Accuracy (%) on the first ``n`` test images, batches of 100."""
         _, _, xte, yte = self._split()
         xte, yte = xte[:n], yte[:n]
-        pred = np.concatenate([run({self.input: xte[i : i + 100]})[0].argmax(-1) for i in range(0, len(xte), 100)])
+        pred = np.concatenate(
+            [run({self.input: xte[i : i + 100]})[0].argmax(-1) for i in range(0, len(xte), 100)]
+        )
         return 100.0 * float(np.mean(pred == yte))
 
 
@@ -279,7 +301,9 @@ class Agreement:
         return self._float.run(None, feeds)
 
 
-def magika_features(data: bytes, beg: int = 1024, end: int = 1024, block: int = 4096, pad: int = 256) -> np.ndarray:
+def magika_features(
+    data: bytes, beg: int = 1024, end: int = 1024, block: int = 4096, pad: int = 256
+) -> np.ndarray:
     """magika's input: the first and last bytes of a file, whitespace-stripped, padded."""
     head, tail = data[:block], data[-block:]
     if len(data) <= block:
@@ -291,17 +315,40 @@ def magika_features(data: bytes, beg: int = 1024, end: int = 1024, block: int = 
     return np.array(first + last[-end:], np.int32)
 
 
-@functools.lru_cache(maxsize=4)
-def machine_files(limit: int) -> list[Path]:
-    """Files of the Python installation (sources, bytecode, data, shared objects), sorted."""
+@functools.lru_cache(maxsize=1)
+def _machine_files() -> tuple[Path, ...]:
     roots = [Path(sysconfig.get_paths()["stdlib"]), Path(np.__file__).parent]
-    found: list[Path] = []
-    for root in roots:
-        for suffix in ("*.py", "*.pyc", "*.txt", "*.json", "*.so", "*.html", "*.csv", "*.xml", "*.cfg", "*.c", "*.h", "*.pyi", "*.gz", "*.zip", "*.png", "*.wav"):
-            found.extend(p for p in sorted(root.rglob(suffix)) if p.is_file() and p.stat().st_size >= 64)
-    rng = np.random.default_rng(0)
-    order = rng.permutation(len(found))
-    return [found[i] for i in order[:limit]]
+    suffixes = {
+        ".py",
+        ".pyc",
+        ".txt",
+        ".json",
+        ".so",
+        ".html",
+        ".csv",
+        ".xml",
+        ".cfg",
+        ".c",
+        ".h",
+        ".pyi",
+        ".gz",
+        ".zip",
+        ".png",
+        ".wav",
+    }
+    found = [
+        p
+        for root in roots
+        for p in sorted(root.rglob("*"))
+        if p.suffix in suffixes and p.is_file() and p.stat().st_size >= 64
+    ]
+    order = np.random.default_rng(0).permutation(len(found))
+    return tuple(found[i] for i in order)
+
+
+def machine_files(limit: int) -> list[Path]:
+    """Files of the Python installation (sources, bytecode, data, shared objects), shuffled."""
+    return list(_machine_files()[:limit])
 
 
 class FileTypes(Agreement):
@@ -361,7 +408,10 @@ class Detections(Agreement):
 
     def _images(self, seed: int, n: int) -> list[np.ndarray]:
         rng = np.random.default_rng(seed)
-        return [np.asarray(self._scene(rng), np.float32).transpose(2, 0, 1)[None] / 255.0 for _ in range(n)]
+        return [
+            np.asarray(self._scene(rng), np.float32).transpose(2, 0, 1)[None] / 255.0
+            for _ in range(n)
+        ]
 
     def calibration(self, n: int) -> list[Feeds]:
         """``n`` scenes (seed 1), one per feed."""
@@ -456,7 +506,9 @@ class VoiceActivity(Agreement):
         rng = np.random.default_rng(seed)
         parts = []
         for _ in range(3):
-            parts.append(rng.normal(0, 0.003, int(self.rate * rng.uniform(0.3, 1.0))).astype(np.float32))
+            parts.append(
+                rng.normal(0, 0.003, int(self.rate * rng.uniform(0.3, 1.0))).astype(np.float32)
+            )
             parts.append(synthesise(_sentence(rng, 4, 8), self.rate) * float(rng.uniform(0.3, 1.0)))
         parts.append(rng.normal(0, 0.003, int(self.rate * 0.5)).astype(np.float32))
         audio = np.concatenate(parts)
@@ -506,4 +558,6 @@ RECIPES: dict[str, type] = {
 
 def describe() -> str:
     """The recipes, one line each (used by ``onnxq zoo list --recipes``)."""
-    return json.dumps({name: (cls.__doc__ or "").splitlines()[0] for name, cls in RECIPES.items()}, indent=1)
+    return json.dumps(
+        {name: (cls.__doc__ or "").splitlines()[0] for name, cls in RECIPES.items()}, indent=1
+    )

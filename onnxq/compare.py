@@ -47,10 +47,10 @@ OUTPUT_PARAMS = {
 }
 
 
-
 def short(name: str, width: int = 40) -> str:
     """A tensor name cut to ``width`` characters, keeping its end (the distinctive part)."""
     return name if len(name) <= width else "…" + name[-(width - 1) :]
+
 
 @dataclass
 class TensorStats:

