@@ -6,7 +6,7 @@ import os
 import time
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import onnx
@@ -26,6 +26,7 @@ from onnxq.preprocess import raise_opset
 from onnxq.quantizer import Decision, Quantizer, QuantizerConfig, QuantizerPattern
 from onnxq.requantize import Requantizer, RequantizeStats
 from onnxq.session import make_session
+from onnxq.subgraphs import has_branches
 
 QUANTIZED_OPS = frozenset(
     {
@@ -234,6 +235,23 @@ def quantize(
         result = to_fakequantize(quantizer, (-64, 63) if weight_bits == 7 else None)
     times["requantize"] = time.perf_counter() - t2
 
+    branches: list[Any] = []
+    if has_branches(quantizer.float_model):
+        branches_kw = dict(
+            method=method,
+            per_channel=per_channel,
+            activation_dtype=activation_dtype,
+            symmetric_activations=symmetric_activations,
+            patterns=patterns,
+            callback=callback,
+            percentile=percentile,
+            bins=bins,
+            format=format,
+            weight_bits=weight_bits,
+            target=tgt,
+        )
+        result, branches = _quantize_branches(quantizer, result, dataset, format, branches_kw)
+
     t3 = time.perf_counter()
     verify(result, runtime="openvino" if format == "openvino" else "onnxruntime")
     times["verify"] = time.perf_counter() - t3
@@ -247,6 +265,7 @@ def quantize(
         if d.node in carried:
             d.quantized, d.pattern = True, "requantize"
             d.reason = "carries int8 through (commutes with the affine map)"
+    decisions += _branch_decisions(quantizer, branches)
     report = QuantizeReport(
         decisions=decisions,
         calibration=calibrator.report,
@@ -257,6 +276,52 @@ def quantize(
         values={k: v.tolist() for k, v in quantizer.final_values.items()},
     )
     return result, report
+
+
+def _quantize_branches(
+    quantizer: Quantizer, result: onnx.ModelProto, dataset: Any, format: str, kw: dict[str, Any]
+) -> tuple[onnx.ModelProto, list[Any]]:
+    """Quantize the branches of top-level If nodes as models of their own (onnxq.subgraphs)."""
+    from onnxq.subgraphs import BranchResult, quantize_branches
+
+    ifs = [n.name for n in quantizer.float_model.graph.node if n.op_type == "If"]
+    if dataset is None or format == "openvino":
+        why = (
+            "no calibration data (a loaded range table covers the main graph only)"
+            if dataset is None
+            else "FakeQuantize output covers the main graph only"
+        )
+        return result, [
+            BranchResult(n, "branches", reason=f"its branches stay float: {why}") for n in ifs
+        ]
+    dataset.reset()
+    feeds = [dict(f) for f in dataset.batches()]
+
+    def run(model: onnx.ModelProto, samples: list[dict[str, Any]]) -> tuple[onnx.ModelProto, Any]:
+        return quantize(model, samples, progress=False, **kw)
+
+    return quantize_branches(quantizer.float_model, result, feeds, run)
+
+
+def _branch_decisions(quantizer: Quantizer, branches: list[Any]) -> list[Decision]:
+    """The If nodes' decisions say what became of each branch; branch nodes are listed too."""
+    out: list[Decision] = []
+    by_if: dict[str, list[str]] = {}
+    for b in branches:
+        if b.quantized:
+            line = f"{b.branch}: {b.quantized} of {b.nodes} nodes int8 ({b.samples} samples)"
+        else:
+            line = f"{b.branch}: {b.reason}"
+        by_if.setdefault(b.node, []).append(line)
+        for d in b.decisions:
+            out.append(replace(d, node=f"{b.node}/{b.branch}/{d.node}"))
+    for name, lines in by_if.items():
+        d = quantizer.decisions.get(name)
+        if d is not None:
+            d.quantized = any(b.quantized for b in branches if b.node == name)
+            d.pattern = "branches" if d.quantized else d.pattern
+            d.reason = "each branch quantized as its own graph; " + "; ".join(lines)
+    return out
 
 
 def _int4(

@@ -218,7 +218,8 @@ def _conform(arr: np.ndarray, spec: InputSpec, where: str) -> np.ndarray:
                     f"model expects {['?' if d is None else d for d in spec.shape]} "
                     f"(dimension {i} differs)"
                 )
-    return np.ascontiguousarray(arr)
+    # np.ascontiguousarray turns a 0-d array (a scalar input such as silero-vad's sr) into 1-d
+    return np.ascontiguousarray(arr) if arr.ndim else arr
 
 
 class ArrayDataset(DatasetManager):

@@ -140,6 +140,39 @@ def import_graph(proto: onnx.ModelProto) -> gs.Graph:
     return gs.import_onnx(proto)
 
 
+def _subgraphs(graph: onnx.GraphProto) -> list[onnx.GraphProto]:
+    out = []
+    for node in graph.node:
+        for attr in node.attribute:
+            if attr.type == onnx.AttributeProto.GRAPH:
+                out.append(attr.g)
+            elif attr.type == onnx.AttributeProto.GRAPHS:
+                out.extend(attr.graphs)
+    return out
+
+
+def hoist_nested_initializers(graph: onnx.GraphProto) -> None:
+    """Move initializers of bodies nested two or more levels deep up into their branch body.
+
+    graphsurgeon exports an outer constant into every nested body that reads it (the LSTM
+    weights of silero-vad's inner If branches: +1 MB per export). Names are unique model-wide, so
+    copies with one name are one tensor: keep a single copy in the main graph or the top-level
+    body, which every body nested in it can read.
+    """
+    top = {t.name for t in graph.initializer}
+    for body in _subgraphs(graph):
+        held = top | {t.name for t in body.initializer}
+        todo = _subgraphs(body)
+        while todo:
+            inner = todo.pop()
+            todo.extend(_subgraphs(inner))
+            for t in inner.initializer:
+                if t.name not in held:
+                    body.initializer.append(t)
+                    held.add(t.name)
+            del inner.initializer[:]
+
+
 def export_model(graph: gs.Graph, template: onnx.ModelProto | None = None) -> onnx.ModelProto:
     """Export ``graph`` to a ModelProto with every opset domain it uses imported."""
     graph.cleanup(remove_unused_graph_inputs=False).toposort()
@@ -155,6 +188,7 @@ def export_model(graph: gs.Graph, template: onnx.ModelProto | None = None) -> on
             opsets[dom] = 1
     imports = [onnx.helper.make_opsetid(d, v) for d, v in sorted(opsets.items())]
     model = gs.export_onnx(graph, do_type_check=False, opset_imports=imports)
+    hoist_nested_initializers(model.graph)
     needed = onnx.helper.find_min_ir_version_for(list(imports), ignore_unknown=True)
     # the lowest IR version the opsets allow: newer IRs are refused by older runtimes
     model.ir_version = max(needed, min(template.ir_version, 8) if template is not None else 8)

@@ -92,7 +92,9 @@ def _fold_constants(graph: gs.Graph) -> None:
     graph.cleanup(remove_unused_graph_inputs=False)
     _quiet()
     try:
-        graph.fold_constants(error_ok=True, fold_shapes=True).cleanup(
+        # flatten_subgraphs=False: graphsurgeon 0.6's inlining of an If with a constant
+        # condition loses outputs of nested Ifs (silero-vad's decoder: the model no longer loads)
+        graph.fold_constants(error_ok=True, fold_shapes=True, flatten_subgraphs=False).cleanup(
             remove_unused_graph_inputs=False
         )
     except Exception as exc:  # graphsurgeon folding is an optimisation, never required

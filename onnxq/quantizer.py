@@ -441,9 +441,14 @@ class Quantizer:
         bodies = [v for v in node.attrs.values() if isinstance(v, gs.Graph)]
         if bodies:
             inner = sum(1 for b in bodies for _ in iter_subgraph_nodes(b))
+            if node.op == "If":
+                return (
+                    f"holds {len(bodies)} branches with {inner} node(s): quantize treats each "
+                    "branch as a graph of its own, calibrated on the samples that take it"
+                )
             return (
-                f"holds {len(bodies)} subgraph(s) with {inner} node(s); onnxq does not "
-                "quantize inside If/Loop/Scan bodies yet, so they stay float"
+                f"holds {len(bodies)} subgraph(s) with {inner} node(s); {node.op} bodies carry "
+                "state between iterations that calibration cannot feed, so they stay float"
             )
         dtypes = {tensor_dtype(o) for o in node.outputs}
         if node.op in CARRIERS and dtypes <= {np.dtype(np.float32), None}:

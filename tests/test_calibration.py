@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import onnx
 import pytest
 from helpers import make_model, rng, run
 from onnx import helper as h
@@ -358,3 +359,17 @@ def test_runtime_failure_on_calibration_data_is_a_clear_error():
     bad = [{"x": np.zeros((1, 3, 5, 5), np.float32)}]
     with pytest.raises(CalibrationError, match=r"calibration batch 0 \(input shapes"):
         onnxq.quantize(model, bad, progress=False)
+
+
+def test_scalar_input_stays_a_scalar():
+    # np.ascontiguousarray makes 0-d arrays 1-d; a rank-0 input (silero-vad's sr) must stay 0-d
+    from onnxq.dataset import as_dataset, model_inputs
+
+    model = make_model(
+        [onnx.helper.make_node("Mul", ["x", "k"], ["y"])],
+        [("x", ["N", 4]), ("k", [])],
+        [("y", None)],
+    )
+    feeds = [{"x": np.ones((2, 4), np.float32), "k": np.array(3.0, np.float32)}]
+    batch = next(as_dataset(feeds, model_inputs(model), None, None, None).batches())
+    assert batch["k"].shape == () and batch["x"].flags["C_CONTIGUOUS"]

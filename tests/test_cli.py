@@ -263,7 +263,7 @@ def test_large_models_are_saved_with_external_data(tmp_path, calib, monkeypatch)
     np.testing.assert_array_equal(run(reloaded, {"input": x})[0], run(model, {"input": x})[0])
 
 
-def test_explain_names_subgraphs_it_does_not_enter(tmp_path, capsys):
+def test_explain_says_how_if_branches_are_handled(tmp_path, capsys):
     branch = onnx.helper.make_graph(
         [h.make_node("Conv", ["x", "W"], ["yb"], name="inner_conv")],
         "then",
@@ -288,4 +288,5 @@ def test_explain_names_subgraphs_it_does_not_enter(tmp_path, capsys):
     path = tmp_path / "if.onnx"
     onnx.save(model, str(path))
     assert main(["inspect", str(path), "--explain"]) == 0
-    assert "holds 2 subgraph(s) with 2 node(s)" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "holds 2 branches with 2 node(s)" in out and "graph of its own" in out

@@ -1,0 +1,342 @@
+"""The scoreboard: every zoo model, fp32 against onnxq, onnxruntime.quantization and NNCF.
+
+    pip install -e ".[bench]"          # nncf, matplotlib
+    python benchmarks/zoo.py [MODEL ...] [--runs 200] [--out docs]
+
+For each model of ``models/manifest.toml`` (the same calibration samples, evaluation set and
+machine for every variant):
+
+* ``fp32``       the float model;
+* ``onnxq``      ``onnxq.quantize`` with the ``ort-cpu`` defaults (QOperator);
+* ``onnxq-qdq``  the same in QDQ format;
+* ``ort``        ``onnxruntime.quantization.quantize_static`` at its defaults (QDQ, int8, MinMax);
+* ``ort-pc``     its best per-channel setting: ``quant_pre_process`` first, opset raised to 13
+                 where lower (per-channel QDQ needs it), ``per_channel=True``;
+* ``nncf``       ``nncf.quantize`` at its defaults (``model_type=TRANSFORMER`` for transformers).
+
+Measured: the model's metric; latency in onnxruntime CPU at 1 and 2 threads, batch 1, median of
+``--runs`` runs after 20 warm-up runs, the variants interleaved run by run; file size; wall
+time and peak RSS of the quantization (each in its own process, so the figures do not mix).
+Writes ``docs/benchmark.md`` (the README shows it), ``docs/benchmark.json`` and
+``docs/benchmark.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import platform
+import resource
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+
+ROOT = Path(__file__).resolve().parents[1]
+VARIANTS = ("fp32", "onnxq", "onnxq-qdq", "ort", "ort-pc", "nncf")
+
+
+def _setup(name: str) -> tuple[Any, Any, Any, dict[str, Path]]:
+    from onnxq.zoo import fetch, load_manifest, make_recipe
+
+    manifest = load_manifest(ROOT / "models" / "manifest.toml")
+    model = manifest.models[name]
+    files = fetch(manifest, model, log=lambda s: print(s, file=sys.stderr))
+    return manifest, model, make_recipe(manifest, model, files), files
+
+
+class _Reader:
+    """onnxruntime's CalibrationDataReader over a list of feeds."""
+
+    def __init__(self, feeds: list[dict[str, np.ndarray]]):
+        self._it = iter(feeds)
+
+    def get_next(self) -> dict[str, np.ndarray] | None:
+        return next(self._it, None)
+
+
+def _ort(src: Path, feeds: list[dict[str, np.ndarray]], out: Path, best: bool) -> None:
+    from onnxruntime.quantization import QuantFormat, quantize_static
+    from onnxruntime.quantization.shape_inference import quant_pre_process
+
+    path = src
+    if best:
+        pre = out.with_suffix(".pre.onnx")
+        try:
+            quant_pre_process(str(src), str(pre))
+            path = pre
+        except Exception as exc:  # its symbolic shape inference fails on some models
+            print(
+                f"  quant_pre_process failed ({type(exc).__name__}); raw model used",
+                file=sys.stderr,
+            )
+        model = onnx.load(str(path))
+        opset = next(o.version for o in model.opset_import if o.domain in ("", "ai.onnx"))
+        if opset < 13:
+            from onnx import version_converter
+
+            onnx.save(version_converter.convert_version(model, 13), str(pre))
+            path = pre
+    quantize_static(
+        str(path), str(out), _Reader(feeds), quant_format=QuantFormat.QDQ, per_channel=best
+    )
+
+
+def _nncf(src: Path, feeds: list[dict[str, np.ndarray]], out: Path, kind: str) -> None:
+    import nncf
+
+    kwargs: dict[str, Any] = {"subset_size": len(feeds)}
+    if kind == "transformer":
+        kwargs["model_type"] = nncf.ModelType.TRANSFORMER
+    quantized = nncf.quantize(onnx.load(str(src)), nncf.Dataset(feeds), **kwargs)
+    onnx.save(quantized, str(out))
+
+
+def _build(args: tuple[str, str, str]) -> tuple[float, float, str]:
+    """Child process: quantize one variant; (wall seconds, peak RSS MiB, error)."""
+    name, variant, out = args
+    try:
+        _, model, recipe, files = _setup(name)
+        feeds = recipe.calibration(model.calibration)
+        src = files["model"]
+        start = time.perf_counter()
+        if variant.startswith("onnxq"):
+            import onnxq
+
+            fmt = "qdq" if variant == "onnxq-qdq" else None
+            onnxq.quantize(
+                str(src), feeds, target="ort-cpu", format=fmt, output=out, progress=False
+            )
+        elif variant.startswith("ort"):
+            _ort(src, feeds, Path(out), best=variant == "ort-pc")
+        else:
+            _nncf(src, feeds, Path(out), model.kind)
+        seconds = time.perf_counter() - start
+    except Exception as exc:
+        traceback.print_exc(file=sys.stderr)
+        return (
+            0.0,
+            0.0,
+            f"{type(exc).__name__}: {str(exc).splitlines()[0][:120] if str(exc) else ''}",
+        )
+    return seconds, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, ""
+
+
+def _session(path: Path, threads: int) -> ort.InferenceSession:
+    opts = ort.SessionOptions()
+    opts.intra_op_num_threads = threads
+    opts.inter_op_num_threads = 1
+    opts.log_severity_level = 3
+    # idle pool threads must not spin: the sessions run interleaved and would steal the cores
+    opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    return ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
+
+
+def _batch1(path: Path, feed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The feed cut to one sample on every input whose first dimension is symbolic."""
+    out = {}
+    for inp in onnx.load(str(path), load_external_data=False).graph.input:
+        if inp.name not in feed:
+            continue
+        dims = inp.type.tensor_type.shape.dim
+        dynamic = bool(dims) and (dims[0].dim_param or dims[0].dim_value == 0)
+        out[inp.name] = feed[inp.name][:1] if dynamic else feed[inp.name]
+    return out
+
+
+def latency(
+    paths: dict[str, Path], feed: dict[str, np.ndarray], threads: int, runs: int
+) -> dict[str, float]:
+    """Median ms per variant; the variants interleaved run by run."""
+    sessions = {k: _session(p, threads) for k, p in paths.items()}
+    for s in sessions.values():
+        for _ in range(20):
+            s.run(None, feed)
+    times: dict[str, list[float]] = {k: [] for k in sessions}
+    for _ in range(runs):
+        for k, s in sessions.items():
+            t = time.perf_counter()
+            s.run(None, feed)
+            times[k].append(time.perf_counter() - t)
+    return {k: float(np.median(v) * 1e3) for k, v in times.items()}
+
+
+def bench_model(name: str, runs: int, tmp: Path) -> dict[str, Any]:
+    from onnxq.zoo import runner
+
+    _, model, recipe, files = _setup(name)
+    src = files["model"]
+    paths: dict[str, Path] = {"fp32": src}
+    rows: dict[str, dict[str, Any]] = {"fp32": {"seconds": 0.0, "rss_mib": 0.0, "error": ""}}
+    if model.expect == "already-quantized":
+        print(f"{name}: already int8, skipped", file=sys.stderr)
+        return {}
+    ctx = mp.get_context("spawn")
+    for variant in VARIANTS[1:]:
+        out = tmp / f"{name}.{variant}.onnx"
+        with ctx.Pool(1) as pool:
+            seconds, rss, error = pool.map(_build, [(name, variant, str(out))])[0]
+        rows[variant] = {"seconds": seconds, "rss_mib": rss, "error": error}
+        if not error:
+            paths[variant] = out
+        print(
+            f"{name} {variant}: built in {seconds:.1f} s{' FAILED ' + error if error else ''}",
+            file=sys.stderr,
+        )
+    for variant, path in paths.items():
+        try:
+            rows[variant]["metric"] = recipe.evaluate(runner(path), model.evaluation)
+            rows[variant]["bytes"] = path.stat().st_size
+        except Exception as exc:
+            rows[variant]["error"] = f"does not run: {type(exc).__name__}"
+            paths.pop(variant)
+    feed = _batch1(src, recipe.calibration(1)[0])
+    for threads in (1, 2):
+        for variant, ms in latency(paths, feed, threads, runs).items():
+            rows[variant][f"ms_{threads}t"] = ms
+    return {
+        "model": name,
+        "description": model.description,
+        "metric": recipe.metric,
+        "unit": recipe.unit,
+        "higher_is_better": recipe.higher_is_better,
+        "variants": rows,
+    }
+
+
+def _fmt(row: dict[str, Any], key: str, spec: str) -> str:
+    return format(row[key], spec) if key in row else "–"
+
+
+def markdown(results: list[dict[str, Any]], runs: int) -> str:
+    """The scoreboard as Markdown."""
+    lines = [
+        "# onnxq scoreboard",
+        "",
+        f"Machine: {platform.processor() or platform.machine()}, {mp.cpu_count()} cores, "
+        f"onnxruntime {ort.__version__}, Python {platform.python_version()}. Latency: batch 1, "
+        f"median of {runs} runs after warm-up, variants interleaved; ratio = variant / fp32 at "
+        "the same thread count (below 1: faster). Peak RSS: the whole quantization process.",
+        "",
+        "| model | metric | variant | metric value | Δ vs fp32 | ms 1 thread | × fp32 "
+        "| ms 2 threads | × fp32 | size KiB | quantize s | peak RSS MiB |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for res in results:
+        rows = res["variants"]
+        base = rows["fp32"]
+        sign = 1 if res["higher_is_better"] else -1
+        for variant in VARIANTS:
+            row = rows.get(variant)
+            if row is None:
+                continue
+            if row.get("error"):
+                lines.append(
+                    f"| {res['model']} | {res['metric']} | {variant} | failed: {row['error']} |"
+                    + " |" * 8
+                )
+                continue
+            delta = sign * (row["metric"] - base["metric"]) if "metric" in row else float("nan")
+            r1 = row.get("ms_1t", float("nan")) / base.get("ms_1t", float("nan"))
+            r2 = row.get("ms_2t", float("nan")) / base.get("ms_2t", float("nan"))
+            better = "higher" if sign > 0 else "lower"
+            name = f"**{variant}**" if variant == "onnxq" else variant
+            shown_delta = "" if variant == "fp32" else format(delta, "+.2f")
+            cells = [
+                res["model"],
+                f"{res['metric']} ({res['unit']}, {better} is better)",
+                name,
+                _fmt(row, "metric", ".2f"),
+                shown_delta,
+                _fmt(row, "ms_1t", ".3f"),
+                f"{r1:.2f}",
+                _fmt(row, "ms_2t", ".3f"),
+                f"{r2:.2f}",
+                f"{row.get('bytes', 0) / 1024:.0f}",
+                f"{row['seconds']:.1f}",
+                f"{row['rss_mib']:.0f}",
+            ]
+            lines.append("| " + " | ".join(cells) + " |")
+    lines += ["", "Δ vs fp32: metric points, positive = better than fp32.", ""]
+    return "\n".join(lines)
+
+
+def chart(results: list[dict[str, Any]], path: Path) -> None:
+    """Two panels: metric change vs fp32 and latency ratio at 1 thread, per model and variant."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    shown = [v for v in VARIANTS if v != "fp32"]
+    fig, axes = plt.subplots(2, 1, figsize=(max(8, 1.3 * len(results)), 8))
+    width = 0.8 / len(shown)
+    x = np.arange(len(results))
+    for i, variant in enumerate(shown):
+        deltas, ratios = [], []
+        for res in results:
+            row, base = res["variants"].get(variant, {}), res["variants"]["fp32"]
+            sign = 1 if res["higher_is_better"] else -1
+            ok = row and not row.get("error") and "metric" in row
+            deltas.append(sign * (row["metric"] - base["metric"]) if ok else np.nan)
+            ratios.append(row["ms_1t"] / base["ms_1t"] if ok and "ms_1t" in row else np.nan)
+        axes[0].bar(x + i * width, deltas, width, label=variant)
+        axes[1].bar(x + i * width, ratios, width, label=variant)
+    for ax, title in zip(
+        axes,
+        (
+            "metric change vs fp32 (points, higher is better)",
+            "latency / fp32 at 1 thread (lower is better)",
+        ),
+        strict=True,
+    ):
+        ax.set_xticks(x + 0.4 - width / 2, [r["model"] for r in results], rotation=20, ha="right")
+        ax.set_title(title)
+        ax.axhline(0 if "metric" in title else 1, color="black", linewidth=0.8)
+    axes[0].set_ylim(bottom=max(-10, np.nanmin(axes[0].get_ylim()[0])))
+    axes[0].legend(ncol=len(shown), fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("models", nargs="*")
+    parser.add_argument("--runs", type=int, default=200)
+    parser.add_argument("--out", default=str(ROOT / "docs"))
+    args = parser.parse_args()
+    from onnxq.zoo import load_manifest
+
+    manifest = load_manifest(ROOT / "models" / "manifest.toml")
+    names = [m.name for m in manifest.select(args.models)]
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    results = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in names:
+            res = bench_model(name, args.runs, Path(tmp))
+            if res:
+                results.append(res)
+                rows = [
+                    ln
+                    for ln in markdown([res], args.runs).splitlines()
+                    if ln.startswith(f"| {name} ")
+                ]
+                print("\n".join(rows), file=sys.stderr, flush=True)
+    (out / "benchmark.json").write_text(json.dumps(results, indent=1))
+    text = markdown(results, args.runs)
+    (out / "benchmark.md").write_text(text)
+    chart(results, out / "benchmark.png")
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,188 @@
+"""If branches quantized as models of their own, checked against onnxruntime."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+from helpers import rng, run
+from onnx import TensorProto
+from onnx import helper as h
+from onnx import numpy_helper as nh
+
+import onnxq
+from onnxq.graph import hoist_nested_initializers
+from onnxq.subgraphs import free_variables
+
+R = rng(3)
+
+
+def _conv_branch(name: str, scale: float, nested: onnx.GraphProto | None = None) -> onnx.GraphProto:
+    """x → Conv(W, b) → Relu → Conv(W2) → y, weights as Constant nodes (silero-vad style)."""
+    w1 = (R.normal(0, 0.3, (8, 3, 3, 3)) * scale).astype(np.float32)
+    w2 = R.normal(0, 0.3, (4, 8, 3, 3)).astype(np.float32)
+    b1 = R.normal(0, 0.1, 8).astype(np.float32)
+    nodes = [
+        h.make_node("Constant", [], [f"{name}_w1"], value=nh.from_array(w1)),
+        h.make_node("Constant", [], [f"{name}_b1"], value=nh.from_array(b1)),
+        h.make_node("Constant", [], [f"{name}_w2"], value=nh.from_array(w2)),
+        h.make_node("Conv", ["x", f"{name}_w1", f"{name}_b1"], [f"{name}_c1"], pads=[1] * 4),
+        h.make_node("Relu", [f"{name}_c1"], [f"{name}_r1"]),
+        h.make_node("Conv", [f"{name}_r1", f"{name}_w2"], [f"{name}_y"], pads=[1] * 4),
+    ]
+    out = f"{name}_y"
+    if nested is not None:  # a nested If choosing between the conv result and its negation
+        nodes += [
+            h.make_node("Neg", [f"{name}_y"], [f"{name}_neg"]),
+            h.make_node(
+                "If",
+                ["flag"],
+                [f"{name}_out"],
+                then_branch=nested,
+                else_branch=_identity(f"{name}_neg", f"{name}_e"),
+            ),
+        ]
+        out = f"{name}_out"
+    return h.make_graph(
+        nodes, name, [], [h.make_tensor_value_info(out, TensorProto.FLOAT, ["N", 4, 8, 8])]
+    )
+
+
+def _identity(src: str, name: str) -> onnx.GraphProto:
+    return h.make_graph(
+        [h.make_node("Identity", [src], [f"{name}_id"])],
+        name,
+        [],
+        [h.make_tensor_value_info(f"{name}_id", TensorProto.FLOAT, ["N", 4, 8, 8])],
+    )
+
+
+def if_model(nested: bool = False) -> onnx.ModelProto:
+    """y = then(x) if mode == 1 else else(x); mode is an int64 input, like silero-vad's sr."""
+    inner = _identity("then_y", "inner") if nested else None
+    graph = h.make_graph(
+        [
+            h.make_node("Constant", [], ["one"], value=nh.from_array(np.array(1, np.int64))),
+            h.make_node("Equal", ["mode", "one"], ["cond"]),
+            h.make_node(
+                "If",
+                ["cond"],
+                ["y"],
+                name="branch",
+                then_branch=_conv_branch("then", 1.0, inner),
+                else_branch=_conv_branch("else", 2.0),
+            ),
+        ],
+        "if_model",
+        [
+            h.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 3, 8, 8]),
+            h.make_tensor_value_info("mode", TensorProto.INT64, []),
+            h.make_tensor_value_info("flag", TensorProto.BOOL, []),
+        ],
+        [h.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 4, 8, 8])],
+    )
+    model = h.make_model(graph, opset_imports=[h.make_opsetid("", 13)])
+    model.ir_version = 8
+    onnx.checker.check_model(model)
+    return model
+
+
+def feeds(mode: int, n: int = 8, flag: bool = True) -> list[dict[str, np.ndarray]]:
+    gen = rng(10 + mode)
+    return [
+        {
+            "x": gen.normal(0, 1, (2, 3, 8, 8)).astype(np.float32),
+            "mode": np.array(mode, np.int64),
+            "flag": np.array(flag),
+        }
+        for _ in range(n)
+    ]
+
+
+def _branch_ops(model: onnx.ModelProto, branch: str) -> list[str]:
+    node = next(n for n in model.graph.node if n.op_type == "If")
+    body = next(a.g for a in node.attribute if a.name == branch)
+    return [n.op_type for n in body.node]
+
+
+def test_both_branches_quantized_and_close_to_float():
+    model = if_model()
+    q, report = onnxq.quantize(model, feeds(1) + feeds(2), progress=False)
+    for branch in ("then_branch", "else_branch"):
+        assert _branch_ops(q, branch).count("QLinearConv") == 2, branch
+    d = next(d for d in report.decisions if d.node == "branch")
+    assert d.quantized and "then_branch: 3 of 3 nodes int8 (8 samples)" in d.reason
+    inner = [d for d in report.decisions if d.node.startswith("branch/then_branch/")]
+    assert inner and any(d.quantized for d in inner)
+    for mode in (1, 2):
+        f = feeds(mode, 1)[0]
+        ref, got = run(model, f)[0], run(q, f)[0]
+        assert np.abs(got - ref).max() < 0.05 * np.abs(ref).max()
+
+
+def test_branch_no_sample_takes_stays_float_with_reason():
+    model = if_model()
+    q, report = onnxq.quantize(model, feeds(1), progress=False)
+    assert "QLinearConv" in _branch_ops(q, "then_branch")
+    assert "QLinearConv" not in _branch_ops(q, "else_branch")
+    d = next(d for d in report.decisions if d.node == "branch")
+    assert "else_branch: no calibration sample takes this branch" in d.reason
+    f = feeds(2, 1)[0]  # the float branch still computes the float result exactly
+    np.testing.assert_allclose(run(q, f)[0], run(model, f)[0], rtol=1e-5, atol=1e-5)
+
+
+def test_nested_if_reads_outer_values():
+    model = if_model(nested=True)
+    assert "flag" in free_variables(
+        next(a.g for a in model.graph.node[2].attribute if a.name == "then_branch")
+    )
+    q, _ = onnxq.quantize(model, feeds(1) + feeds(2), progress=False)
+    onnx.checker.check_model(q)
+    assert _branch_ops(q, "then_branch").count("QLinearConv") == 2
+    for mode, flag in ((1, True), (1, False), (2, True)):
+        f = feeds(mode, 1, flag)[0]
+        ref, got = run(model, f)[0], run(q, f)[0]
+        assert np.abs(got - ref).max() < 0.05 * np.abs(ref).max()
+
+
+def test_quantizing_branches_is_deterministic():
+    model = if_model()
+    a, _ = onnxq.quantize(model, feeds(1) + feeds(2), progress=False)
+    b, _ = onnxq.quantize(model, feeds(1) + feeds(2), progress=False)
+    assert a.SerializeToString() == b.SerializeToString()
+
+
+def test_nested_copies_of_an_outer_constant_are_hoisted():
+    # two nested bodies each holding a copy of one tensor (what graphsurgeon's export does)
+    w = nh.from_array(np.ones((64, 64), np.float32), "w")
+    inner = [
+        h.make_graph(
+            [h.make_node("MatMul", ["x", "w"], [f"y{i}"])],
+            f"inner{i}",
+            [],
+            [h.make_tensor_value_info(f"y{i}", TensorProto.FLOAT, [1, 64])],
+            [w],
+        )
+        for i in range(2)
+    ]
+    body = h.make_graph(
+        [h.make_node("If", ["c"], ["z"], then_branch=inner[0], else_branch=inner[1])],
+        "body",
+        [],
+        [h.make_tensor_value_info("z", TensorProto.FLOAT, [1, 64])],
+    )
+    graph = h.make_graph(
+        [h.make_node("If", ["c"], ["out"], then_branch=body, else_branch=_identity("x", "e"))],
+        "g",
+        [
+            h.make_tensor_value_info("x", TensorProto.FLOAT, [1, 64]),
+            h.make_tensor_value_info("c", TensorProto.BOOL, []),
+        ],
+        [h.make_tensor_value_info("out", TensorProto.FLOAT, [1, 64])],
+    )
+    model = h.make_model(graph, opset_imports=[h.make_opsetid("", 13)])
+    model.ir_version = 8
+    before = model.ByteSize()
+    hoist_nested_initializers(model.graph)
+    assert model.ByteSize() < before - 60 * 64 * 4
+    f = {"x": np.ones((1, 64), np.float32), "c": np.array(True)}
+    np.testing.assert_array_equal(run(model, f)[0], np.full((1, 64), 64, np.float32))
