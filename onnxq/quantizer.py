@@ -167,6 +167,12 @@ class QuantizerPattern(DFPatternCallback):
         """Values for this pattern's placeholders: the callback's choice."""
         return calibration_info.callback.calibrate_pattern(calibration_info)
 
+    def in_group(self, node: gs.Node | None) -> bool:
+        """``node`` is in a group that is (or will be) quantized: matched, not left float."""
+        return super().in_group(node) and (
+            node is None or node.name not in self.quantizer._left_float
+        )
+
     def callback(self, pre: gs.Tensor, post: gs.Tensor, node_map: dict) -> gs.Tensor | None:
         """Rewrite the current match (``self.match``) through :meth:`quantize_match`."""
         return self.quantize_match(self.match)

@@ -273,6 +273,23 @@ def test_op_read_only_by_float_ops_stays_float():
     np.testing.assert_allclose(run(q, feeds)[0], run(model, feeds)[0], rtol=0.01)
 
 
+def test_consumer_left_float_does_not_count_as_quantized():
+    # Conv → Mul(a, a) → Mul(·, a) → Tanh (a GELU's cubic): the second Mul is left float (only
+    # Tanh reads it), so the first must be too — a matched-but-float group is not a reader
+    nodes = [
+        h.make_node("Conv", ["x", "W"], ["a"], name="conv"),
+        h.make_node("Mul", ["a", "a"], ["sq"], name="square"),
+        h.make_node("Mul", ["sq", "a"], ["cube"], name="cube"),
+        h.make_node("Tanh", ["cube"], ["y"], name="tanh"),
+    ]
+    model = make_model(nodes, [("x", ["N", 3, 8, 8])], [("y", None)], {"W": weights(4, 3, 3, 3)})
+    q, report, feeds = quantize_random(model, {"x": [2, 3, 8, 8]})
+    decided = {d.node: d for d in report.decisions}
+    assert not decided["cube"].quantized and not decided["square"].quantized
+    assert "QLinearMul" not in ops(q)
+    close_enough(model, q, feeds)
+
+
 def test_shared_input_is_quantized_once():
     nodes = [
         h.make_node("Conv", ["x", "W1"], ["a"], name="c1"),
