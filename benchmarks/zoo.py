@@ -300,7 +300,8 @@ def chart(results: list[dict[str, Any]], path: Path) -> None:
         ax.set_xticks(x + 0.4 - width / 2, [r["model"] for r in results], rotation=20, ha="right")
         ax.set_title(title)
         ax.axhline(0 if "metric" in title else 1, color="black", linewidth=0.8)
-    axes[0].set_ylim(bottom=max(-10, np.nanmin(axes[0].get_ylim()[0])))
+    axes[0].set_ylim(bottom=max(-10, np.nanmin(axes[0].get_ylim()[0])))  # bars below are cut
+    axes[1].set_ylim(0, min(3, axes[1].get_ylim()[1]))  # so are ratios above 3
     axes[0].legend(ncol=len(shown), fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -311,7 +312,16 @@ def main() -> int:
     parser.add_argument("models", nargs="*")
     parser.add_argument("--runs", type=int, default=200)
     parser.add_argument("--out", default=str(ROOT / "docs"))
+    parser.add_argument(
+        "--render", action="store_true", help="only rewrite the .md and .png from benchmark.json"
+    )
     args = parser.parse_args()
+    if args.render:
+        out = Path(args.out)
+        results = json.loads((out / "benchmark.json").read_text())
+        (out / "benchmark.md").write_text(markdown(results, args.runs))
+        chart(results, out / "benchmark.png")
+        return 0
     from onnxq.zoo import load_manifest
 
     manifest = load_manifest(ROOT / "models" / "manifest.toml")

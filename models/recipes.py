@@ -383,6 +383,8 @@ class Detections(Agreement):
     scores; a quantizer that gives both one scale fails this metric.
     """
 
+    metric = "box IoU with fp32"
+
     def __init__(self, model_path: Path, files: dict[str, Path], options: dict[str, Any]):
         super().__init__(model_path, files, options)
         self.size = int(options.get("size", 320))
