@@ -119,6 +119,7 @@ def quantize(
     per_channel: bool | None = None,
     activation_dtype: str | None = None,
     symmetric_activations: bool | None = None,
+    unsigned_after_relu: bool | None = None,
     exclude: Sequence[str] = (),
     patterns: Sequence[QuantizerPattern] | None = None,
     callback: CalibrationCallback | None = None,
@@ -170,6 +171,20 @@ def quantize(
     activation_dtype = tgt.activation_dtype if activation_dtype is None else activation_dtype
     if symmetric_activations is None:
         symmetric_activations = tgt.symmetric_activations
+    if unsigned_after_relu is None:
+        unsigned_after_relu = tgt.unsigned_after_relu
+    if unsigned_after_relu:
+        if not (symmetric_activations and activation_dtype == "int8"):
+            raise ConfigError(
+                "--unsigned-after-relu applies to symmetric int8 activations: add "
+                "--activation-dtype int8 --symmetric-activations (asymmetric uint8 already "
+                "gives a Relu output the range [0, max])"
+            )
+        if format == "qoperator":
+            raise ConfigError(
+                "--unsigned-after-relu mixes uint8 and int8 activations, which onnxruntime's "
+                "QLinear kernels do not take in one op; use --format qdq or --format openvino"
+            )
     weight_bits = tgt.weight_bits if weight_bits is None else weight_bits
     if patterns is None and tgt.patterns is not None:
         patterns = _target_patterns(tgt)
@@ -197,6 +212,7 @@ def quantize(
         user=user,
         activation_dtype=activation_dtype,
         activation_symmetric=symmetric_activations,
+        unsigned_after_relu=unsigned_after_relu,
         per_channel=per_channel,
         exclude=tuple(exclude),
         weight_bits=weight_bits,
@@ -242,6 +258,7 @@ def quantize(
             per_channel=per_channel,
             activation_dtype=activation_dtype,
             symmetric_activations=symmetric_activations,
+            unsigned_after_relu=unsigned_after_relu,
             patterns=patterns,
             callback=callback,
             percentile=percentile,

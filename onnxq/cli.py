@@ -140,6 +140,14 @@ def _parser() -> argparse.ArgumentParser:
         help="activation type (default uint8, the fast U8S8 path of onnxruntime CPU)",
     )
     q.add_argument(
+        "--unsigned-after-relu",
+        action="store_const",
+        const=True,
+        default=None,
+        help="with symmetric int8 activations: uint8 with zero point 0 for tensors a Relu makes "
+        "non-negative (twice the resolution; OpenVINO's convention; --format qdq or openvino)",
+    )
+    q.add_argument(
         "--symmetric-activations",
         action="store_const",
         const=True,
@@ -337,6 +345,7 @@ def _quantize(args: argparse.Namespace) -> int:
         per_channel=args.per_channel,
         activation_dtype=args.activation_dtype,
         symmetric_activations=args.symmetric_activations,
+        unsigned_after_relu=args.unsigned_after_relu,
         config=args.config,
         target=args.target,
         weight_dtype=args.weight_dtype,

@@ -35,6 +35,7 @@ from onnxq.graph import (
     load_model,
     node_label,
     nodes_in_order,
+    producer,
 )
 from onnxq.preprocess import preprocess
 from onnxq.qparams import QParams, qrange, quantize, widen_for_bias
@@ -56,6 +57,9 @@ class QuantizerConfig:
     per_channel: bool = True
     exclude: tuple[str, ...] = ()
     weight_bits: int = 8
+    #: symmetric int8 activations, except tensors a Relu makes non-negative: uint8, zero point 0
+    #: (twice the resolution there; OpenVINO's convention)
+    unsigned_after_relu: bool = False
     #: per-node settings (onnxq.config.UserConfig) from --config
     user: Any = None
 
@@ -362,12 +366,13 @@ class Quantizer:
     def _activation_qtensor(self, tensor: gs.Tensor, output: bool = False) -> QTensor:
         name = tensor.name
         dt = self.config.activation_dtype
+        symmetric = self.config.activation_symmetric
+        if self.config.unsigned_after_relu and symmetric and _after_relu(tensor):
+            dt, symmetric = "uint8", False  # range [0, max]: the zero point comes out 0
         scale = self._placeholder(f"{name}_scale", "scale", name, "float32", (), reuse=True)
         zp = self._placeholder(f"{name}_zero_point", "zero_point", name, dt, (), reuse=True)
         qname = self.editor.unique_name(f"{name}_quantized")
-        return QTensor(
-            name, qname, scale, zp, "activation", dt, None, self.config.activation_symmetric
-        )
+        return QTensor(name, qname, scale, zp, "activation", dt, None, symmetric)
 
     def _placeholder(
         self,
@@ -528,3 +533,19 @@ class Quantizer:
         for i, node in enumerate(self.float_model.graph.node):
             order[node.name or node.output[0]] = i
         return sorted(self.records, key=lambda r: min(order.get(n, 0) for n in r.nodes))
+
+
+def _after_relu(tensor: gs.Tensor) -> bool:
+    """``tensor`` is non-negative by construction: a Relu's output, or a Clip's with min ≥ 0."""
+    node = producer(tensor)
+    if node is None:
+        return False
+    if node.op == "Relu":
+        return True
+    if node.op == "Clip":
+        low = node.attrs.get("min") if len(node.inputs) < 2 else None
+        if len(node.inputs) >= 2 and node.inputs[1].name:
+            value = constant_value(node.inputs[1])
+            low = None if value is None else float(np.asarray(value).reshape(-1)[0])
+        return low is not None and low >= 0.0
+    return False

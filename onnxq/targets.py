@@ -33,6 +33,7 @@ class Target:
     per_channel: bool = True
     weight_bits: int = 8
     patterns: tuple[str, ...] | None = None
+    unsigned_after_relu: bool = False
 
     def __post_init__(self) -> None:
         from onnxq.export import FORMATS

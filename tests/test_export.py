@@ -320,3 +320,65 @@ def test_int16_activations_a16w8_qdq():
     assert err16 <= err8
     with pytest.raises(ConfigError, match="int16 activations"):
         onnxq.quantize(path, {"input": xtr[:10]}, activation_dtype="int16", progress=False)
+
+
+def _relu_outputs(path):
+    """Tensors produced by a Relu in the model at ``path`` (the unsigned-after-relu ones)."""
+    return {n.output[0] for n in onnx.load(path).graph.node if n.op_type == "Relu"}
+
+
+@pytest.mark.parametrize("fmt", ["qdq", "openvino"])
+def test_unsigned_after_relu(fmt):
+    xtr, _, xte, yte = ds.digits()
+    path = str(MODELS / "digits_cnn.onnx")
+    relu_outputs = _relu_outputs(path)
+    kw = dict(activation_dtype="int8", symmetric_activations=True, format=fmt, progress=False)
+    q, rep = onnxq.quantize(path, {"input": xtr[:100]}, unsigned_after_relu=True, **kw)
+    plain, plain_rep = onnxq.quantize(path, {"input": xtr[:100]}, **kw)
+    zps = {
+        k[: -len("_zero_point")]: np.asarray(v)
+        for k, v in rep.values.items()
+        if k.endswith("_zero_point")
+    }
+    after = {t: z for t, z in zps.items() if t in relu_outputs}
+    before = {
+        t: z
+        for t, z in zps.items()
+        if t not in relu_outputs and z.ndim == 0 and not t.endswith("weight")
+    }
+    assert after and all(z == 0 for z in after.values())
+    assert before and all(z == 0 for z in before.values())
+    if fmt == "qdq":
+        dtypes = {i.name: onnx.numpy_helper.to_array(i).dtype for i in q.graph.initializer}
+        assert all(dtypes[f"{t}_zero_point"] == np.uint8 for t in after)
+        assert dtypes["input_zero_point"] == np.int8
+        outs, ref = run(q, {"input": xte})[0], run(path, {"input": xte})[0]
+        plain_outs = run(plain, {"input": xte})[0]
+    else:
+        outs, ref, plain_outs = run_ov(q, xte), run(path, {"input": xte})[0], run_ov(plain, xte)
+    # unsigned Relu outputs get twice the resolution: the result is closer to float
+    assert np.abs(outs - ref).mean() < np.abs(plain_outs - ref).mean()
+    assert (outs.argmax(1) == yte).mean() >= (ref.argmax(1) == yte).mean() - 0.005
+    scales = {
+        k: float(v) for k, v in rep.values.items() if k.endswith("_scale") and k[:-6] in after
+    }
+    plain_scales = {k: float(v) for k, v in plain_rep.values.items() if k in scales}
+    assert all(scales[k] < 0.6 * plain_scales[k] for k in scales)
+
+
+@pytest.mark.parametrize(
+    "kw, message",
+    [
+        (dict(activation_dtype="int8", symmetric_activations=True), "use --format qdq"),
+        (dict(format="qdq"), "applies to symmetric int8 activations"),
+    ],
+)
+def test_unsigned_after_relu_refused_where_it_cannot_work(kw, message):
+    with pytest.raises(ConfigError, match=message):
+        onnxq.quantize(
+            str(MODELS / "digits_cnn.onnx"),
+            {"input": np.zeros((1, 1, 28, 28), np.float32)},
+            unsigned_after_relu=True,
+            progress=False,
+            **kw,
+        )
