@@ -208,6 +208,8 @@ class Calibrator:
         self.node_callbacks = dict(node_callbacks or {})
         self.progress = sys.stderr.isatty() if progress is None else progress
         self.values: dict[str, np.ndarray] = {}
+        #: placeholders holding a pattern's fixed output grid
+        self._fixed: set[str] = set()
         #: the activation range chosen per tensor, first writer wins like the values (what
         #: --save-ranges writes)
         self.ranges: dict[str, tuple[float, float]] = {}
@@ -267,13 +269,22 @@ class Calibrator:
                     f"'{name}', which is not a placeholder of the model"
                 )
             arr = np.asarray(value)
-            if name in self.values:
-                if not np.array_equal(self.values[name], arr.astype(self.values[name].dtype)):
+            # a fixed output grid (Sigmoid, Softmax: 1/256) defines its tensor: it wins over an
+            # observed range whichever pattern came first, and a consumer's differing observed
+            # range of it is no conflict
+            fixed = getattr(rec.pattern, "fixed_output", None) is not None and any(
+                name in pair for pair in rec.output_scale_zps
+            )
+            if name in self.values and not (fixed and name not in self._fixed):
+                same = np.array_equal(self.values[name], arr.astype(self.values[name].dtype))
+                if not same and name not in self._fixed:
                     self.report.conflicts.append(
                         f"{rec.label} '{rec.qop}' asked {name}={arr.tolist()}, kept "
                         f"{self.values[name].tolist()} set by an earlier pattern"
                     )
                 continue
+            if fixed:
+                self._fixed.add(name)
             ph = known[name]
             if ph.kind == "scale" and (not np.all(np.isfinite(arr)) or np.any(arr <= 0)):
                 raise CalibrationError(

@@ -620,3 +620,25 @@ def test_embedding_table_is_stored_int8_and_gathered_exactly():
     ref = ints["E_quantized"][ids].astype(np.float32) * scale
     np.testing.assert_allclose(np.abs(ref - table[ids]).max(), 0, atol=scale.max())
     close_enough(model, q, {"ids": ids}, tol=0.05)
+
+
+def test_silu_fixed_sigmoid_grid_is_not_a_conflict():
+    # YOLOv8's SiLU: Conv → Sigmoid → Mul(conv, sigmoid) → Conv. The Mul observes the sigmoid's
+    # range, but the sigmoid's fixed 1/256 grid defines that tensor: no conflict is reported
+    nodes = [
+        h.make_node("Conv", ["x", "W1"], ["a"], name="c1"),
+        h.make_node("Sigmoid", ["a"], ["s"], name="sig"),
+        h.make_node("Mul", ["a", "s"], ["m"], name="silu"),
+        h.make_node("Conv", ["m", "W2"], ["y"], name="c2"),
+    ]
+    model = make_model(
+        nodes,
+        [("x", ["N", 3, 8, 8])],
+        [("y", None)],
+        {"W1": weights(4, 3, 3, 3), "W2": weights(4, 4, 3, 3)},
+    )
+    q, report, feeds = quantize_random(model, {"x": [2, 3, 8, 8]})
+    assert {"QLinearSigmoid", "QLinearMul"} <= set(ops(q))
+    assert report.calibration.conflicts == []
+    assert report.values["s_scale"] == pytest.approx(1 / 256)
+    close_enough(model, q, feeds)
