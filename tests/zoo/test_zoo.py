@@ -116,3 +116,13 @@ def test_fetch_checks_sha256_and_caches(tmp_path, monkeypatch, good):
         with pytest.raises(ZooError, match="has sha256"):
             fetch(manifest, manifest.models["fake"], log=lambda _: None)
         assert not list((tmp_path / "cache").glob("fake__*"))  # nothing half-written kept
+
+
+@pytest.mark.slow
+def test_symbolic_shapes_fill_what_onnx_inference_leaves():
+    from onnxq.preprocess import _unshaped, preprocess
+
+    model = MANIFEST.models["rapidocr_v4_rec"]
+    proto = onnx.load(str(fetch(MANIFEST, model, log=lambda _: None)["model"]))
+    assert len(_unshaped(onnx.shape_inference.infer_shapes(proto, data_prop=True))) > 50
+    assert _unshaped(preprocess(proto)) == []
