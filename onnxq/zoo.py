@@ -404,27 +404,18 @@ def run_model(
     kwargs = {"target": target, "progress": False, **model.quantize, **overrides}
     qmodel, report = quantize(str(path), recipe.calibration(model.calibration), **kwargs)
     seconds = time.perf_counter() - start
-    int8 = recipe.evaluate(runner(qmodel), model.evaluation)
-    if output is not None:
-        from onnxq.graph import save_model
-
-        save_model(qmodel, output)
     reasons = {d.node: d.reason for d in report.decisions if not d.quantized}
-    return ZooResult(
-        model=model.name,
-        metric=recipe.metric,
-        unit=recipe.unit,
-        higher_is_better=recipe.higher_is_better,
-        fp32=fp32,
-        int8=int8,
-        max_loss=model.max_loss,
-        quantized_nodes=len(report.quantized_nodes),
-        min_quantized=model.min_quantized,
-        fp32_bytes=path.stat().st_size,
-        int8_bytes=qmodel.ByteSize(),
-        seconds=seconds,
-        float_reasons=reasons,
-        summary=report.summary(),
+    return _result(
+        model,
+        recipe,
+        path,
+        fp32,
+        qmodel,
+        output,
+        seconds,
+        report.summary(),
+        len(report.quantized_nodes),
+        reasons,
     )
 
 
@@ -445,23 +436,51 @@ def _run_quantized(
     start = time.perf_counter()
     converted, report = convert(onnx.load(str(path)), str(model.quantize.get("format", "qdq")))
     seconds = time.perf_counter() - start
-    score = recipe.evaluate(runner(converted), model.evaluation)
+    return _result(
+        model,
+        recipe,
+        path,
+        reference,
+        converted,
+        output,
+        seconds,
+        report.summary(),
+        len(report.converted),
+        {},
+    )
+
+
+def _result(
+    model: ZooModel,
+    recipe: Any,
+    path: Path,
+    fp32: float,
+    qmodel: onnx.ModelProto,
+    output: Any,
+    seconds: float,
+    summary: str,
+    quantized: int,
+    reasons: dict[str, str],
+) -> ZooResult:
+    """Score ``qmodel``, save it to ``output`` (if given) and gather the result."""
+    int8 = recipe.evaluate(runner(qmodel), model.evaluation)
     if output is not None:
         from onnxq.graph import save_model
 
-        save_model(converted, output)
+        save_model(qmodel, output)
     return ZooResult(
         model=model.name,
         metric=recipe.metric,
         unit=recipe.unit,
         higher_is_better=recipe.higher_is_better,
-        fp32=reference,
-        int8=score,
+        fp32=fp32,
+        int8=int8,
         max_loss=model.max_loss,
-        quantized_nodes=len(report.converted),
+        quantized_nodes=quantized,
         min_quantized=model.min_quantized,
         fp32_bytes=path.stat().st_size,
-        int8_bytes=converted.ByteSize(),
+        int8_bytes=qmodel.ByteSize(),
         seconds=seconds,
-        summary=report.summary(),
+        float_reasons=reasons,
+        summary=summary,
     )

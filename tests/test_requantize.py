@@ -208,12 +208,9 @@ def test_nonzero_constant_pad_is_not_crossed():
     assert ops(Requantizer().requantize(model))[:3] == ["QuantizeLinear", "DequantizeLinear", "Pad"]
 
 
-def test_rescaled_pair_rescales_the_int32_bias():
-    # Q(x, s1) -> DQ -> Q(s2) -> QLinearConv with an int32 bias at s2·s_w. Reading the s1 tensor
-    # directly changes the accumulator scale to s1·s_w: the bias must follow, or every output
-    # shifts by bias·(1 − s2/s1) (a bug that once cost nudenet a third of its box IoU).
-    w = np.random.default_rng(1).integers(-60, 60, (4, 4, 1, 1)).astype(np.int8)
-    nodes = [
+def _pair_into_conv():
+    """Q(x, s1) → DQ → Q(s2) → QLinearConv (int32 bias b) → DQ."""
+    return [
         h.make_node("QuantizeLinear", ["x", "s1", "z1"], ["q"], name="q0"),
         h.make_node("DequantizeLinear", ["q", "s1", "z1"], ["d"], name="dq0"),
         h.make_node("QuantizeLinear", ["d", "s2", "z2"], ["q2"], name="q1"),
@@ -225,6 +222,14 @@ def test_rescaled_pair_rescales_the_int32_bias():
         ),
         h.make_node("DequantizeLinear", ["yq", "sy", "zy"], ["y"], name="dq1"),
     ]
+
+
+def test_rescaled_pair_rescales_the_int32_bias():
+    # Q(x, s1) -> DQ -> Q(s2) -> QLinearConv with an int32 bias at s2·s_w. Reading the s1 tensor
+    # directly changes the accumulator scale to s1·s_w: the bias must follow, or every output
+    # shifts by bias·(1 − s2/s1) (a bug that once cost nudenet a third of its box IoU).
+    w = np.random.default_rng(1).integers(-60, 60, (4, 4, 1, 1)).astype(np.int8)
+    nodes = _pair_into_conv()
     inits = {
         **scalars(s1=0.015, z1=70, s2=0.012, z2=85, sy=0.1, zy=128),
         "w": w,
@@ -246,18 +251,7 @@ def test_rescaled_pair_rescales_the_int32_bias():
 
 
 def test_rescaled_bias_that_would_overflow_keeps_the_pair():
-    nodes = [
-        h.make_node("QuantizeLinear", ["x", "s1", "z1"], ["q"], name="q0"),
-        h.make_node("DequantizeLinear", ["q", "s1", "z1"], ["d"], name="dq0"),
-        h.make_node("QuantizeLinear", ["d", "s2", "z2"], ["q2"], name="q1"),
-        h.make_node(
-            "QLinearConv",
-            ["q2", "s2", "z2", "w", "sw", "zw", "sy", "zy", "b"],
-            ["yq"],
-            name="conv",
-        ),
-        h.make_node("DequantizeLinear", ["yq", "sy", "zy"], ["y"], name="dq1"),
-    ]
+    nodes = _pair_into_conv()
     inits = {
         **scalars(s1=0.0001, z1=70, s2=0.012, z2=85, sy=0.1, zy=128),
         "w": np.ones((4, 4, 1, 1), np.int8),
