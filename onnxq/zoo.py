@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -51,6 +52,7 @@ MODEL_KEYS = {
     "quantize",
     "expect",
     "notes",
+    "inputs",
 }
 BAR_KEYS = {"max_loss", "min_quantized"}
 
@@ -87,6 +89,7 @@ class ZooModel:
     quantize: dict[str, Any] = field(default_factory=dict)
     expect: str = "quantize"
     notes: str = ""
+    inputs: dict[str, str] = field(default_factory=dict)
 
     @property
     def source(self) -> str:
@@ -208,11 +211,50 @@ def load_manifest(path: str | os.PathLike[str] | None = None) -> Manifest:
             quantize=dict(table.get("quantize", {})),
             expect=str(table.get("expect", "quantize")),
             notes=str(table.get("notes", "")),
+            inputs={str(k): str(v) for k, v in table.get("inputs", {}).items()},
         )
+        for key, spec in models[name].inputs.items():
+            if not _SPEC.fullmatch(spec):
+                raise ZooError(
+                    f"{where}.inputs.{key}: {spec!r} is not dtype[dims] (e.g. float32[N,3,224,224])"
+                )
     recipes = manifest.parent / str(doc.get("recipes", "recipes.py"))
     if not recipes.is_file():
         raise ZooError(f"{manifest}: recipes module '{recipes}' does not exist")
     return Manifest(manifest, models, recipes)
+
+
+_SPEC = re.compile(r"([a-z0-9]+)\[([^\]]*)\]")
+
+
+def check_inputs(model: ZooModel, path: Path) -> None:
+    """The model file's inputs must match the manifest's ``inputs`` (dtype, rank, fixed sizes)."""
+    if not model.inputs:
+        return
+    graph = onnx.load(str(path), load_external_data=False).graph
+    weights = {t.name for t in graph.initializer}
+    have = {i.name: i.type.tensor_type for i in graph.input if i.name not in weights}
+    if set(have) != set(model.inputs):
+        raise ZooError(
+            f"[model.{model.name}]: the model's inputs are {sorted(have)}, the manifest says "
+            f"{sorted(model.inputs)}"
+        )
+    for name, spec in model.inputs.items():
+        match = _SPEC.fullmatch(spec)
+        assert match is not None
+        dtype, dims = match.group(1), [d.strip() for d in match.group(2).split(",") if d.strip()]
+        tensor = have[name]
+        got_dtype = onnx.helper.tensor_dtype_to_np_dtype(tensor.elem_type).name
+        got = [d.dim_value if d.HasField("dim_value") else None for d in tensor.shape.dim]
+        fixed_differs = any(
+            d.isdigit() and g not in (None, 0) and int(d) != g for d, g in zip(dims, got)
+        )
+        if got_dtype != dtype or len(got) != len(dims) or fixed_differs:
+            shown = ",".join("?" if g is None else str(g) for g in got)
+            raise ZooError(
+                f"[model.{model.name}]: input '{name}' is {got_dtype}[{shown}], the manifest "
+                f"says {spec}; the file changed or the manifest is wrong"
+            )
 
 
 # ------------------------------------------------------------------------------------------
@@ -395,6 +437,7 @@ def run_model(
     from onnxq.api import quantize
 
     files = fetch(manifest, model, log)
+    check_inputs(model, files["model"])
     recipe = make_recipe(manifest, model, files)
     path = files["model"]
     fp32 = recipe.evaluate(runner(path), model.evaluation)

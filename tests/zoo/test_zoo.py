@@ -126,3 +126,23 @@ def test_symbolic_shapes_fill_what_onnx_inference_leaves():
     proto = onnx.load(str(fetch(MANIFEST, model, log=lambda _: None)["model"]))
     assert len(_unshaped(onnx.shape_inference.infer_shapes(proto, data_prop=True))) > 50
     assert _unshaped(preprocess(proto)) == []
+
+
+def test_manifest_input_spec_is_checked_against_the_model(tmp_path):
+    from onnxq.zoo import check_inputs
+
+    model = MANIFEST.models["digits_cnn"]
+    path = fetch(MANIFEST, model, log=lambda _: None)["model"]
+    check_inputs(model, path)  # the committed manifest matches
+    for spec, message in [
+        ({"input": "float32[N,3,28,28]"}, "is float32[?,1,28,28], the manifest says"),
+        ({"input": "int32[N,1,28,28]"}, "the manifest says int32"),
+        ({"pixels": "float32[N,1,28,28]"}, "the model's inputs are ['input']"),
+    ]:
+        wrong = type(model)(**{**model.__dict__, "inputs": spec})
+        with pytest.raises(ZooError) as info:
+            check_inputs(wrong, path)
+        assert message in str(info.value)
+    body = '[model.a]\nfile = "a.onnx"\nrecipe = "r"\ninputs = { x = "float32(1,2)" }\n'
+    with pytest.raises(ZooError, match="is not dtype"):
+        load_manifest(_manifest(tmp_path, body))
