@@ -189,8 +189,9 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument(
         "--format",
         required=True,
-        choices=["qoperator", "qdq"],
-        help="qoperator: QLinear ops (onnxruntime CPU); qdq: standard Q/DQ",
+        choices=["qoperator", "qdq", "openvino"],
+        help="qoperator: QLinear ops (onnxruntime CPU); qdq: standard Q/DQ; openvino: "
+        "FakeQuantize on the float graph (run by the OpenVINO runtime)",
     )
     c.add_argument("--quiet", action="store_true", help="no summary")
 
@@ -395,7 +396,7 @@ def _convert(args: argparse.Namespace) -> int:
 
     dst = _output_path(args.model, args.output)
     model, report = convert(load_model(args.model), args.format)
-    verify(model)
+    verify(model, runtime="openvino" if args.format == "openvino" else "onnxruntime")
     save_model(model, dst)
     if not args.quiet:
         print(report.summary())

@@ -328,15 +328,14 @@ def qdq_to_qoperator(model: onnx.ModelProto) -> tuple[onnx.ModelProto, ConvertRe
 
 
 def convert(model: onnx.ModelProto, target: str) -> tuple[onnx.ModelProto, ConvertReport]:
-    """Retarget a quantized model to ``target`` (``qoperator`` or ``qdq``) without calibration."""
+    """Retarget a quantized model to ``target`` (qoperator, qdq, openvino) without calibration."""
     from onnxq.errors import ConfigError, ModelError
     from onnxq.export import to_qdq
 
-    if target not in ("qoperator", "qdq"):
+    if target not in ("qoperator", "qdq", "openvino"):
         raise ConfigError(
             f"convert --format {target!r} is not supported; convert retargets to "
-            "qoperator or qdq (OpenVINO output needs `onnxq quantize --format "
-            "openvino` on the float model)"
+            "qoperator, qdq or openvino"
         )
     source = quantized_form(model)
     if source is None:
@@ -344,6 +343,12 @@ def convert(model: onnx.ModelProto, target: str) -> tuple[onnx.ModelProto, Conve
             "the model holds no QuantizeLinear/DequantizeLinear or QLinear ops: it "
             "is a float model; use `onnxq quantize` with calibration data"
         )
+    if target == "openvino":
+        from onnxq.openvino import qdq_to_fakequantize
+
+        qdq = to_qdq(model) if source == "qoperator" else model
+        fq, converted = qdq_to_fakequantize(qdq)
+        return fq, ConvertReport(source, target, converted)
     if source == target:
         return model, ConvertReport(source, target)
     if source == "qoperator":

@@ -163,3 +163,116 @@ def _fq_weight(
             for i, inp in enumerate(node.inputs):
                 if inp is t:
                     editor.set_input(node, i, out)
+
+
+def qdq_to_fakequantize(model: onnx.ModelProto) -> tuple[onnx.ModelProto, list[str]]:
+    """A QDQ model (a QAT export, another tool's, onnxq's) as FakeQuantize on the float graph.
+
+    Each activation ``QuantizeLinear → DequantizeLinear`` pair becomes one FakeQuantize with the
+    pair's bounds; an int8 weight feeding ``DequantizeLinear`` becomes its float value behind a
+    (per-channel) FakeQuantize; an int32 bias becomes its float value. Returns the model and the
+    names of the converted DequantizeLinear nodes. Anything else holding integers (a
+    DequantizeLinear of a graph input, an integer graph output) is a clear error.
+    """
+    from onnxq.errors import ModelError
+    from onnxq.graph import constant_value
+
+    graph = import_graph(model)
+    editor = GraphEditor(graph)
+    converted = []
+    fq_inputs: dict[str, gs.Variable] = {}
+    for dq in [n for n in graph.nodes if n.op == "DequantizeLinear"]:
+        x, scale_t = dq.inputs[0], dq.inputs[1]
+        scale = constant_value(scale_t)
+        zp_t = dq.inputs[2] if len(dq.inputs) > 2 and dq.inputs[2].name else None
+        values = constant_value(x)
+        zp = constant_value(zp_t) if zp_t is not None else None
+        if scale is None or (zp_t is not None and zp is None):
+            raise ModelError(f"DequantizeLinear '{dq.name}' has a non-constant scale or zero point")
+        zp = (
+            np.zeros(scale.shape, values.dtype if values is not None else np.uint8)
+            if zp is None
+            else zp
+        )
+        out = dq.outputs[0]
+        axis = int(dq.attrs.get("axis", 1))
+        if values is not None:  # a weight or a bias
+            shape = [1] * values.ndim
+            if scale.size > 1:
+                shape[axis % values.ndim] = scale.size
+            s, z = scale.reshape(shape), zp.reshape(shape).astype(np.float64)
+            real = ((values.astype(np.float64) - z) * s).astype(np.float32)
+            dq.outputs.clear()
+            if values.dtype == np.int32:
+                editor.redirect(out, editor.constant(f"{x.name}_float", real))
+            else:
+                low, high, levels = fq_bounds(s, zp.reshape(shape), np.dtype(values.dtype).name)
+                src = editor.constant(f"{x.name}_float", real)
+                _fq_node(editor, src, low, high, levels, x.name, out=out)
+        else:
+            chain, q = _carried_from_quantize(x)
+            if q is None:
+                raise ModelError(
+                    f"DequantizeLinear '{dq.name}' reads '{x.name}', which no QuantizeLinear "
+                    "produces (an integer graph input?); FakeQuantize needs the float value"
+                )
+            if q.op == "FakeQuantize":
+                pass  # x is already float
+            elif chain:  # int8 carried through MaxPool, Reshape, Pad…: carry the float instead
+                x = _float_chain(editor, chain, q, fq_inputs)
+            else:
+                x = q.inputs[0]
+            low, high, levels = fq_bounds(scale, zp, np.dtype(zp.dtype).name)
+            dq.outputs.clear()
+            _fq_node(editor, x, low, high, levels, out.name, out=out)
+        converted.append(dq.name)
+        editor.remove_node(dq)
+    for q in [n for n in graph.nodes if n.op == "QuantizeLinear"]:
+        if any(o in graph.outputs for o in q.outputs):
+            raise ModelError(
+                f"QuantizeLinear '{q.name}' writes graph output '{q.outputs[0].name}' as "
+                "integers; FakeQuantize models return float"
+            )
+    editor.finish()
+    return export_model(graph, model), converted
+
+
+def _carried_from_quantize(x: gs.Tensor) -> tuple[list[gs.Node], gs.Node | None]:
+    """The carrier nodes (first to last) between a QuantizeLinear and ``x``, and that Q."""
+    from onnxq.requantize import CARRIERS
+
+    chain: list[gs.Node] = []
+    node = producer(x)
+    while node is not None and node.op in CARRIERS and node.inputs:
+        chain.insert(0, node)
+        node = producer(node.inputs[0])
+    # a FakeQuantize here: another DequantizeLinear already made this chain carry floats
+    found = node is not None and node.op in ("QuantizeLinear", "FakeQuantize")
+    return (chain, node) if found else ([], None)
+
+
+def _float_chain(
+    editor: GraphEditor, chain: list[gs.Node], q: gs.Node, fq_inputs: dict[str, gs.Variable]
+) -> gs.Tensor:
+    """Make ``chain`` (carriers reading Q's integers) read FakeQuantize(Q's float input)."""
+    from onnxq.graph import constant_value
+
+    scale = np.asarray(constant_value(q.inputs[1]), np.float64)
+    zp = np.asarray(constant_value(q.inputs[2]))
+    key = q.outputs[0].name
+    if key not in fq_inputs:
+        low, high, levels = fq_bounds(scale, zp, np.dtype(zp.dtype).name)
+        fq_inputs[key] = _fq_node(editor, q.inputs[0], low, high, levels, f"{key}_float")
+    first = chain[0]
+    editor.set_input(first, 0, fq_inputs[key])
+    for node in chain:
+        if node.op == "Pad" and len(node.inputs) > 2 and node.inputs[2].name:
+            value = constant_value(node.inputs[2])  # zero point padding → the real value
+            if value is not None and value.dtype != np.float32:
+                real = ((value.astype(np.float64) - zp.astype(np.float64)) * scale).astype(
+                    np.float32
+                )
+                editor.set_input(node, 2, editor.constant(f"{node.name}_pad_value", real))
+        for out in node.outputs:
+            out.dtype = np.float32
+    return chain[-1].outputs[0]

@@ -118,3 +118,74 @@ def test_float_model_and_bad_format_are_refused(tmp_path, capsys):
     )
     err = capsys.readouterr().err
     assert rc == 2 and "use `onnxq quantize`" in err and not (tmp_path / "o.onnx").exists()
+
+
+def _ort_qdq(path, xtr):
+    from onnxruntime.quantization import QuantFormat, quantize_static
+
+    class Reader:
+        def __init__(self):
+            self.it = iter([{"input": xtr[i : i + 1]} for i in range(64)])
+
+        def get_next(self):
+            return next(self.it, None)
+
+    quantize_static(
+        str(MODELS / "digits_cnn.onnx"),
+        str(path),
+        Reader(),
+        quant_format=QuantFormat.QDQ,
+        per_channel=True,
+    )
+    return onnx.load(str(path))
+
+
+@pytest.mark.parametrize("source", ["onnxq-qdq", "onnxq-qoperator", "onnxruntime-qdq"])
+def test_convert_to_fakequantize_runs_in_openvino(source, tmp_path, digits):
+    ov = pytest.importorskip("openvino")
+    xtr, xte, yte = digits
+    if source == "onnxruntime-qdq":
+        q = _ort_qdq(tmp_path / "ort.onnx", xtr)
+    else:
+        fmt = "qdq" if source == "onnxq-qdq" else "qoperator"
+        q, _ = onnxq.quantize(
+            str(MODELS / "digits_cnn.onnx"), {"input": xtr[:64]}, format=fmt, progress=False
+        )
+    src = tmp_path / "q.onnx"
+    onnx.save(q, str(src))
+    out = tmp_path / "fq.onnx"
+    assert main(["convert", str(src), "-o", str(out), "--format", "openvino", "--quiet"]) == 0
+    fq = onnx.load(str(out))
+    kinds = set(ops(fq))
+    assert "FakeQuantize" in kinds and not kinds & {
+        "QuantizeLinear",
+        "DequantizeLinear",
+        "QLinearConv",
+    }
+    core = ov.Core()
+    got = core.compile_model(core.read_model(fq.SerializeToString()), "CPU")(xte)[0]
+    ref = run(q, {"input": xte})[0]
+    # the same integer arithmetic, rounded by another runtime: the same decisions
+    assert (got.argmax(1) == ref.argmax(1)).mean() > 0.99
+    assert (got.argmax(1) == yte).mean() >= (ref.argmax(1) == yte).mean() - 0.005
+    assert np.abs(got - ref).max() < 0.05 * np.abs(ref).max()
+
+
+def test_convert_to_fakequantize_refuses_integer_inputs():
+    nodes = [
+        h.make_node("DequantizeLinear", ["xq", "s", "z"], ["x"], name="dq_in"),
+        h.make_node("Relu", ["x"], ["y"], name="relu"),
+    ]
+    graph = h.make_graph(
+        nodes,
+        "g",
+        [onnx.helper.make_tensor_value_info("xq", onnx.TensorProto.UINT8, [1, 4])],
+        [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1, 4])],
+        [
+            onnx.numpy_helper.from_array(np.float32(0.1), "s"),
+            onnx.numpy_helper.from_array(np.uint8(3), "z"),
+        ],
+    )
+    model = h.make_model(graph, opset_imports=[h.make_opsetid("", 13)])
+    with pytest.raises(ModelError, match="which no QuantizeLinear produces"):
+        convert(model, "openvino")
