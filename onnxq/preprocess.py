@@ -149,8 +149,29 @@ def _quiet() -> None:
     ort.set_default_logger_severity(3)
 
 
+def _gemm_weights(gemm: gs.Node) -> tuple[np.ndarray, np.ndarray, bool, int] | None:
+    """Gemm as (alpha·B, beta·C per output column, has C, column axis of B), or None."""
+    if not isinstance(gemm.inputs[1], gs.Constant):
+        return None
+    w = np.asarray(gemm.inputs[1].values, np.float64) * float(gemm.attrs.get("alpha", 1.0))
+    axis = 0 if int(gemm.attrs.get("transB", 0)) else 1
+    n = w.shape[axis]
+    has_b = len(gemm.inputs) > 2 and not is_absent(gemm.inputs[2])
+    if not has_b:
+        return w, np.zeros(n), False, axis
+    c = gemm.inputs[2]
+    if not isinstance(c, gs.Constant):
+        return None
+    value = np.asarray(c.values, np.float64) * float(gemm.attrs.get("beta", 1.0))
+    if value.size not in (1, n) or (value.ndim == 2 and value.shape[0] != 1) or value.ndim > 2:
+        return None  # a C that varies along the batch rows is not a per-channel bias
+    return w, np.broadcast_to(value.reshape(-1), (n,)).copy(), True, axis
+
+
 def _weights(conv: gs.Node) -> tuple[np.ndarray, np.ndarray, bool, int] | None:
-    """(W, b, has_bias, output-channel axis of W) of a Conv/ConvTranspose with constant W, b."""
+    """(W, b, has_b, output-channel axis of W) of a Conv/ConvTranspose/Gemm with constant W, b."""
+    if conv.op == "Gemm":
+        return _gemm_weights(conv)
     if conv.op not in ("Conv", "ConvTranspose") or not isinstance(conv.inputs[1], gs.Constant):
         return None
     if conv.op == "ConvTranspose" and int(conv.attrs.get("group", 1)) != 1:
@@ -177,6 +198,8 @@ def _scale_shift(editor: GraphEditor, conv: gs.Node, scale: np.ndarray, shift: n
         editor.constant(f"{conv.name}.W_folded", (w * scale.reshape(shape)).astype(np.float32)),
     )
     bias = editor.constant(f"{conv.name}.B_folded", (b * scale + shift).astype(np.float32))
+    if conv.op == "Gemm":  # alpha and beta are now inside W and the bias
+        conv.attrs["alpha"], conv.attrs["beta"] = 1.0, 1.0
     if has_b:
         editor.set_input(conv, 2, bias)
     else:
@@ -192,7 +215,7 @@ def _single_reader(graph: gs.Graph, node: gs.Node) -> gs.Node | None:
 
 
 def _fold_batchnorm(graph: gs.Graph) -> None:
-    """Conv/ConvTranspose → BatchNormalization (inference form) becomes one node."""
+    """Conv/ConvTranspose/Gemm → BatchNormalization (inference form) becomes one node."""
     editor = GraphEditor(graph)
     for conv in list(graph.nodes):
         bn = _single_reader(graph, conv)

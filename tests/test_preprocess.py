@@ -39,6 +39,31 @@ def test_batchnorm_folds_into_conv():
     assert ops(pre) == ["Conv"]
 
 
+@pytest.mark.parametrize("trans_b", [0, 1])
+@pytest.mark.parametrize("bias", ["none", "vector", "row"])
+def test_batchnorm_folds_into_gemm(trans_b, bias):
+    # Linear → BatchNorm1d: alpha and beta move into the folded weight and bias
+    x = R.normal(0, 1, (5, 6)).astype(np.float32)
+    inputs = ["x", "W"] + ({"none": [], "vector": ["C"], "row": ["C"]}[bias])
+    nodes = [
+        h.make_node("Gemm", inputs, ["g"], transB=trans_b, alpha=0.5, beta=2.0, name="fc"),
+        h.make_node("BatchNormalization", ["g", "ga", "be", "m", "v"], ["y"], name="bn"),
+    ]
+    inits = {
+        "W": w(4, 6) if trans_b else w(6, 4),
+        "ga": w(4) + 1,
+        "be": w(4),
+        "m": w(4),
+        "v": np.abs(w(4)) + 0.5,
+    }
+    if bias != "none":
+        inits["C"] = w(4) if bias == "vector" else w(1, 4)
+    model = make_model(nodes, [("x", ["N", 6])], [("y", None)], inits)
+    pre = preprocess(model)
+    assert ops(pre) == ["Gemm"]
+    np.testing.assert_allclose(run(pre, {"x": x})[0], run(model, {"x": x})[0], rtol=1e-4, atol=1e-5)
+
+
 def test_batchnorm_folds_into_conv_transpose():
     nodes = [
         h.make_node("ConvTranspose", ["x", "W", "B"], ["c"], strides=[2, 2], name="up"),
