@@ -24,7 +24,7 @@ from onnxq.export import FORMATS, PER_CHANNEL_OPSET, to_qdq
 from onnxq.graph import check_model, load_model, save_model
 from onnxq.preprocess import raise_opset
 from onnxq.quantizer import Decision, Quantizer, QuantizerConfig, QuantizerPattern
-from onnxq.requantize import Requantizer, RequantizeStats
+from onnxq.requantize import Requantizer, RequantizeStats, dtype_rescales
 from onnxq.session import make_session
 from onnxq.subgraphs import has_branches
 
@@ -55,6 +55,8 @@ class QuantizeReport:
     ops_before: dict[str, int] = field(default_factory=dict)
     ops_after: dict[str, int] = field(default_factory=dict)
     values: dict[str, Any] = field(default_factory=dict)
+    #: tensors where a DQ→Q pair changes the activation dtype (--config activation_dtype)
+    rescales: list[str] = field(default_factory=list)
 
     @property
     def quantized_nodes(self) -> list[str]:
@@ -76,6 +78,11 @@ class QuantizeReport:
             f"{len(self.requantize.relus_removed)} Relus removed",
             "time: " + ", ".join(f"{k} {v:.2f}s" for k, v in self.seconds.items()),
         ]
+        if self.rescales:
+            lines.append(
+                f"{len(self.rescales)} rescale(s) (DQ→Q) where the activation dtype changes: "
+                + ", ".join(self.rescales)
+            )
         for name, count in cal.nonfinite.items():
             lines.append(
                 f"warning: tensor '{name}' held {count} NaN/Inf values during "
@@ -93,6 +100,7 @@ class QuantizeReport:
             "seconds": self.seconds,
             "ops_before": self.ops_before,
             "ops_after": self.ops_after,
+            "rescales": self.rescales,
         }
 
 
@@ -291,6 +299,7 @@ def quantize(
         ops_before=op_histogram(float_model),
         ops_after=op_histogram(result),
         values={k: v.tolist() for k, v in quantizer.final_values.items()},
+        rescales=dtype_rescales(result) if format != "openvino" else [],
     )
     return result, report
 

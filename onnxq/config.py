@@ -32,7 +32,7 @@ from typing import Any
 
 from onnxq.errors import ConfigError
 
-KEYS = {"keep_float", "method"}
+KEYS = {"keep_float", "method", "activation_dtype"}
 
 
 def load_toml(path: str | os.PathLike[str], option: str) -> dict[str, Any]:
@@ -57,6 +57,7 @@ class NodeSettings:
     source: str = "defaults"
     #: priority level of the layer that set ``method``: global 0, op type 1, regex 2, name 3
     method_level: int = -1
+    activation_dtype: str | None = None
 
 
 @dataclass
@@ -92,6 +93,11 @@ class UserConfig:
                 )
             if "keep_float" in table and not isinstance(table["keep_float"], bool):
                 raise ConfigError(f"{cfg.path}: {where}.keep_float must be true or false")
+            if "activation_dtype" in table and table["activation_dtype"] not in ("uint8", "int8"):
+                raise ConfigError(
+                    f"{cfg.path}: {where}.activation_dtype {table['activation_dtype']!r} is not "
+                    "uint8 or int8 (int16 is global: --activation-dtype int16 --format qdq)"
+                )
             if "method" in table and table["method"] not in METHODS:
                 raise ConfigError(
                     f"{cfg.path}: {where}.method {table['method']!r} is unknown; "

@@ -179,7 +179,14 @@ class QuantizerPattern(DFPatternCallback):
 
     def callback(self, pre: gs.Tensor, post: gs.Tensor, node_map: dict) -> gs.Tensor | None:
         """Rewrite the current match (``self.match``) through :meth:`quantize_match`."""
-        return self.quantize_match(self.match)
+        q = self.quantizer
+        q._group_dtype = next(
+            (q.node_dtypes[n.name] for n in self.match.nodes if n.name in q.node_dtypes), None
+        )
+        try:
+            return self.quantize_match(self.match)
+        finally:
+            q._group_dtype = None
 
     def quantize_match(self, m: Match) -> gs.Tensor | None:
         """Build the quantized replacement of ``m``; None leaves it float."""
@@ -219,7 +226,8 @@ class Quantizer:
         self._qtensors: dict[str, QTensor] = {}
         self._consts: dict[str, gs.Constant] = {}
         self._qvars: dict[str, gs.Variable] = {}
-        self._by_tensor: dict[tuple[str, str], str] = {}  # (tensor, kind) -> first placeholder
+        #: (tensor, kind, requested name) -> placeholder; a tensor read in two dtypes has two
+        self._by_tensor: dict[tuple[str, str, str], str] = {}
         self._float_values: dict[str, np.ndarray] = {}
         self._left_float: dict[str, tuple[str, str]] = {}
         #: scales and zero points of the last materialized model (after bias widening)
@@ -236,6 +244,11 @@ class Quantizer:
         #: calibration method per node from the user configuration, and its priority level
         self.node_methods: dict[str, str] = {}
         self.node_method_levels: dict[str, int] = {}
+        #: activation dtype per node from the user configuration (--config activation_dtype)
+        self.node_dtypes: dict[str, str] = {}
+        self.node_dtype_sources: dict[str, str] = {}
+        #: the activation dtype of the group being rewritten (None: the global one)
+        self._group_dtype: str | None = None
         if self.config.user is not None:
             user = self.config.user
             missing = user.unknown_nodes({n.name for n in graph.nodes})
@@ -251,6 +264,9 @@ class Quantizer:
                 if st.method is not None:
                     self.node_methods[n.name] = st.method
                     self.node_method_levels[n.name] = st.method_level
+                if st.activation_dtype is not None:
+                    self.node_dtypes[n.name] = st.activation_dtype
+                    self.node_dtype_sources[n.name] = f"--config {st.source}"
         result = rewrite(
             self.patterns,
             graph,
@@ -270,9 +286,10 @@ class Quantizer:
     # helpers used by QuantizerPattern.quantize_match
 
     def quantize_input(self, tensor: gs.Tensor) -> QTensor:
-        """The activation ``tensor`` quantized (one QuantizeLinear per tensor, shared)."""
-        if tensor.name in self._qtensors:
-            return self._qtensors[tensor.name]
+        """The activation ``tensor`` quantized (one QuantizeLinear per tensor and dtype, shared)."""
+        key = f"{tensor.name}#{self._activation_dtype(tensor)[0]}"
+        if key in self._qtensors:
+            return self._qtensors[key]
         qt = self._activation_qtensor(tensor)
         self.editor.add_node(
             "QuantizeLinear",
@@ -280,7 +297,7 @@ class Quantizer:
             [self._variable(qt.quantized, qt.dtype, tensor.shape)],
             name=f"{tensor.name}_QuantizeLinear",
         )
-        self._qtensors[tensor.name] = qt
+        self._qtensors[key] = qt
         return qt
 
     def operands(self, qt: QTensor) -> list[gs.Tensor]:
@@ -363,14 +380,26 @@ class Quantizer:
         """Register a rewritten group for calibration and reports."""
         self.records.append(rec)
 
-    def _activation_qtensor(self, tensor: gs.Tensor, output: bool = False) -> QTensor:
-        name = tensor.name
-        dt = self.config.activation_dtype
+    def _activation_dtype(self, tensor: gs.Tensor) -> tuple[str, bool]:
+        """(dtype, symmetric) of ``tensor`` as the group being rewritten reads or writes it."""
+        dt = self._group_dtype or self.config.activation_dtype
         symmetric = self.config.activation_symmetric
         if self.config.unsigned_after_relu and symmetric and _after_relu(tensor):
             dt, symmetric = "uint8", False  # range [0, max]: the zero point comes out 0
-        scale = self._placeholder(f"{name}_scale", "scale", name, "float32", (), reuse=True)
-        zp = self._placeholder(f"{name}_zero_point", "zero_point", name, dt, (), reuse=True)
+        return dt, symmetric
+
+    def _activation_qtensor(self, tensor: gs.Tensor, output: bool = False) -> QTensor:
+        name = tensor.name
+        dt, symmetric = self._activation_dtype(tensor)
+        # a tensor read in another dtype than the global one (--config activation_dtype) gets
+        # its own parameters; where it meets the other dtype a DQ→Q rescale stays in the model
+        base = (
+            name
+            if dt == self.config.activation_dtype or self._group_dtype is None
+            else f"{name}_{dt}"
+        )
+        scale = self._placeholder(f"{base}_scale", "scale", name, "float32", (), reuse=True)
+        zp = self._placeholder(f"{base}_zero_point", "zero_point", name, dt, (), reuse=True)
         qname = self.editor.unique_name(f"{name}_quantized")
         return QTensor(name, qname, scale, zp, "activation", dt, None, symmetric)
 
@@ -383,10 +412,11 @@ class Quantizer:
         shape: tuple[int, ...],
         reuse: bool = False,
     ) -> str:
-        if reuse and (tensor, kind) in self._by_tensor:
-            return self._by_tensor[(tensor, kind)]
+        key = (tensor, kind, name)  # one placeholder per tensor, kind and view (dtype)
+        if reuse and key in self._by_tensor:
+            return self._by_tensor[key]
         final = self.editor.unique_name(name)
-        self._by_tensor.setdefault((tensor, kind), final)
+        self._by_tensor.setdefault(key, final)
         if kind == "scale":
             default = np.ones(shape, np.float32)
         else:
@@ -419,7 +449,10 @@ class Quantizer:
             name = node.name
             attempts = part.reasons_for(name)
             if name in quantized:
-                self.decisions[name] = Decision(name, node.op, True, quantized[name])
+                why = ""
+                if name in self.node_dtypes:
+                    why = f"activations {self.node_dtypes[name]} ({self.node_dtype_sources[name]})"
+                self.decisions[name] = Decision(name, node.op, True, quantized[name], why)
             elif name in self._left_float:
                 pattern, reason = self._left_float[name]
                 self.decisions[name] = Decision(name, node.op, False, pattern, reason)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import numpy as np
+import onnx
 import pytest
 from helpers import MODELS
 
@@ -103,3 +104,52 @@ def test_inspect_with_config(tmp_path, capsys):
 def test_missing_config_file():
     with pytest.raises(ConfigError, match="does not exist"):
         UserConfig.load("/nonexistent/c.toml")
+
+
+def _two_convs():
+    from helpers import make_model
+
+    gen = np.random.default_rng(4)
+    nodes = [
+        onnx.helper.make_node("Conv", ["x", "W1"], ["a"], name="conv1", pads=[1, 1, 1, 1]),
+        onnx.helper.make_node("Relu", ["a"], ["r"], name="relu1"),
+        onnx.helper.make_node("Conv", ["r", "W2"], ["y"], name="conv2", pads=[1, 1, 1, 1]),
+    ]
+    inits = {
+        "W1": gen.normal(0, 0.3, (8, 3, 3, 3)).astype(np.float32),
+        "W2": gen.normal(0, 0.3, (4, 8, 3, 3)).astype(np.float32),
+    }
+    return make_model(nodes, [("x", ["N", 3, 8, 8])], [("y", None)], inits)
+
+
+@pytest.mark.parametrize("fmt", ["qoperator", "qdq"])
+def test_dtype_conflict_inserts_exactly_one_rescale(fmt):
+    # conv1 writes r as uint8 (the global dtype); conv2 is configured int8 and reads r as int8:
+    # the two constraints on r conflict, and exactly one DQ→Q rescale must remain, on r
+    from helpers import run
+
+    model = _two_convs()
+    data = {"x": np.random.default_rng(5).normal(0, 1, (16, 3, 8, 8)).astype(np.float32)}
+    cfg = UserConfig.from_dict({"node": {"conv2": {"activation_dtype": "int8"}}})
+    q, report = onnxq.quantize(model, data, config=cfg, format=fmt, progress=False)
+    assert report.rescales == ["r"]
+    conv2 = next(d for d in report.decisions if d.node == "conv2")
+    assert (
+        conv2.quantized and "activations int8" in conv2.reason and '[node."conv2"]' in conv2.reason
+    )
+    zps = {i.name: onnx.numpy_helper.to_array(i) for i in q.graph.initializer}
+    if fmt == "qoperator":
+        kinds = [n.op_type for n in q.graph.node]
+        assert kinds.count("QuantizeLinear") == 2 and kinds.count("QLinearConv") == 2
+    assert zps["r_zero_point"].dtype == np.uint8 and zps["r_int8_zero_point"].dtype == np.int8
+    assert zps["y_int8_zero_point"].dtype == np.int8
+    ref, got = run(model, {"x": data["x"][:2]})[0], run(q, {"x": data["x"][:2]})[0]
+    assert np.abs(got - ref).max() < 0.05 * np.abs(ref).max()
+    # without the setting there is no conflict and no rescale
+    _, plain = onnxq.quantize(model, data, format=fmt, progress=False)
+    assert plain.rescales == []
+
+
+def test_activation_dtype_setting_is_validated():
+    with pytest.raises(ConfigError, match="is not uint8 or int8"):
+        UserConfig.from_dict({"node": {"conv2": {"activation_dtype": "int16"}}})
