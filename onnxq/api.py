@@ -20,7 +20,7 @@ from onnxq.calibration import (
 from onnxq.calibrators import DEFAULT_METHOD
 from onnxq.dataset import as_dataset, model_inputs
 from onnxq.errors import ConfigError, ModelError
-from onnxq.export import FORMATS, PER_CHANNEL_OPSET, to_qdq
+from onnxq.export import FORMATS, PER_CHANNEL_OPSET, dedicated_qdq_pairs, to_qdq
 from onnxq.graph import check_model, load_model, save_model
 from onnxq.preprocess import raise_opset
 from onnxq.quantizer import Decision, Quantizer, QuantizerConfig, QuantizerPattern
@@ -253,6 +253,8 @@ def quantize(
     result = requantizer.requantize(quantizer.materialize(values))
     if format == "qdq":
         result = to_qdq(result)
+        if tgt.dedicated_qdq_pairs:
+            result = dedicated_qdq_pairs(result)
     elif format == "openvino":
         from onnxq.openvino import to_fakequantize
 

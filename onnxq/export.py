@@ -236,3 +236,42 @@ def to_qdq(model: onnx.ModelProto) -> onnx.ModelProto:
     del out.opset_import[:]
     out.opset_import.extend(keep)
     return out
+
+
+def dedicated_qdq_pairs(model: onnx.ModelProto) -> onnx.ModelProto:
+    """Give every consumer of a quantized tensor its own QuantizeLinear → DequantizeLinear pair.
+
+    TensorRT fuses a Q/DQ pair into the layer that reads it; a QuantizeLinear shared by several
+    consumers is quantized once and must be kept apart (the TensorRT target's convention, as
+    onnxruntime's ``DedicatedQDQPair`` option). Values are unchanged: the copies are identical.
+    """
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    readers: dict[str, list[onnx.NodeProto]] = {}
+    for node in out.graph.node:
+        for x in node.input:
+            readers.setdefault(x, []).append(node)
+    outputs = {o.name for o in out.graph.output}
+    nodes: list[onnx.NodeProto] = []
+    taken = {o for n in out.graph.node for o in n.output} | {t.name for t in out.graph.initializer}
+    for node in out.graph.node:
+        nodes.append(node)
+        if node.op_type != "QuantizeLinear" or node.output[0] in outputs:
+            continue
+        users = readers.get(node.output[0], [])
+        if len(users) < 2 or any(u.op_type != "DequantizeLinear" for u in users):
+            continue
+        for k, user in enumerate(users[1:], 1):
+            name = f"{node.output[0]}_pair{k}"
+            while name in taken:
+                name += "_"
+            taken.add(name)
+            copy = onnx.NodeProto()
+            copy.CopyFrom(node)
+            copy.name = f"{node.name}_pair{k}"
+            copy.output[0] = name
+            user.input[0] = name
+            nodes.append(copy)
+    del out.graph.node[:]
+    out.graph.node.extend(nodes)
+    return out

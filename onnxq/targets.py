@@ -34,6 +34,8 @@ class Target:
     weight_bits: int = 8
     patterns: tuple[str, ...] | None = None
     unsigned_after_relu: bool = False
+    #: QDQ output: a Q/DQ pair per consumer (TensorRT fuses each pair into its layer)
+    dedicated_qdq_pairs: bool = False
 
     def __post_init__(self) -> None:
         from onnxq.export import FORMATS
@@ -57,10 +59,12 @@ BUILTIN = (
     ),
     Target(
         "tensorrt",
-        "TensorRT: int8 symmetric activations and weights, standard Q/DQ that TensorRT fuses",
+        "TensorRT: int8 symmetric activations and weights, standard Q/DQ that TensorRT fuses, "
+        "a Q/DQ pair per consumer",
         "qdq",
         "int8",
         symmetric_activations=True,
+        dedicated_qdq_pairs=True,
     ),
     Target(
         "openvino",

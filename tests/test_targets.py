@@ -154,3 +154,51 @@ def test_targets_command_lists_builtins(capsys):
     out = capsys.readouterr().out
     for name in ("ort-cpu", "tensorrt", "openvino", "generic"):
         assert name in out
+
+
+def test_tensorrt_gives_each_consumer_its_own_qdq_pair():
+    # x feeds two convs: tensorrt gets a Q/DQ pair per consumer, generic one shared Q
+    from helpers import make_model
+
+    gen = np.random.default_rng(8)
+    nodes = [
+        onnx.helper.make_node("Conv", ["x", "W1"], ["a"], name="c1"),
+        onnx.helper.make_node("Conv", ["x", "W2"], ["b"], name="c2"),
+        onnx.helper.make_node("Add", ["a", "b"], ["s"], name="add"),
+        onnx.helper.make_node("Conv", ["s", "W3"], ["y"], name="c3"),
+    ]
+    inits = {
+        k: gen.normal(0, 0.3, (4, c, 3, 3)).astype(np.float32)
+        for k, c in (("W1", 3), ("W2", 3), ("W3", 4))
+    }
+    model = make_model(nodes, [("x", ["N", 3, 8, 8])], [("y", None)], inits)
+    data = {"x": gen.normal(0, 1, (8, 3, 8, 8)).astype(np.float32)}
+    trt, _ = onnxq.quantize(model, data, target="tensorrt", progress=False)
+    register_target(
+        Target(
+            "trt-shared",
+            "tensorrt without dedicated pairs",
+            "qdq",
+            "int8",
+            symmetric_activations=True,
+        )
+    )
+    shared, _ = onnxq.quantize(model, data, target="trt-shared", progress=False)
+    generic, _ = onnxq.quantize(model, data, target="generic", progress=False)
+
+    def q_of_x(m):
+        return [n for n in m.graph.node if n.op_type == "QuantizeLinear" and n.input[0] == "x"]
+
+    readers = {}
+    for n in trt.graph.node:
+        for i in n.input:
+            readers.setdefault(i, []).append(n.op_type)
+    assert len(q_of_x(trt)) == 2 and all(
+        readers[q.output[0]] == ["DequantizeLinear"] for q in q_of_x(trt)
+    )
+    assert len(q_of_x(generic)) == 1
+    assert len(q_of_x(shared)) == 1
+    f = {"x": data["x"][:2]}
+    np.testing.assert_array_equal(run(trt, f)[0], run(shared, f)[0])  # the copies change nothing
+    ref = run(model, f)[0]
+    assert np.abs(run(trt, f)[0] - ref).max() < 0.05 * np.abs(ref).max()
