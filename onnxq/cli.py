@@ -302,8 +302,11 @@ def _zoo(args: argparse.Namespace) -> int:
             failed.append(m.name)
         if not args.json:
             verdict = "ok" if not res.failures else "FAILED: " + "; ".join(res.failures)
+            before, after = (
+                ("original", "converted") if m.expect != "quantize" else ("fp32", "int8")
+            )
             print(
-                f"{m.name}: {res.metric} fp32 {res.fp32:.2f}{res.unit} → int8 "
+                f"{m.name}: {res.metric} {before} {res.fp32:.2f}{res.unit} → {after} "
                 f"{res.int8:.2f}{res.unit} (bar: ≤ {res.max_loss:g} points worse), "
                 f"{res.quantized_nodes} nodes int8, {res.fp32_bytes / 1024:.0f} → "
                 f"{res.int8_bytes / 1024:.0f} KiB, {res.seconds:.1f} s: {verdict}",
