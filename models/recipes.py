@@ -450,6 +450,8 @@ class CaptchaText(Agreement):
     label sequence equals the original model's.
     """
 
+    metric = "sequence agreement with the original"
+
     def _images(self, seed: int, n: int) -> list[np.ndarray]:
         from PIL import Image
 
