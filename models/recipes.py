@@ -450,7 +450,7 @@ class CaptchaText(Agreement):
     label sequence equals the original model's.
     """
 
-    metric = "sequence agreement with the original"
+    metric = "sequence agreement"
 
     def _images(self, seed: int, n: int) -> list[np.ndarray]:
         from PIL import Image
