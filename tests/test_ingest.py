@@ -37,25 +37,9 @@ def test_onnxq_qdq_round_trips_to_the_same_qoperator_model(digits):
 
 
 def test_onnxruntime_qdq_output_converts_and_keeps_accuracy(tmp_path, digits):
-    from onnxruntime.quantization import CalibrationDataReader, QuantFormat, quantize_static
-
     xtr, xte, yte = digits
-
-    class Reader(CalibrationDataReader):
-        def __init__(self):
-            self.it = iter([{"input": xtr[i : i + 1]} for i in range(64)])
-
-        def get_next(self):
-            return next(self.it, None)
-
     path = tmp_path / "ort_qdq.onnx"
-    quantize_static(
-        str(MODELS / "digits_cnn.onnx"),
-        str(path),
-        Reader(),
-        quant_format=QuantFormat.QDQ,
-        per_channel=True,
-    )
+    _ort_qdq(path, xtr)
     out = tmp_path / "qop.onnx"
     assert main(["convert", str(path), "-o", str(out), "--format", "qoperator", "--quiet"]) == 0
     model = onnx.load(str(out))
