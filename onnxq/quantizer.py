@@ -503,7 +503,7 @@ class Quantizer:
         if dtypes and not dtypes & {np.dtype(np.float32), None}:
             kinds = ", ".join(sorted(str(d) for d in dtypes if d is not None))
             return f"computes {kinds} values (shapes, indices): nothing to quantize"
-        return "no quantizer pattern handles this op"
+        return _FLOAT_OPS.get(node.op, "no quantizer pattern handles this op")
 
     # ----------------------------------------------------------------------------------------
     # placeholders → concrete model
@@ -582,3 +582,21 @@ def _after_relu(tensor: gs.Tensor) -> bool:
             low = None if value is None else float(np.asarray(value).reshape(-1)[0])
         return low is not None and low >= 0.0
     return False
+
+
+_NO_KERNEL = "no int8 kernel in onnxruntime CPU"
+#: why common ops without a pattern stay float (shown by inspect --explain)
+_FLOAT_OPS = {
+    "HardSigmoid": f"{_NO_KERNEL}: it runs in float between DQ and Q (OpenVINO fuses it into "
+    "the preceding convolution of a FakeQuantize model)",
+    "HardSwish": f"{_NO_KERNEL}: it runs in float between DQ and Q (OpenVINO fuses it into the "
+    "preceding convolution of a FakeQuantize model)",
+    "LSTM": "recurrent cell: no int8 pattern (its gates need float accumulation); stays float",
+    "GRU": "recurrent cell: no int8 pattern (its gates need float accumulation); stays float",
+    "RNN": "recurrent cell: no int8 pattern; stays float",
+    "ReduceMean": "normalisation statistics stay float: int8 would lose small variances",
+    "LayerNormalization": "normalisation stays float: int8 would lose small variances",
+    "Erf": f"{_NO_KERNEL}; GELU's Erf runs in float",
+    "Tanh": f"{_NO_KERNEL}; runs in float",
+    "ConvTranspose": f"{_NO_KERNEL} (a BatchNormalization after it is folded in)",
+}

@@ -219,7 +219,7 @@ def test_inspect_lists_matches_and_reasons(tmp_path, capsys):
     assert main(["inspect", str(path), "--explain"]) == 0
     text = capsys.readouterr().out
     assert "ops: Conv 1, Tanh 1" in text and "conv: conv" in text
-    assert "sig" in text and "no quantizer pattern handles this op" in text
+    assert "sig" in text and "no int8 kernel in onnxruntime CPU; runs in float" in text
     assert main(["inspect", str(path), "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert {d["node"]: d["quantized"] for d in data["nodes"]} == {"conv": True, "sig": False}
