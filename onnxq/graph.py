@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 import tempfile
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -140,15 +140,18 @@ def import_graph(proto: onnx.ModelProto) -> gs.Graph:
     return gs.import_onnx(proto)
 
 
+def graphs_of(node: onnx.NodeProto) -> Iterator[tuple[str, onnx.GraphProto]]:
+    """The bodies a node holds (If branches, Loop/Scan bodies), each with its attribute name."""
+    for attr in node.attribute:
+        if attr.type == onnx.AttributeProto.GRAPH:
+            yield attr.name, attr.g
+        elif attr.type == onnx.AttributeProto.GRAPHS:
+            for i, body in enumerate(attr.graphs):
+                yield f"{attr.name}[{i}]", body
+
+
 def _subgraphs(graph: onnx.GraphProto) -> list[onnx.GraphProto]:
-    out = []
-    for node in graph.node:
-        for attr in node.attribute:
-            if attr.type == onnx.AttributeProto.GRAPH:
-                out.append(attr.g)
-            elif attr.type == onnx.AttributeProto.GRAPHS:
-                out.extend(attr.graphs)
-    return out
+    return [body for node in graph.node for _, body in graphs_of(node)]
 
 
 def hoist_nested_initializers(graph: onnx.GraphProto) -> None:

@@ -575,13 +575,13 @@ def _after_relu(tensor: gs.Tensor) -> bool:
         return False
     if node.op == "Relu":
         return True
-    if node.op == "Clip":
-        low = node.attrs.get("min") if len(node.inputs) < 2 else None
-        if len(node.inputs) >= 2 and node.inputs[1].name:
-            value = constant_value(node.inputs[1])
-            low = None if value is None else float(np.asarray(value).reshape(-1)[0])
-        return low is not None and low >= 0.0
-    return False
+    if node.op != "Clip":
+        return False
+    if len(node.inputs) >= 2 and node.inputs[1].name:  # opset ≥ 11: min is an input
+        value = constant_value(node.inputs[1])
+        return value is not None and float(np.asarray(value).reshape(-1)[0]) >= 0.0
+    low = node.attrs.get("min")  # opset < 11: an attribute
+    return low is not None and float(low) >= 0.0
 
 
 _NO_KERNEL = "no int8 kernel in onnxruntime CPU"

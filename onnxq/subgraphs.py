@@ -30,6 +30,7 @@ import onnx
 from onnx import helper
 
 from onnxq.errors import OnnxqError
+from onnxq.graph import graphs_of
 
 
 @dataclass
@@ -45,15 +46,6 @@ class BranchResult:
     decisions: list[Any] = field(default_factory=list)
 
 
-def _graphs_of(node: onnx.NodeProto) -> Iterable[tuple[str, onnx.GraphProto]]:
-    for attr in node.attribute:
-        if attr.type == onnx.AttributeProto.GRAPH:
-            yield attr.name, attr.g
-        elif attr.type == onnx.AttributeProto.GRAPHS:
-            for i, g in enumerate(attr.graphs):
-                yield f"{attr.name}[{i}]", g
-
-
 def defined_names(graph: onnx.GraphProto) -> set[str]:
     """Names a graph defines itself: inputs, initializers, node outputs (not nested bodies)."""
     out = {i.name for i in graph.input} | {t.name for t in graph.initializer}
@@ -67,7 +59,7 @@ def all_names(graph: onnx.GraphProto) -> set[str]:
     """Every name defined anywhere in ``graph``, nested bodies included."""
     out = defined_names(graph)
     for node in graph.node:
-        for _, body in _graphs_of(node):
+        for _, body in graphs_of(node):
             out |= all_names(body)
     return out
 
@@ -78,7 +70,7 @@ def free_variables(graph: onnx.GraphProto) -> list[str]:
     out: list[str] = []
     for node in graph.node:
         reads = list(node.input)
-        for _, body in _graphs_of(node):
+        for _, body in graphs_of(node):
             reads += free_variables(body)
         for name in reads:
             if name and name not in defined and name not in out:
@@ -89,18 +81,6 @@ def free_variables(graph: onnx.GraphProto) -> list[str]:
 def has_branches(model: onnx.ModelProto) -> bool:
     """The main graph holds an If node."""
     return any(n.op_type == "If" for n in model.graph.node)
-
-
-def _types(model: onnx.ModelProto) -> dict[str, onnx.TypeProto]:
-    try:
-        inferred = onnx.shape_inference.infer_shapes(model)
-    except Exception:  # shape inference is best effort here
-        inferred = model
-    g = inferred.graph
-    out = {v.name: v.type for v in [*g.input, *g.value_info, *g.output]}
-    for t in g.initializer:
-        out.setdefault(t.name, helper.make_tensor_type_proto(t.data_type, list(t.dims)))
-    return out
 
 
 def branch_model(
@@ -141,21 +121,12 @@ def outer_values(
     model: onnx.ModelProto, names: list[str], feeds: Iterable[dict[str, np.ndarray]]
 ) -> list[dict[str, np.ndarray]]:
     """``names`` computed by the float ``model`` on every feed (graph inputs read from it)."""
+    from onnxq.calibration import expose
     from onnxq.session import make_session
 
-    probe = copy.deepcopy(model)
-    outputs = {o.name for o in probe.graph.output}
-    inputs = {i.name for i in probe.graph.input}
-    types = _types(model)
-    for name in names:
-        if name not in outputs and name not in inputs:
-            probe.graph.output.append(
-                helper.make_value_info(name, types[name])
-                if name in types
-                else helper.make_empty_tensor_value_info(name)
-            )
-    session = make_session(probe, optimize=False)
+    inputs = {i.name for i in model.graph.input}
     wanted = [n for n in names if n not in inputs]
+    session = make_session(expose(model, wanted), optimize=False)
     rows = []
     for feed in feeds:
         got = dict(zip(wanted, session.run(wanted, feed), strict=True)) if wanted else {}
@@ -172,7 +143,7 @@ def _rename(graph: onnx.GraphProto, mapping: dict[str, str]) -> None:
     for node in graph.node:
         node.input[:] = [mapping.get(x, x) for x in node.input]
         node.output[:] = [mapping.get(x, x) for x in node.output]
-        for _, body in _graphs_of(node):
+        for _, body in graphs_of(node):
             _rename(body, {k: v for k, v in mapping.items() if k not in defined_names(body)})
 
 
@@ -203,12 +174,12 @@ def quantize_branches(
     needed: list[str] = []
     for node in ifs:
         needed.append(node.input[0])
-        for _, body in _graphs_of(node):
+        for _, body in graphs_of(node):
             needed += [n for n in free_variables(body) if n not in needed]
     values = outer_values(float_model, list(dict.fromkeys(needed)), feeds)
     for node in ifs:
         target = by_name.get(node.name)
-        for attr_name, body in _graphs_of(node):
+        for attr_name, body in graphs_of(node):
             res = BranchResult(node.name, attr_name, nodes=len(body.node))
             report.append(res)
             if target is None:
@@ -250,7 +221,7 @@ def quantize_branches(
 
 
 def _branch_of(node: onnx.NodeProto, name: str) -> onnx.GraphProto:
-    return dict(_graphs_of(node))[name]
+    return dict(graphs_of(node))[name]
 
 
 def _replace_branch(node: onnx.NodeProto, name: str, graph: onnx.GraphProto) -> None:
