@@ -18,13 +18,14 @@ from onnxq.calibration import (
     RangeTableCallback,
 )
 from onnxq.calibrators import DEFAULT_METHOD
+from onnxq.constraints import share_concat_scales, solve
 from onnxq.dataset import as_dataset, model_inputs
 from onnxq.errors import ConfigError, ModelError
 from onnxq.export import FORMATS, PER_CHANNEL_OPSET, dedicated_qdq_pairs, to_qdq
 from onnxq.graph import check_model, load_model, save_model
 from onnxq.preprocess import raise_opset
 from onnxq.quantizer import Decision, Quantizer, QuantizerConfig, QuantizerPattern
-from onnxq.requantize import Requantizer, RequantizeStats, dtype_rescales
+from onnxq.requantize import Requantizer, RequantizeStats, rescales
 from onnxq.session import make_session
 from onnxq.subgraphs import has_branches
 
@@ -57,6 +58,8 @@ class QuantizeReport:
     values: dict[str, Any] = field(default_factory=dict)
     #: tensors where a DQ→Q pair changes the activation dtype (--config activation_dtype)
     rescales: list[str] = field(default_factory=list)
+    #: what constraint propagation decided: shared-scale groups and conflicting edges rescaled
+    constraints: list[str] = field(default_factory=list)
 
     @property
     def quantized_nodes(self) -> list[str]:
@@ -80,9 +83,11 @@ class QuantizeReport:
         ]
         if self.rescales:
             lines.append(
-                f"{len(self.rescales)} rescale(s) (DQ→Q) where the activation dtype changes: "
+                f"{len(self.rescales)} rescale(s) (DQ→Q) kept, where the activation dtype "
+                "changes or a shared scale meets a conflicting constraint: "
                 + ", ".join(self.rescales)
             )
+        lines.extend(f"constraint: {c}" for c in self.constraints)
         for name, count in cal.nonfinite.items():
             lines.append(
                 f"warning: tensor '{name}' held {count} NaN/Inf values during "
@@ -101,6 +106,7 @@ class QuantizeReport:
             "ops_before": self.ops_before,
             "ops_after": self.ops_after,
             "rescales": self.rescales,
+            "constraints": self.constraints,
         }
 
 
@@ -246,11 +252,15 @@ def quantize(
     )
     calibrator = Calibrator(quantizer, dataset, cb, progress, node_callbacks)
     values = calibrator.calibrate()
+    solution = solve(quantizer, values, set(tgt.shared_scale_ops))
+    values = solution.values
     times["calibrate"] = time.perf_counter() - t1
 
     t2 = time.perf_counter()
     requantizer = Requantizer()
     result = requantizer.requantize(quantizer.materialize(values))
+    if "Concat" in tgt.shared_scale_ops and format != "openvino":
+        result, _ = share_concat_scales(result)
     if format == "qdq":
         result = to_qdq(result)
         if tgt.dedicated_qdq_pairs:
@@ -301,9 +311,21 @@ def quantize(
         ops_before=op_histogram(float_model),
         ops_after=op_histogram(result),
         values={k: v.tolist() for k, v in quantizer.final_values.items()},
-        rescales=dtype_rescales(result) if format != "openvino" else [],
+        rescales=rescales(result) if format != "openvino" else [],
+        constraints=solution.shared + [str(r) for r in solution.rescales],
     )
+    _explain_constraints(report.decisions, solution)
     return result, report
+
+
+def _explain_constraints(decisions: list[Decision], solution: Any) -> None:
+    """A Concat whose input is rescaled says so in its decision."""
+    by_node = {d.node: d for d in decisions}
+    for r in solution.rescales:
+        d = by_node.get(r.node)
+        if d is not None:
+            extra = f"input '{r.tensor}' is rescaled (DQ→Q) to the shared scale: {r.reason}"
+            d.reason = f"{d.reason}; {extra}" if d.reason else extra
 
 
 def _quantize_branches(

@@ -312,24 +312,17 @@ def requantize(model: onnx.ModelProto) -> tuple[onnx.ModelProto, RequantizeStats
     return r.requantize(model), r.stats
 
 
-def dtype_rescales(model: onnx.ModelProto) -> list[str]:
-    """Tensors where a DequantizeLinear → QuantizeLinear pair changes the integer type.
+def rescales(model: onnx.ModelProto) -> list[str]:
+    """Tensors read through a DequantizeLinear → QuantizeLinear pair that remains in ``model``.
 
-    They are the boundaries between regions quantized in different activation dtypes
-    (``--config activation_dtype``): each costs one rescale, which the pass cannot fold.
+    Each costs one requantize the pass cannot fold: a boundary between regions quantized in
+    different activation dtypes (``--config activation_dtype``), an input rescaled to a
+    Concat's shared scale (onnxq.constraints), or a pair whose fold would overflow a bias.
     """
-    from onnx import numpy_helper
-
-    inits = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
     producers = {o: n for n in model.graph.node for o in n.output}
     out = []
     for q in model.graph.node:
-        if q.op_type != "QuantizeLinear" or len(q.input) < 3:
-            continue
-        dq = producers.get(q.input[0])
-        if dq is None or dq.op_type != "DequantizeLinear" or len(dq.input) < 3:
-            continue
-        z_in, z_out = inits.get(dq.input[2]), inits.get(q.input[2])
-        if z_in is not None and z_out is not None and z_in.dtype != z_out.dtype:
+        dq = producers.get(q.input[0]) if q.op_type == "QuantizeLinear" else None
+        if dq is not None and dq.op_type == "DequantizeLinear":
             out.append(q.input[0])
     return out

@@ -11,6 +11,7 @@ patterns worth quantizing for one runtime. ``--target NAME`` picks one; explicit
     symmetric_activations = true
     weight_bits = 8
     patterns = ["conv", "conv+bias", "gemm", "gemm+bias"]
+    shared_scale_ops = ["Concat"]   # inputs and output of a Concat share one scale
 """
 
 from __future__ import annotations
@@ -19,6 +20,10 @@ import os
 from dataclasses import dataclass, fields
 
 from onnxq.errors import ConfigError
+
+
+#: ops whose scale sharing onnxq.constraints can enforce
+SHAREABLE_OPS = frozenset({"Concat"})
 
 
 @dataclass(frozen=True)
@@ -36,6 +41,8 @@ class Target:
     unsigned_after_relu: bool = False
     #: QDQ output: a Q/DQ pair per consumer (TensorRT fuses each pair into its layer)
     dedicated_qdq_pairs: bool = False
+    #: ops whose inputs and output share one scale and zero point (onnxq.constraints)
+    shared_scale_ops: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         from onnxq.export import FORMATS
@@ -48,6 +55,12 @@ class Target:
             raise ConfigError(f"target {self.name!r}: activation_dtype must be uint8 or int8")
         if self.weight_bits not in (7, 8):
             raise ConfigError(f"target {self.name!r}: weight_bits must be 8 or 7")
+        unknown = set(self.shared_scale_ops) - SHAREABLE_OPS
+        if unknown:
+            raise ConfigError(
+                f"target {self.name!r}: shared_scale_ops {sorted(unknown)} are not supported; "
+                f"onnxq can share scales across {', '.join(sorted(SHAREABLE_OPS))}"
+            )
 
 
 BUILTIN = (
@@ -65,6 +78,7 @@ BUILTIN = (
         "int8",
         symmetric_activations=True,
         dedicated_qdq_pairs=True,
+        shared_scale_ops=("Concat",),
     ),
     Target(
         "openvino",
@@ -114,8 +128,9 @@ def load_targets(path: str | os.PathLike[str]) -> list[Target]:
                 f"valid keys: {sorted(known)}"
             )
         values = dict(table)
-        if "patterns" in values:
-            values["patterns"] = tuple(values["patterns"])
+        for key in ("patterns", "shared_scale_ops"):
+            if key in values:
+                values[key] = tuple(values[key])
         try:
             target = Target(name=name, **values)
         except TypeError as exc:

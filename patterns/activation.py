@@ -1,7 +1,8 @@
 """Element-wise activations and attention MatMul on int8 data (between quantized neighbours).
 
 Sigmoid and Softmax have a known output range, so their output parameters are fixed rather than
-calibrated: scale 1/256 with zero point 0 (uint8) or −128 (int8).
+calibrated: scale 1/256 with zero point 0 (uint8) or −128 (int8); with symmetric int8
+activations (zero point 0, TensorRT) scale 1/127, so that 1.0 is on the grid.
 """
 
 from __future__ import annotations
@@ -13,7 +14,11 @@ import onnx_graphsurgeon as gs
 from onnxq.pattern import node_attr
 from onnxq.patterns.base import ActivationPattern
 
-_UNIT_RANGE = {"uint8": (1.0 / 256, 0), "int8": (1.0 / 256, -128)}
+_UNIT_RANGE = {
+    "uint8": (1.0 / 256, 0),
+    "int8": (1.0 / 256, -128),
+    "int8-symmetric": (1.0 / 127, 0),
+}
 
 
 class SigmoidPattern(ActivationPattern):

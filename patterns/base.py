@@ -187,7 +187,8 @@ class ActivationPattern(QuantizerPattern):
     arity = 1
     domain = MS_DOMAIN
     fold_relu = True
-    #: a fixed output scale and zero point per dtype (Sigmoid, Softmax: the range is known)
+    #: a fixed output scale and zero point per dtype (Sigmoid, Softmax: the range is known);
+    #: a "<dtype>-symmetric" key serves symmetric activations (zero point 0)
     fixed_output: dict[str, tuple[float, int]] | None = None
 
     def __init__(self, calibration_callback: CalibrationCallback | None = None):
@@ -204,7 +205,8 @@ class ActivationPattern(QuantizerPattern):
         values = super().calibrate_pattern(calibration_info)
         if self.fixed_output is not None:
             for qt in calibration_info.outputs:
-                scale, zp = self.fixed_output[qt.dtype]
+                key = f"{qt.dtype}-symmetric" if qt.symmetric else qt.dtype
+                scale, zp = self.fixed_output.get(key, self.fixed_output[qt.dtype])
                 values[qt.scale] = np.asarray(scale, np.float32)
                 values[qt.zero_point] = np.asarray(zp, np.dtype(qt.dtype))
         return values

@@ -1,0 +1,313 @@
+"""Constraint propagation over tensor ports (the MLIR quantization RFC, for ONNX).
+
+After calibration every quantized activation *port* (a tensor as one dtype sees it: one scale
+and one zero-point placeholder) has a value of its own. Kernels constrain those values:
+
+* **fixed**: Sigmoid and Softmax write a known grid (1/256); nothing may change it.
+* **zero at min**: a Conv or dense op with a folded Relu needs its output's zero point at the
+  type's minimum, so the port's range must start at 0.
+* **derived**: a carrier (MaxPool, Reshape, Slice, nearest Resize, Split…) moves int8 values
+  unchanged, so its output port takes the value of the port it reads from.
+* **same scale**: for targets that ask for it (TensorRT), a Concat's inputs and output share one
+  scale and zero point, covering the union of their ranges, so the runtime can write each input
+  straight into the output buffer.
+* **multiplier** (bias scale = input scale × weight scale) is derived at materialization.
+
+:func:`solve` runs a work-list over the derived and same-scale constraints in the float model's
+topological order, merging ports into groups (union-find) as long as the group's constraints
+stay satisfiable. A port whose constraints conflict with its group's (a fixed grid too narrow
+for the shared range, a Relu-folded output in a group with negative values, another dtype) is
+not merged: the edge gets a rescale, a DQ→Q requantize the report names. The result is
+deterministic: the order is the model's, ties keep the first member.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import deque
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import numpy as np
+import onnx
+import onnx_graphsurgeon as gs
+
+from onnxq.graph import GraphEditor, constant_value, export_model, import_graph, producer
+from onnxq.qparams import params_from_range, qrange
+
+if TYPE_CHECKING:
+    from onnxq.quantizer import PatternRecord, QTensor, Quantizer
+
+
+@dataclass
+class _Group:
+    """Constraints and members of a set of ports that must share one value."""
+
+    ports: list[str]
+    dtype: str
+    symmetric: bool
+    #: implied ranges of the members that define values (not carrier outputs)
+    ranges: list[tuple[float, float]] = field(default_factory=list)
+    fixed: tuple[float, int] | None = None
+    fixed_by: str = ""
+    zero_at_min: str = ""  # the Relu-folded port's tensor, if any
+    shared: bool = False  # joined by a same-scale constraint (else: value of its source)
+
+
+@dataclass
+class Rescale:
+    """An edge whose constraints conflict: ``node`` reads ``tensor`` through a DQ→Q rescale."""
+
+    tensor: str
+    node: str
+    reason: str
+
+    def __str__(self) -> str:
+        return f"rescale of '{self.tensor}' into '{self.node}': {self.reason}"
+
+
+@dataclass
+class Solution:
+    """What :func:`solve` decided."""
+
+    values: dict[str, np.ndarray]
+    #: one line per group of two or more ports joined by a same-scale constraint
+    shared: list[str] = field(default_factory=list)
+    rescales: list[Rescale] = field(default_factory=list)
+    #: carrier output ports that took their source's value
+    derived: int = 0
+
+
+def implied_range(scale: float, zero_point: int, dtype: str) -> tuple[float, float]:
+    """The float interval a (scale, zero point) pair represents."""
+    lo, hi = qrange(dtype)
+    return (lo - zero_point) * scale, (hi - zero_point) * scale
+
+
+class _Solver:
+    def __init__(self, quantizer: Quantizer, values: dict[str, np.ndarray], shared_ops: set[str]):
+        self.q = quantizer
+        self.values = dict(values)
+        self.shared_ops = shared_ops
+        self.parent: dict[str, str] = {}
+        self.groups: dict[str, _Group] = {}
+        self.ports: dict[str, QTensor] = {}
+        self.solution = Solution(self.values)
+
+    # union-find over ports (named by their scale placeholder) ---------------------------------
+    def find(self, p: str) -> str:
+        while self.parent[p] != p:
+            self.parent[p] = self.parent[self.parent[p]]
+            p = self.parent[p]
+        return p
+
+    def add_port(self, qt: QTensor, rec: PatternRecord, output: bool) -> None:
+        if qt.role != "activation":
+            return
+        if qt.scale not in self.ports:
+            self._new_port(qt)
+        if output:
+            self._constrain_output(qt, rec)
+
+    def _new_port(self, qt: QTensor) -> None:
+        self.ports[qt.scale] = qt
+        self.parent[qt.scale] = qt.scale
+        s = float(np.asarray(self.values[qt.scale]).reshape(-1)[0])
+        z = int(np.asarray(self.values[qt.zero_point]).reshape(-1)[0])
+        self.groups[qt.scale] = _Group(
+            [qt.scale], qt.dtype, qt.symmetric, [implied_range(s, z, qt.dtype)]
+        )
+
+    def _constrain_output(self, qt: QTensor, rec: PatternRecord) -> None:
+        g = self.groups[self.find(qt.scale)]
+        if getattr(rec.pattern, "fixed_output", None) is not None:
+            s = float(np.asarray(self.values[qt.scale]).reshape(-1)[0])
+            z = int(np.asarray(self.values[qt.zero_point]).reshape(-1)[0])
+            g.fixed, g.fixed_by = (s, z), f"{rec.label} '{rec.nodes[0]}'"
+        if rec.relu_folded:
+            g.zero_at_min = qt.tensor
+
+    # merging ---------------------------------------------------------------------------------
+    def conflict(self, a: _Group, b: _Group, derived: bool = False) -> str:
+        """Why groups ``a`` and ``b`` cannot share one value ('' when they can).
+
+        ``derived``: ``b`` is a carrier output taking ``a``'s value; its range has no vote.
+        """
+        if (a.dtype, a.symmetric) != (b.dtype, b.symmetric):
+            return f"{b.dtype} cannot share parameters with {a.dtype}"
+        if a.fixed and b.fixed and a.fixed != b.fixed:
+            return f"two fixed grids meet ({a.fixed_by}, {b.fixed_by})"
+        ranges = a.ranges if derived else a.ranges + b.ranges
+        lo = min(r[0] for r in ranges)
+        hi = max(r[1] for r in ranges)
+        fixed = a.fixed or b.fixed
+        if fixed is not None:
+            flo, fhi = implied_range(fixed[0], fixed[1], a.dtype)
+            slack = fixed[0]
+            if lo < flo - slack or hi > fhi + slack:
+                by = a.fixed_by if a.fixed else b.fixed_by
+                return (
+                    f"the fixed grid [{flo:.4g}, {fhi:.4g}] of {by} cannot hold the shared "
+                    f"range [{lo:.4g}, {hi:.4g}]"
+                )
+        if (a.zero_at_min or b.zero_at_min) and lo < 0:
+            t = a.zero_at_min or b.zero_at_min
+            return (
+                f"'{t}' folds a Relu (zero point at the minimum) but the shared range "
+                f"[{lo:.4g}, {hi:.4g}] is negative"
+            )
+        return ""
+
+    def merge(self, keep: str, other: str, derived: bool = False) -> None:
+        a, b = self.groups[keep], self.groups.pop(other)
+        self.parent[other] = keep
+        a.ports += b.ports
+        if not derived:  # a carrier output's range is a subset of its source's: no vote
+            a.ranges += b.ranges
+            a.shared = True
+        a.fixed = a.fixed or b.fixed
+        a.fixed_by = a.fixed_by or b.fixed_by
+        a.zero_at_min = a.zero_at_min or b.zero_at_min
+
+    # the pass --------------------------------------------------------------------------------
+    def run(self) -> Solution:
+        records = self.q.records_in_order()
+        for rec in records:
+            for qt in rec.inputs:
+                self.add_port(qt, rec, output=False)
+            for qt in rec.outputs:
+                self.add_port(qt, rec, output=True)
+        writers = {qt.tensor: qt for rec in records for qt in rec.outputs}
+        graph = import_graph(self.q.float_model)
+        tensors = graph.tensors()
+        work: deque[tuple[str, PatternRecord]] = deque()
+        for rec in records:
+            for qt in rec.inputs:
+                if qt.role == "activation":
+                    work.append(("derive", rec))
+                    break
+            if rec.pattern.label() == "concat" and "Concat" in self.shared_ops:
+                work.append(("share", rec))
+        while work:
+            kind, rec = work.popleft()
+            if kind == "derive":
+                self._derive(rec, writers, tensors)
+            else:
+                self._share(rec)
+        self._assign()
+        return self.solution
+
+    def _derive(self, rec: PatternRecord, writers: dict[str, QTensor], tensors: dict) -> None:
+        """Carrier outputs read by ``rec`` take the value of the port the carrier reads."""
+        from onnxq.requantize import CARRIERS
+
+        for qt in rec.inputs:
+            if qt.role != "activation" or qt.tensor in writers:
+                continue
+            t = tensors.get(qt.tensor)
+            node = producer(t) if t is not None else None
+            while node is not None and node.op in CARRIERS and node.inputs:
+                src = node.inputs[0].name
+                if src in writers:
+                    source = writers[src]
+                    root, port = self.find(source.scale), self.find(qt.scale)
+                    conflict = self.conflict(self.groups[root], self.groups[port], derived=True)
+                    if root != port and not conflict:
+                        self.merge(root, port, derived=True)
+                        self.solution.derived += 1
+                    break
+                node = producer(node.inputs[0])
+
+    def _share(self, rec: PatternRecord) -> None:
+        """One scale for a Concat's inputs and output; conflicting inputs get a rescale."""
+        out = self.find(rec.outputs[0].scale)
+        joined = 0
+        for qt in rec.inputs:
+            port = self.find(qt.scale)
+            if port == out:
+                continue
+            why = self.conflict(self.groups[out], self.groups[port])
+            if why:
+                self.solution.rescales.append(Rescale(qt.tensor, rec.nodes[0], why))
+                continue
+            self.merge(out, port)
+            joined += 1
+        if joined:
+            self.groups[out].shared = True
+
+    def _assign(self) -> None:
+        for root, g in sorted(self.groups.items(), key=lambda kv: kv[1].ports[0]):
+            if len(g.ports) == 1:
+                continue
+            if g.fixed is not None:
+                s, z = g.fixed
+            elif g.shared:
+                lo = min(r[0] for r in g.ranges)
+                hi = max(r[1] for r in g.ranges)
+                if g.zero_at_min:
+                    lo = 0.0
+                qp = params_from_range(lo, hi, g.dtype, g.symmetric)
+                s, z = float(qp.scale), int(qp.zero_point)
+            else:  # derived only: the source's own value
+                s = float(np.asarray(self.values[root]).reshape(-1)[0])
+                z = int(np.asarray(self.values[self.ports[root].zero_point]).reshape(-1)[0])
+            for p in g.ports:
+                qt = self.ports[p]
+                self.values[qt.scale] = np.asarray(s, np.float32)
+                self.values[qt.zero_point] = np.asarray(z, np.dtype(qt.dtype))
+            if g.shared:
+                names = ", ".join(f"'{self.ports[p].tensor}'" for p in g.ports)
+                self.solution.shared.append(
+                    f"{names} share scale {s:.6g}, zero point {z} (same-scale Concat)"
+                )
+
+
+def solve(
+    quantizer: Quantizer, values: dict[str, np.ndarray], shared_ops: set[str] | frozenset[str]
+) -> Solution:
+    """Resolve the constraints on ``values`` (calibrated placeholders); see the module doc."""
+    return _Solver(quantizer, values, set(shared_ops)).run()
+
+
+def share_concat_scales(model: onnx.ModelProto) -> tuple[onnx.ModelProto, list[str]]:
+    """Make every QLinearConcat read its inputs at its output's scale and zero point.
+
+    Inputs quantized otherwise (the rescales :func:`solve` decided on) are requantized by an
+    explicit DequantizeLinear → QuantizeLinear pair in front of the Concat. Returns the model
+    and the tensors rescaled.
+    """
+    graph = import_graph(model)
+    editor = GraphEditor(graph)
+    rescaled = []
+    for node in list(graph.nodes):
+        if node.op != "QLinearConcat":
+            continue
+        ys, yz = node.inputs[0], node.inputs[1]
+        for pos in range(2, len(node.inputs), 3):
+            x, s, z = node.inputs[pos : pos + 3]
+            if _same(s, ys) and _same(z, yz):
+                continue
+            mid = editor.variable(_float_name(x.name), np.float32, x.shape)
+            editor.add_node("DequantizeLinear", [x, s, z], [mid], name=f"{x.name}_rescale_dq")
+            dtype = constant_value(yz)
+            assert dtype is not None
+            out = gs.Variable(editor.unique_name(f"{x.name}_rescaled"), dtype.dtype, x.shape)
+            editor.add_node("QuantizeLinear", [mid, ys, yz], [out], name=f"{x.name}_rescale_q")
+            editor.set_input(node, pos, out)
+            editor.set_input(node, pos + 1, ys)
+            editor.set_input(node, pos + 2, yz)
+            rescaled.append(x.name)
+    editor.finish()
+    return export_model(graph, model), rescaled
+
+
+def _float_name(quantized: str) -> str:
+    """The float tensor a quantized twin stands for (``a_quantized_1`` → ``a``)."""
+    return re.sub(r"_quantized(_\d+)?$", "", quantized)
+
+
+def _same(a: gs.Tensor, b: gs.Tensor) -> bool:
+    if a is b:
+        return True
+    va, vb = constant_value(a), constant_value(b)
+    return va is not None and vb is not None and va.dtype == vb.dtype and np.array_equal(va, vb)
