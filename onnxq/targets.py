@@ -21,7 +21,6 @@ from dataclasses import dataclass, fields
 
 from onnxq.errors import ConfigError
 
-
 #: ops whose scale sharing onnxq.constraints can enforce
 SHAREABLE_OPS = frozenset({"Concat"})
 

@@ -101,9 +101,7 @@ def test_relu_fold_conflict_rescales_the_relu_edge():
     # uint8 asymmetric with shared-scale Concat: conv1+Relu needs zero point 0, the Concat's
     # range is negative, so conv1 keeps [0, max] and its edge into the Concat is rescaled
     model, data = _concat_model("relu")
-    npu = Target(
-        "npu-test", format="qdq", activation_dtype="uint8", shared_scale_ops=("Concat",)
-    )
+    npu = Target("npu-test", format="qdq", activation_dtype="uint8", shared_scale_ops=("Concat",))
     q, report = onnxq.quantize(model, data, target=npu, progress=False)
     assert len(report.rescales) == 1
     assert any("folds a Relu" in c and "'a'" in c for c in report.constraints)
@@ -111,9 +109,7 @@ def test_relu_fold_conflict_rescales_the_relu_edge():
     assert int(inits["a_zero_point"]) == 0
     _close(q, model, data)
     # QOperator with the same constraint: QLinearConcat reads every input at its output scale
-    q2, report2 = onnxq.quantize(
-        model, data, target=npu, format="qoperator", progress=False
-    )
+    q2, report2 = onnxq.quantize(model, data, target=npu, format="qoperator", progress=False)
     cat = next(n for n in q2.graph.node if n.op_type == "QLinearConcat")
     inits2 = {i.name: onnx.numpy_helper.to_array(i) for i in q2.graph.initializer}
     pairs = {
