@@ -60,6 +60,8 @@ class QuantizeReport:
     rescales: list[str] = field(default_factory=list)
     #: what constraint propagation decided: shared-scale groups and conflicting edges rescaled
     constraints: list[str] = field(default_factory=list)
+    #: per-node requests the target cannot run (ignored for that node)
+    warnings: list[str] = field(default_factory=list)
 
     @property
     def quantized_nodes(self) -> list[str]:
@@ -94,6 +96,7 @@ class QuantizeReport:
                 "calibration; they were ignored"
             )
         lines.extend(f"warning: {c}" for c in cal.conflicts)
+        lines.extend(f"warning: {w}" for w in self.warnings)
         return "\n".join(lines)
 
     def to_dict(self) -> dict[str, Any]:
@@ -107,6 +110,7 @@ class QuantizeReport:
             "ops_after": self.ops_after,
             "rescales": self.rescales,
             "constraints": self.constraints,
+            "warnings": self.warnings,
         }
 
 
@@ -210,18 +214,26 @@ def quantize(
         raise ConfigError(f"--format {format!r} is unknown; choose one of {', '.join(FORMATS)}")
     float_model = load_model(model)
     refuse_quantized(float_model, where)
+    from onnxq.config import UserConfig
+
+    user = config if isinstance(config, UserConfig) or config is None else UserConfig.load(config)
     if activation_dtype == "int16":  # A16W8: only standard Q/DQ has int16, from opset 21
         if format != "qdq":
             raise ConfigError(
                 f"int16 activations are written as QDQ (opset 21); --format "
                 f"{format} has no int16 kernels — add --format qdq"
             )
+    if format == "qdq" and (
+        activation_dtype == "int16" or (user is not None and user.asks("activation_dtype", "int16"))
+    ):
         float_model = raise_opset(float_model, 21, "int16 activations")
-    if format == "qdq" and per_channel:
-        float_model = raise_opset(float_model, PER_CHANNEL_OPSET, "per-channel QDQ")
-    from onnxq.config import UserConfig
+    int4_refused = _int4_refused(format)
+    if user is not None and user.asks("weight_dtype", "int4") and not int4_refused:
+        from onnxq.weight_only import INT4_OPSET
 
-    user = config if isinstance(config, UserConfig) or config is None else UserConfig.load(config)
+        float_model = raise_opset(float_model, INT4_OPSET, "int4 weights")
+    if format == "qdq" and (per_channel or (user is not None and user.asks("per_channel", True))):
+        float_model = raise_opset(float_model, PER_CHANNEL_OPSET, "per-channel QDQ")
     qconfig = QuantizerConfig(
         user=user,
         activation_dtype=activation_dtype,
@@ -230,6 +242,8 @@ def quantize(
         per_channel=per_channel,
         exclude=tuple(exclude),
         weight_bits=weight_bits,
+        refused_dtypes=_refused_dtypes(tgt, format, activation_dtype, symmetric_activations),
+        int4_refused=int4_refused,
     )
     if load_ranges is not None:
         cb: CalibrationCallback = RangeTableCallback(read_ranges(load_ranges), f"'{load_ranges}'")
@@ -270,6 +284,13 @@ def quantize(
 
         result = to_fakequantize(quantizer, (-64, 63) if weight_bits == 7 else None)
     times["requantize"] = time.perf_counter() - t2
+
+    if quantizer.int4_nodes:
+        from onnxq.weight_only import quantize_weights_int4
+
+        result, _ = quantize_weights_int4(
+            result, block_size, nodes=set(quantizer.int4_nodes), prepare=False
+        )
 
     branches: list[Any] = []
     if has_branches(quantizer.float_model):
@@ -313,9 +334,34 @@ def quantize(
         values={k: v.tolist() for k, v in quantizer.final_values.items()},
         rescales=rescales(result) if format != "openvino" else [],
         constraints=solution.shared + [str(r) for r in solution.rescales],
+        warnings=list(quantizer.warnings),
     )
     _explain_constraints(report.decisions, solution)
     return result, report
+
+
+def _refused_dtypes(
+    tgt: Any, format: str, activation_dtype: str, symmetric: bool
+) -> tuple[tuple[str, str], ...]:
+    """Activation dtypes a per-node setting may not ask for here, with the reason."""
+    refused: dict[str, str] = {}
+    if format != "qdq":
+        refused["int16"] = (
+            f"--format {format} has no int16 kernels (int16 activations need --format qdq)"
+        )
+    if symmetric:
+        for dt in ("uint8", "int8", "int16"):
+            if dt != activation_dtype:
+                refused.setdefault(
+                    dt,
+                    f"target '{tgt.name}' runs symmetric {activation_dtype} activations only",
+                )
+    return tuple(sorted(refused.items()))
+
+
+def _int4_refused(format: str) -> str:
+    """Why per-node int4 weights cannot be written in ``format`` ('' when they can)."""
+    return "FakeQuantize output has 8-bit weights only" if format == "openvino" else ""
 
 
 def _explain_constraints(decisions: list[Decision], solution: Any) -> None:

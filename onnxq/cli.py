@@ -443,7 +443,7 @@ def _compare(args: argparse.Namespace) -> int:
 
 
 def _inspect(args: argparse.Namespace) -> int:
-    from onnxq.api import _target_patterns, op_histogram
+    from onnxq.api import _int4_refused, _refused_dtypes, _target_patterns, op_histogram
     from onnxq.config import UserConfig
     from onnxq.quantizer import Quantizer, QuantizerConfig
     from onnxq.targets import get_target, load_targets
@@ -459,9 +459,15 @@ def _inspect(args: argparse.Namespace) -> int:
         activation_symmetric=tgt.symmetric_activations,
         per_channel=tgt.per_channel,
         weight_bits=tgt.weight_bits,
+        refused_dtypes=_refused_dtypes(
+            tgt, tgt.format, tgt.activation_dtype, tgt.symmetric_activations
+        ),
+        int4_refused=_int4_refused(tgt.format),
     )
     patterns = _target_patterns(tgt) if tgt.patterns is not None else None
     quantizer = Quantizer(args.model, patterns, config)
+    for w in quantizer.warnings:
+        print(f"warning: {w}", file=sys.stderr)
     hist = op_histogram(quantizer.float_model)
     decisions = list(quantizer.decisions.values())
     if args.json:

@@ -7,6 +7,12 @@ entry in file order < ``[node."<name>"]``. Keys at every level:
 |---|---|
 | ``keep_float`` | true: leave the node float (like ``--exclude``) |
 | ``method`` | calibration method of the patterns rooted at the node (``minmax``, ``entropy``, …) |
+| ``activation_dtype`` | ``uint8``, ``int8`` or ``int16`` (int16: QDQ output only, opset 21) |
+| ``weight_dtype`` | ``int8``, or ``int4`` (MatMul/Gemm: block-wise weights, float activations) |
+| ``per_channel`` | true/false: per-channel weight scales for the node's pattern |
+
+A setting the target cannot run (int16 in QOperator, int4 on a Conv, …) is ignored for that
+node with a warning and the reason in ``inspect --explain``.
 
 Example::
 
@@ -32,7 +38,9 @@ from typing import Any
 
 from onnxq.errors import ConfigError
 
-KEYS = {"keep_float", "method", "activation_dtype"}
+KEYS = {"keep_float", "method", "activation_dtype", "weight_dtype", "per_channel"}
+ACTIVATION_DTYPES = ("uint8", "int8", "int16")
+WEIGHT_DTYPES = ("int8", "int4")
 
 
 def load_toml(path: str | os.PathLike[str], option: str) -> dict[str, Any]:
@@ -58,6 +66,8 @@ class NodeSettings:
     #: priority level of the layer that set ``method``: global 0, op type 1, regex 2, name 3
     method_level: int = -1
     activation_dtype: str | None = None
+    weight_dtype: str | None = None
+    per_channel: bool | None = None
 
 
 @dataclass
@@ -91,13 +101,18 @@ class UserConfig:
                     f"{cfg.path}: {where} has unknown key(s) {sorted(unknown)}; "
                     f"valid keys: {sorted(KEYS)}"
                 )
-            if "keep_float" in table and not isinstance(table["keep_float"], bool):
-                raise ConfigError(f"{cfg.path}: {where}.keep_float must be true or false")
-            if "activation_dtype" in table and table["activation_dtype"] not in ("uint8", "int8"):
-                raise ConfigError(
-                    f"{cfg.path}: {where}.activation_dtype {table['activation_dtype']!r} is not "
-                    "uint8 or int8 (int16 is global: --activation-dtype int16 --format qdq)"
-                )
+            for flag in ("keep_float", "per_channel"):
+                if flag in table and not isinstance(table[flag], bool):
+                    raise ConfigError(f"{cfg.path}: {where}.{flag} must be true or false")
+            for key, allowed in (
+                ("activation_dtype", ACTIVATION_DTYPES),
+                ("weight_dtype", WEIGHT_DTYPES),
+            ):
+                if key in table and table[key] not in allowed:
+                    raise ConfigError(
+                        f"{cfg.path}: {where}.{key} {table[key]!r} is not one of "
+                        f"{', '.join(allowed)}"
+                    )
             if "method" in table and table["method"] not in METHODS:
                 raise ConfigError(
                     f"{cfg.path}: {where}.method {table['method']!r} is unknown; "
@@ -145,6 +160,11 @@ class UserConfig:
                 if "method" in table:
                     out = replace(out, method_level=level)
         return out
+
+    def asks(self, key: str, value: Any) -> bool:
+        """Some level of the configuration sets ``key`` to ``value`` (opset decisions)."""
+        tables = [self.global_, *self.op_type.values(), *(t for _, t in self.node_regex)]
+        return any(t.get(key) == value for t in [*tables, *self.node.values()])
 
     def unknown_nodes(self, names: set[str]) -> list[str]:
         """``[node."…"]`` entries naming no node of the model."""

@@ -62,6 +62,11 @@ class QuantizerConfig:
     unsigned_after_relu: bool = False
     #: per-node settings (onnxq.config.UserConfig) from --config
     user: Any = None
+    #: activation dtypes the output format or target cannot run, with the reason: a per-node
+    #: request for one is ignored for that node with a warning
+    refused_dtypes: tuple[tuple[str, str], ...] = ()
+    #: why per-node int4 weights cannot be written ("" when they can)
+    int4_refused: str = ""
 
     def __post_init__(self) -> None:
         if self.activation_dtype not in ACTIVATION_DTYPES:
@@ -180,13 +185,15 @@ class QuantizerPattern(DFPatternCallback):
     def callback(self, pre: gs.Tensor, post: gs.Tensor, node_map: dict) -> gs.Tensor | None:
         """Rewrite the current match (``self.match``) through :meth:`quantize_match`."""
         q = self.quantizer
-        q._group_dtype = next(
-            (q.node_dtypes[n.name] for n in self.match.nodes if n.name in q.node_dtypes), None
+        names = [n.name for n in self.match.nodes]
+        q._group_dtype = next((q.node_dtypes[n] for n in names if n in q.node_dtypes), None)
+        q._group_per_channel = next(
+            (q.node_per_channel[n] for n in names if n in q.node_per_channel), None
         )
         try:
             return self.quantize_match(self.match)
         finally:
-            q._group_dtype = None
+            q._group_dtype = q._group_per_channel = None
 
     def quantize_match(self, m: Match) -> gs.Tensor | None:
         """Build the quantized replacement of ``m``; None leaves it float."""
@@ -247,26 +254,18 @@ class Quantizer:
         #: activation dtype per node from the user configuration (--config activation_dtype)
         self.node_dtypes: dict[str, str] = {}
         self.node_dtype_sources: dict[str, str] = {}
-        #: the activation dtype of the group being rewritten (None: the global one)
+        #: per-channel weights per node (--config per_channel)
+        self.node_per_channel: dict[str, bool] = {}
+        #: MatMul/Gemm nodes whose weights become block-wise int4 (--config weight_dtype)
+        self.int4_nodes: dict[str, str] = {}
+        #: requests the target cannot run, per node, and the warnings they raise
+        self.ignored: dict[str, list[str]] = {}
+        self.warnings: list[str] = []
+        #: the activation dtype and per-channel setting of the group being rewritten
         self._group_dtype: str | None = None
+        self._group_per_channel: bool | None = None
         if self.config.user is not None:
-            user = self.config.user
-            missing = user.unknown_nodes({n.name for n in graph.nodes})
-            if missing:
-                raise ConfigError(
-                    f"{user.path} names node(s) {missing} that are not in the "
-                    "model; `onnxq inspect MODEL` lists node names"
-                )
-            for n in graph.nodes:
-                st = user.resolve(n.name, n.op)
-                if st.keep_float:
-                    kept[n.name] = f"--config ({st.source})"
-                if st.method is not None:
-                    self.node_methods[n.name] = st.method
-                    self.node_method_levels[n.name] = st.method_level
-                if st.activation_dtype is not None:
-                    self.node_dtypes[n.name] = st.activation_dtype
-                    self.node_dtype_sources[n.name] = f"--config {st.source}"
+            self._resolve_user(graph, kept)
         result = rewrite(
             self.patterns,
             graph,
@@ -281,6 +280,44 @@ class Quantizer:
         )
         self._explain(result.partitions[0] if result.partitions else Partition())
         self.template: onnx.ModelProto = export_model(graph, self.float_model)
+
+    def _resolve_user(self, graph: gs.Graph, kept: dict[str, str]) -> None:
+        """Apply --config to every node; requests the target cannot run are ignored (warned)."""
+        user = self.config.user
+        missing = user.unknown_nodes({n.name for n in graph.nodes})
+        if missing:
+            raise ConfigError(
+                f"{user.path} names node(s) {missing} that are not in the "
+                "model; `onnxq inspect MODEL` lists node names"
+            )
+        refused = dict(self.config.refused_dtypes)
+        for n in graph.nodes:
+            st = user.resolve(n.name, n.op)
+            where = f"--config {st.source}"
+            if st.keep_float:
+                kept[n.name] = f"--config ({st.source})"
+            if st.method is not None:
+                self.node_methods[n.name] = st.method
+                self.node_method_levels[n.name] = st.method_level
+            dt = st.activation_dtype
+            if dt is not None and dt in refused:
+                self._ignore(n.name, f"activation_dtype {dt} ({where}) is ignored: {refused[dt]}")
+            elif dt is not None:
+                self.node_dtypes[n.name] = dt
+                self.node_dtype_sources[n.name] = where
+            if st.per_channel is not None:
+                self.node_per_channel[n.name] = st.per_channel
+            if st.weight_dtype == "int4":
+                why = self.config.int4_refused or _int4_unfit(n)
+                if why:
+                    self._ignore(n.name, f"weight_dtype int4 ({where}) is ignored: {why}")
+                else:
+                    self.int4_nodes[n.name] = where
+                    kept[n.name] = f"{where}: weights int4 block-wise, activations float"
+
+    def _ignore(self, node: str, why: str) -> None:
+        self.ignored.setdefault(node, []).append(why)
+        self.warnings.append(f"node '{node}': {why}")
 
     # ----------------------------------------------------------------------------------------
     # helpers used by QuantizerPattern.quantize_match
@@ -336,7 +373,10 @@ class Quantizer:
                 f"weight '{tensor.name}' is not constant; onnxq quantizes only "
                 "constant weights — fold it first or exclude the node"
             )
-        axis = axis if self.config.per_channel else None
+        per_channel = self._group_per_channel
+        if per_channel is None:
+            per_channel = self.config.per_channel
+        axis = axis if per_channel else None
         key = f"{tensor.name}@{axis}"
         if key in self._qtensors:
             return self._qtensors[key]
@@ -448,7 +488,10 @@ class Quantizer:
         for node in nodes_in_order(float_graph):
             name = node.name
             attempts = part.reasons_for(name)
-            if name in quantized:
+            if name in self.int4_nodes:
+                why = f"weights int4 block-wise ({self.int4_nodes[name]}); activations float"
+                self.decisions[name] = Decision(name, node.op, True, "int4-weights", why)
+            elif name in quantized:
                 why = ""
                 if name in self.node_dtypes:
                     why = f"activations {self.node_dtypes[name]} ({self.node_dtype_sources[name]})"
@@ -465,6 +508,11 @@ class Quantizer:
             else:
                 self.decisions[name] = Decision(
                     name, node.op, False, "", self._inside_reason(node, part)
+                )
+            if name in self.ignored:
+                d = self.decisions[name]
+                d.reason = "; ".join(
+                    [d.reason, *self.ignored[name]] if d.reason else self.ignored[name]
                 )
 
     def leave_float(self, pattern: QuantizerPattern, m: Match, reason: str) -> None:
@@ -566,6 +614,15 @@ class Quantizer:
         for i, node in enumerate(self.float_model.graph.node):
             order[node.name or node.output[0]] = i
         return sorted(self.records, key=lambda r: min(order.get(n, 0) for n in r.nodes))
+
+
+def _int4_unfit(node: gs.Node) -> str:
+    """Why ``node`` cannot take block-wise int4 weights ('' when it can)."""
+    if node.op not in ("MatMul", "Gemm"):
+        return f"int4 weights are block-wise for MatMul and Gemm only, not {node.op}"
+    if len(node.inputs) < 2 or constant_value(node.inputs[1]) is None:
+        return "its weight (input 1) is not a constant"
+    return ""
 
 
 def _after_relu(tensor: gs.Tensor) -> bool:

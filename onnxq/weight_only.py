@@ -56,18 +56,29 @@ def int4_blocks(w: np.ndarray, block_size: int) -> tuple[np.ndarray, np.ndarray]
 
 
 def quantize_weights_int4(
-    model: onnx.ModelProto, block_size: int = 32
+    model: onnx.ModelProto,
+    block_size: int = 32,
+    nodes: set[str] | None = None,
+    prepare: bool = True,
 ) -> tuple[onnx.ModelProto, WeightOnlyReport]:
-    """The model with block-wise int4 MatMul/Gemm weights (``model`` is not modified)."""
+    """The model with block-wise int4 MatMul/Gemm weights (``model`` is not modified).
+
+    ``nodes`` limits the pass to those node names (per-node ``weight_dtype = "int4"``);
+    ``prepare=False`` skips preprocessing, for a model that is already quantized elsewhere and
+    already at opset 21 (folding constants would undo its DequantizeLinear weights).
+    """
     if block_size < 16 or block_size & (block_size - 1):
         raise ConfigError(f"--block-size {block_size} must be a power of two >= 16")
-    pre = raise_opset(preprocess(model), INT4_OPSET, "int4 weights")
+    if prepare:
+        pre = raise_opset(preprocess(model), INT4_OPSET, "int4 weights")
+    else:
+        pre = raise_opset(model, INT4_OPSET, "int4 weights")
     graph = import_graph(pre)
     editor = GraphEditor(graph)
     report = WeightOnlyReport()
     packed: dict[str, np.ndarray] = {}
     for node in list(graph.nodes):
-        if node.op not in ("MatMul", "Gemm"):
+        if node.op not in ("MatMul", "Gemm") or (nodes is not None and node.name not in nodes):
             continue
         why = _int4_weight(editor, node, block_size, packed)
         if why is None:

@@ -150,6 +150,100 @@ def test_dtype_conflict_inserts_exactly_one_rescale(fmt):
     assert plain.rescales == []
 
 
-def test_activation_dtype_setting_is_validated():
-    with pytest.raises(ConfigError, match="is not uint8 or int8"):
-        UserConfig.from_dict({"node": {"conv2": {"activation_dtype": "int16"}}})
+@pytest.mark.parametrize(
+    "table, message",
+    [
+        ({"activation_dtype": "int4"}, "is not one of uint8, int8, int16"),
+        ({"weight_dtype": "int2"}, "is not one of int8, int4"),
+        ({"per_channel": "yes"}, "per_channel must be true or false"),
+    ],
+)
+def test_per_node_settings_are_validated(table, message):
+    with pytest.raises(ConfigError, match=message):
+        UserConfig.from_dict({"node": {"conv2": table}})
+
+
+def _three_matmuls():
+    from helpers import make_model
+
+    gen = np.random.default_rng(8)
+    h = onnx.helper
+    nodes = [
+        h.make_node("MatMul", ["x", "W1"], ["h"], name="mm1"),
+        h.make_node("Relu", ["h"], ["r"], name="relu1"),
+        h.make_node("MatMul", ["r", "W2"], ["z"], name="mm2"),
+        h.make_node("Relu", ["z"], ["r2"], name="relu2"),
+        h.make_node("MatMul", ["r2", "W3"], ["y"], name="mm3"),
+    ]
+    inits = {
+        "W1": gen.normal(0, 0.3, (64, 128)).astype(np.float32),
+        "W2": gen.normal(0, 0.1, (128, 128)).astype(np.float32),
+        "W3": gen.normal(0, 0.1, (128, 10)).astype(np.float32),
+    }
+    model = make_model(nodes, [("x", ["N", 64])], [("y", None)], inits)
+    return model, {"x": gen.normal(0, 1, (64, 64)).astype(np.float32)}
+
+
+MIXED = {
+    "node": {
+        "mm1": {"per_channel": False},
+        "mm2": {"weight_dtype": "int4"},
+        "mm3": {"activation_dtype": "int16"},
+    }
+}
+
+
+def test_mixed_precision_per_node_in_qdq():
+    # mm1 per-tensor int8, mm2 block-wise int4 weights with float activations, mm3 A16W8:
+    # one model, run by onnxruntime, close to float
+    from helpers import run
+
+    model, data = _three_matmuls()
+    q, report = onnxq.quantize(
+        model, data, config=UserConfig.from_dict(MIXED), format="qdq", progress=False
+    )
+    inits = {i.name: i for i in q.graph.initializer}
+    assert onnx.numpy_helper.to_array(inits["W1_scale"]).shape == ()  # per tensor
+    assert onnx.numpy_helper.to_array(inits["W3_scale"]).shape == (10,)  # per channel
+    assert inits["W2_int4"].data_type == onnx.TensorProto.INT4
+    block = next(n for n in q.graph.node if n.input[0] == "W2_int4")
+    assert {a.name: a.i for a in block.attribute}["block_size"] == 32
+    assert onnx.numpy_helper.to_array(inits["y_int16_zero_point"]).dtype == np.int16
+    assert report.warnings == []
+    by = {d.node: d for d in report.decisions}
+    assert by["mm2"].quantized and by["mm2"].pattern == "int4-weights"
+    assert "activations int16" in by["mm3"].reason
+    x = {"x": data["x"][:16]}
+    ref, got = run(model, x)[0], run(q, x)[0]
+    # int4 weights dominate the error: on these Gaussian weights, about 10% of the output's RMS
+    assert np.sqrt(np.mean((got - ref) ** 2)) < 0.15 * np.sqrt(np.mean(ref**2))
+
+
+def test_requests_the_target_cannot_run_are_ignored_with_a_warning():
+    model, data = _three_matmuls()
+    cfg = UserConfig.from_dict(MIXED)
+    _, report = onnxq.quantize(model, data, config=cfg, format="qoperator", progress=False)
+    assert any("'mm3'" in w and "no int16 kernels" in w for w in report.warnings)
+    mm3 = next(d for d in report.decisions if d.node == "mm3")
+    assert mm3.quantized and "is ignored" in mm3.reason
+    assert "warning: node 'mm3'" in report.summary()
+    # TensorRT runs symmetric int8 only; int4 on a Conv is not block-wise
+    _, report = onnxq.quantize(
+        model,
+        data,
+        config=UserConfig.from_dict({"node": {"mm1": {"activation_dtype": "uint8"}}}),
+        target="tensorrt",
+        progress=False,
+    )
+    assert report.warnings == [
+        "node 'mm1': activation_dtype uint8 (--config [node.\"mm1\"]) is ignored: target "
+        "'tensorrt' runs symmetric int8 activations only"
+    ]
+    _, report = onnxq.quantize(
+        _two_convs(),
+        {"x": np.random.default_rng(1).normal(0, 1, (8, 3, 8, 8)).astype(np.float32)},
+        config=UserConfig.from_dict({"op_type": {"Conv": {"weight_dtype": "int4"}}}),
+        progress=False,
+    )
+    assert len(report.warnings) == 2 and all("MatMul and Gemm only" in w for w in report.warnings)
+    assert all(d.quantized for d in report.decisions if d.op == "Conv")
