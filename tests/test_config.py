@@ -247,3 +247,16 @@ def test_requests_the_target_cannot_run_are_ignored_with_a_warning():
     )
     assert len(report.warnings) == 2 and all("MatMul and Gemm only" in w for w in report.warnings)
     assert all(d.quantized for d in report.decisions if d.op == "Conv")
+
+
+def test_inspect_explains_per_node_precision_and_ignored_requests(tmp_path, capsys):
+    cfg = tmp_path / "mixed.toml"
+    cfg.write_text('[op_type.Gemm]\nweight_dtype = "int4"\n[node.conv1]\nactivation_dtype = "int16"\n')
+    model = str(MODELS / "digits_cnn.onnx")
+    assert main(["inspect", model, "--explain", "--config", str(cfg)]) == 0
+    out = capsys.readouterr()
+    assert "int4-weights: fc" in out.out
+    assert "node 'conv1': activation_dtype int16" in out.err and "no int16 kernels" in out.err
+    # the generic target writes QDQ, which has int16: no warning
+    assert main(["inspect", model, "--config", str(cfg), "--target", "generic"]) == 0
+    assert "warning" not in capsys.readouterr().err
