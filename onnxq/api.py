@@ -244,6 +244,7 @@ def quantize(
         weight_bits=weight_bits,
         refused_dtypes=_refused_dtypes(tgt, format, activation_dtype, symmetric_activations),
         int4_refused=int4_refused,
+        format=format,
     )
     if load_ranges is not None:
         cb: CalibrationCallback = RangeTableCallback(read_ranges(load_ranges), f"'{load_ranges}'")

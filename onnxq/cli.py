@@ -463,6 +463,7 @@ def _inspect(args: argparse.Namespace) -> int:
             tgt, tgt.format, tgt.activation_dtype, tgt.symmetric_activations
         ),
         int4_refused=_int4_refused(tgt.format),
+        format=tgt.format,
     )
     patterns = _target_patterns(tgt) if tgt.patterns is not None else None
     quantizer = Quantizer(args.model, patterns, config)

@@ -17,7 +17,14 @@ import onnx
 import onnx_graphsurgeon as gs
 
 from onnxq.errors import ModelError
-from onnxq.graph import GraphEditor, constant_value, export_model, import_graph, is_absent
+from onnxq.graph import (
+    GraphEditor,
+    constant_value,
+    export_model,
+    import_graph,
+    is_absent,
+    iter_subgraph_nodes,
+)
 
 MIN_OPSET = 10
 TARGET_OPSET = 13
@@ -53,6 +60,7 @@ def preprocess(model: onnx.ModelProto) -> onnx.ModelProto:
         model = raise_opset(model, TARGET_OPSET, f"QLinear ops (opset >= {MIN_OPSET})")
     graph = import_graph(model)
     _name_nodes(graph)
+    _drop_identities(graph)
     _fold_constants(graph)
     _fold_batchnorm(graph)
     _fold_affine(graph)
@@ -114,6 +122,33 @@ def _name_nodes(graph: gs.Graph) -> None:
             k += 1
         node.name = name
         seen.add(name)
+
+
+def _drop_identities(graph: gs.Graph) -> None:
+    """Remove Identity nodes: they sit between ops a pattern joins (Conv → Identity → Relu).
+
+    paddle2onnx writes one after most convolutions (58 in the PP-OCRv6 recogniser). An Identity
+    that writes a graph output, or whose output a subgraph reads by name, is kept.
+    """
+    editor = GraphEditor(graph)
+    outputs = {id(t) for t in graph.outputs}
+    inner = {
+        t.name
+        for node in graph.nodes
+        for body in node.attrs.values()
+        if isinstance(body, gs.Graph)
+        for n in iter_subgraph_nodes(body)
+        for t in n.inputs
+    }
+    for node in list(graph.nodes):
+        if node.op != "Identity" or len(node.inputs) != 1 or len(node.outputs) != 1:
+            continue
+        out = node.outputs[0]
+        if id(out) in outputs or out.name in inner:
+            continue
+        editor.redirect(out, node.inputs[0])
+        editor.remove_node(node)
+    editor.finish()
 
 
 def _fold_constants(graph: gs.Graph) -> None:

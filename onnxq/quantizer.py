@@ -67,6 +67,8 @@ class QuantizerConfig:
     refused_dtypes: tuple[tuple[str, str], ...] = ()
     #: why per-node int4 weights cannot be written ("" when they can)
     int4_refused: str = ""
+    #: the output format (QDQ islands need qdq or openvino)
+    format: str = "qoperator"
 
     def __post_init__(self) -> None:
         if self.activation_dtype not in ACTIVATION_DTYPES:

@@ -1,4 +1,7 @@
-"""The pattern library: QuantizerPatterns for Conv, dense, Add, Mul and average pooling.
+"""The pattern library: every QuantizerPattern onnxq ships.
+
+Conv, dense, Add, Mul, pooling, activations, Concat, Gather, and QDQ islands (ConvTranspose,
+Conv → HardSwish) for QDQ and OpenVINO output.
 
 ``default_patterns(callback)`` returns one instance of every rule, largest first.
 """
@@ -17,6 +20,12 @@ from onnxq.patterns.concat import ConcatPattern
 from onnxq.patterns.conv import ConvBiasPattern, ConvPattern
 from onnxq.patterns.dense import GemmBiasPattern, GemmPattern, MatMulAddPattern, MatMulPattern
 from onnxq.patterns.gather import GatherPattern
+from onnxq.patterns.island import (
+    ConvBiasHardActivationPattern,
+    ConvHardActivationPattern,
+    ConvTransposeBiasPattern,
+    ConvTransposePattern,
+)
 from onnxq.patterns.pool import AveragePoolPattern, GlobalAveragePoolPattern
 from onnxq.quantizer import QuantizerPattern
 
@@ -30,7 +39,11 @@ __all__ = [
     "AddPattern",
     "AveragePoolPattern",
     "BinaryPattern",
+    "ConvBiasHardActivationPattern",
     "ConvBiasPattern",
+    "ConvHardActivationPattern",
+    "ConvTransposeBiasPattern",
+    "ConvTransposePattern",
     "ConvPattern",
     "GemmBiasPattern",
     "GemmPattern",
@@ -44,9 +57,10 @@ __all__ = [
 
 def default_patterns(callback: CalibrationCallback | None = None) -> list[QuantizerPattern]:
     """One instance of every rule, each calibrated by ``callback`` (None: the Calibrator's)."""
-    from onnxq.patterns import activation, binary, concat, conv, dense, gather, pool
+    from onnxq.patterns import activation, binary, concat, conv, dense, gather, island, pool
 
     rules = [
+        *island.RULES,
         *conv.RULES,
         *dense.RULES,
         *binary.RULES,

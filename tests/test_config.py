@@ -251,7 +251,9 @@ def test_requests_the_target_cannot_run_are_ignored_with_a_warning():
 
 def test_inspect_explains_per_node_precision_and_ignored_requests(tmp_path, capsys):
     cfg = tmp_path / "mixed.toml"
-    cfg.write_text('[op_type.Gemm]\nweight_dtype = "int4"\n[node.conv1]\nactivation_dtype = "int16"\n')
+    cfg.write_text(
+        '[op_type.Gemm]\nweight_dtype = "int4"\n[node.conv1]\nactivation_dtype = "int16"\n'
+    )
     model = str(MODELS / "digits_cnn.onnx")
     assert main(["inspect", model, "--explain", "--config", str(cfg)]) == 0
     out = capsys.readouterr()

@@ -106,6 +106,33 @@ def test_affine_with_spatial_constant_is_not_folded():
     assert ops(pre) == ["Conv", "Mul"]
 
 
+def test_identity_nodes_are_removed_except_at_graph_outputs():
+    # paddle2onnx style: Conv → Identity → Relu; the Identity hid the Conv+Relu group
+    g = rng(7)
+    nodes = [
+        h.make_node("Conv", ["x", "W"], ["c"], name="conv", pads=[1, 1, 1, 1]),
+        h.make_node("Identity", ["c"], ["ci"], name="id1"),
+        h.make_node("Relu", ["ci"], ["r"], name="relu"),
+        h.make_node("Conv", ["r", "W2"], ["y0"], name="conv2"),
+        h.make_node("Identity", ["y0"], ["y"], name="id_out"),
+    ]
+    inits = {
+        "W": g.normal(0, 0.3, (4, 3, 3, 3)).astype(np.float32),
+        "W2": g.normal(0, 0.3, (2, 4, 1, 1)).astype(np.float32),
+    }
+    model = make_model(nodes, [("x", [1, 3, 8, 8])], [("y", None)], inits)
+    pre = preprocess(model)
+    assert [n.name for n in pre.graph.node if n.op_type == "Identity"] == ["id_out"]
+    x = {"x": g.normal(0, 1, (1, 3, 8, 8)).astype(np.float32)}
+    assert np.allclose(run(pre, x)[0], run(model, x)[0])
+    data = {"x": g.normal(0, 1, (8, 3, 8, 8)).astype(np.float32)}
+    q, report = onnxq.quantize(model, data, method="minmax", progress=False)
+    relu = next(d for d in report.decisions if d.node == "relu")
+    assert relu.quantized and relu.pattern == "conv"
+    x = {"x": data["x"][:2]}  # inside the calibrated range
+    assert np.abs(run(q, x)[0] - run(model, x)[0]).max() < 0.05 * np.abs(run(model, x)[0]).max()
+
+
 def test_constant_node_and_constant_subgraph_weights_become_initializers():
     weight = w(4, 3, 3, 3)
     nodes = [

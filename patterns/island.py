@@ -1,0 +1,169 @@
+"""QDQ islands: ops onnxruntime CPU has no QLinear kernel for, quantized where runtimes fuse them.
+
+TensorRT and OpenVINO fuse a convolution with the activation after it (HardSwish, HardSigmoid,
+Relu) and run ConvTranspose in int8; onnxruntime's CPU provider has neither a QLinear form of
+these activations nor an int8 ConvTranspose. For the ``qdq`` and ``openvino`` formats these
+patterns write the group as an island of standard ONNX::
+
+    DQ(x_q) ─┐
+    DQ(W_q) ─┴→ Conv | ConvTranspose (float bias) → [activation] → Q(y)
+
+with no Q/DQ between the op and its activation: one rounding instead of two, and the Q/DQ
+placement that lets those runtimes fuse the op and its activation. In QOperator output
+(``ort-cpu``) the patterns do not apply; the explain entry says why.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx_graphsurgeon as gs
+
+from onnxq.pattern import DFPattern, Match, MatchResult, is_op
+from onnxq.patterns.base import WeightedPattern, _const, with_relu
+from onnxq.quantizer import PatternRecord
+
+#: output formats whose runtimes consume a QDQ island
+ISLAND_FORMATS = ("qdq", "openvino")
+_HARD = ("HardSwish", "HardSigmoid")
+
+
+class IslandPattern(WeightedPattern):
+    """``op(x, W[, b]) [→ activation]`` written as DQ → float op(s) → Q."""
+
+    #: the activation is required (Conv: the plain form has its QLinearConv pattern)
+    activation_required = False
+
+    def build_pattern(self) -> tuple[DFPattern, DFPattern]:
+        """(the whole pattern, the activation alternatives)."""
+        _, relu = with_relu(self.core)
+        hard = is_op("HardSwish")(self.core) | is_op("HardSigmoid")(self.core)
+        act = relu | hard
+        return (act if self.activation_required else act | self.core), act
+
+    def __init__(self, calibration_callback=None):  # type: ignore[no-untyped-def]
+        super().__init__(calibration_callback)
+        self.pattern, self.act = self.build_pattern()
+
+    def check(self, m: Match) -> MatchResult:
+        """QDQ or OpenVINO output, float32 weights."""
+        fmt = self.quantizer.config.format
+        if fmt not in ISLAND_FORMATS:
+            return MatchResult.fail(
+                f"onnxruntime CPU has no int8 kernel for {self._what(m)}; it is quantized as a "
+                "QDQ island for --format qdq or openvino (runtimes that fuse it)"
+            )
+        res = self.float_output_check(m)
+        if not res.ok:
+            return res
+        w = _const(m.tensor(self.w))
+        if w.dtype != np.float32:
+            return MatchResult.fail(
+                f"weight '{m.tensor(self.w).name}' is {w.dtype}, expected float32"
+            )
+        return MatchResult(m)
+
+    def _what(self, m: Match) -> str:
+        core = m.node(self.core)
+        return " followed by ".join([core.op] + [n.op for n in m.nodes if n is not core])
+
+    def quantize_match(self, m: Match) -> gs.Tensor | None:
+        """DQ(x), DQ(W) → the float op and its activation → Q(y) → DQ."""
+        q = self.quantizer
+        node = m.node(self.core)
+        x, weight = m.tensor(self.x), m.tensor(self.w)
+        xq = q.quantize_input(x)
+        wq = q.quantize_weight(weight, self.weight_channel_axis(node, _const(weight)))
+        yq, y_var = q.quantize_output(m.root)
+        xf = q.dequantize(xq, q.operands(xq)[0], x)
+        wf = q.dequantize(wq, q.operands(wq)[0], weight, axis=wq.axis)
+        ins: list[gs.Tensor] = [xf, wf]
+        if self.b is not None:
+            ins.append(m.tensor(self.b))
+        out = q.editor.variable(f"{node.outputs[0].name}_island", np.float32, m.root.shape)
+        core_out = out
+        acts = [n for n in m.nodes if n is not node]
+        if acts:
+            core_out = q.editor.variable(f"{node.outputs[0].name}_island", np.float32)
+        q.add_node(node.op, ins, [core_out], f"{node.name}_island", dict(node.attrs))
+        for act in acts:
+            q.add_node(
+                act.op, [core_out, *act.inputs[1:]], [out], f"{act.name}_island", dict(act.attrs)
+            )
+        qnode = q.add_node(
+            "QuantizeLinear",
+            [out, q.const(yq.scale), q.const(yq.zero_point)],
+            [y_var],
+            f"{m.root.name}_island_QuantizeLinear",
+        )
+        relu = bool(acts) and acts[0].op not in _HARD and not q.config.activation_symmetric
+        q.record(
+            PatternRecord(
+                self,
+                self.label(),
+                [n.name for n in m.nodes],
+                [xq, wq],
+                [yq],
+                qnode.name,
+                relu_folded=relu,
+            )
+        )
+        return q.dequantize(yq, y_var, m.root)
+
+
+class ConvTransposePattern(IslandPattern):
+    """ConvTranspose (no bias), optionally followed by an activation."""
+
+    name = "conv-transpose"
+    op_type = "ConvTranspose"
+
+    def weight_channel_axis(self, node: gs.Node, weight: np.ndarray) -> int:
+        """Weights are (C_in, M/group, k...): output channels on axis 1 (group 1 only)."""
+        return 1
+
+    def check(self, m: Match) -> MatchResult:
+        """Grouped ConvTranspose has no single output-channel axis: refused."""
+        if int(m.node(self.core).attrs.get("group", 1)) != 1:
+            return MatchResult.fail("grouped ConvTranspose (group > 1) is left float")
+        return super().check(m)
+
+
+class ConvTransposeBiasPattern(ConvTransposePattern):
+    """ConvTranspose with a constant (float) bias."""
+
+    name = "conv-transpose+bias"
+    has_bias = True
+
+
+class ConvHardActivationPattern(IslandPattern):
+    """Conv → HardSwish / HardSigmoid (MobileNetV3, PP-LCNet), no bias."""
+
+    name = "conv+hard-activation"
+    op_type = "Conv"
+    activation_required = True
+
+    def build_pattern(self) -> tuple[DFPattern, DFPattern]:
+        """The hard activation is required."""
+        hard = is_op("HardSwish")(self.core) | is_op("HardSigmoid")(self.core)
+        return hard, hard
+
+    def weight_channel_axis(self, node: gs.Node, weight: np.ndarray) -> int:
+        """Conv weights are (M, C/group, k...)."""
+        return 0
+
+
+class ConvBiasHardActivationPattern(ConvHardActivationPattern):
+    """Conv with bias → HardSwish / HardSigmoid."""
+
+    name = "conv+bias+hard-activation"
+    has_bias = True
+
+
+# ConvTranspose(x, W[, b]) [→ act] -> DQ(Q(ConvTranspose(DQ(Q(x)), DQ(Wq), b) [→ act]))
+# Conv(x, W[, b]) → HardSwish      -> DQ(Q(HardSwish(Conv(DQ(Q(x)), DQ(Wq), b))))
+#                                     (--format qdq / openvino only)
+RULES = [
+    ConvBiasHardActivationPattern,
+    ConvHardActivationPattern,
+    ConvTransposeBiasPattern,
+    ConvTransposePattern,
+]
