@@ -15,6 +15,8 @@ placement that lets those runtimes fuse the op and its activation. In QOperator 
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import onnx_graphsurgeon as gs
 
@@ -40,7 +42,7 @@ class IslandPattern(WeightedPattern):
         act = relu | hard
         return (act if self.activation_required else act | self.core), act
 
-    def __init__(self, calibration_callback=None):  # type: ignore[no-untyped-def]
+    def __init__(self, calibration_callback: Any = None):
         super().__init__(calibration_callback)
         self.pattern, self.act = self.build_pattern()
 
