@@ -1,9 +1,10 @@
 """QDQ islands: ops onnxruntime CPU has no QLinear kernel for, quantized where runtimes fuse them.
 
 TensorRT and OpenVINO fuse a convolution with the activation after it (HardSwish, HardSigmoid,
-Relu) and run ConvTranspose in int8; onnxruntime's CPU provider has neither a QLinear form of
-these activations nor an int8 ConvTranspose. For the ``qdq`` and ``openvino`` formats these
-patterns write the group as an island of standard ONNX::
+LeakyRelu, Relu) and run ConvTranspose in int8; onnxruntime's CPU provider has no QLinear form
+of the hard activations (its QLinearLeakyRelu is a separate op) and no int8 ConvTranspose. For
+the ``qdq`` and ``openvino`` formats these patterns write the group as an island of standard
+ONNX::
 
     DQ(x_q) ─┐
     DQ(W_q) ─┴→ Conv | ConvTranspose (float bias) → [activation] → Q(y)
@@ -26,7 +27,17 @@ from onnxq.quantizer import PatternRecord
 
 #: output formats whose runtimes consume a QDQ island
 ISLAND_FORMATS = ("qdq", "openvino")
-_HARD = ("HardSwish", "HardSigmoid")
+#: activations fused into the convolution before the output is quantized
+FUSED = ("HardSwish", "HardSigmoid", "LeakyRelu")
+
+
+def fused_activation(core: DFPattern) -> DFPattern:
+    """``core`` followed by one of the :data:`FUSED` activations."""
+    alternatives = [is_op(op)(core) for op in FUSED]
+    out = alternatives[0]
+    for alt in alternatives[1:]:
+        out = out | alt
+    return out
 
 
 class IslandPattern(WeightedPattern):
@@ -38,8 +49,7 @@ class IslandPattern(WeightedPattern):
     def build_pattern(self) -> tuple[DFPattern, DFPattern]:
         """(the whole pattern, the activation alternatives)."""
         _, relu = with_relu(self.core)
-        hard = is_op("HardSwish")(self.core) | is_op("HardSigmoid")(self.core)
-        act = relu | hard
+        act = relu | fused_activation(self.core)
         return (act if self.activation_required else act | self.core), act
 
     def __init__(self, calibration_callback: Any = None):
@@ -97,7 +107,7 @@ class IslandPattern(WeightedPattern):
             [y_var],
             f"{m.root.name}_island_QuantizeLinear",
         )
-        relu = bool(acts) and acts[0].op not in _HARD and not q.config.activation_symmetric
+        relu = bool(acts) and acts[0].op not in FUSED and not q.config.activation_symmetric
         q.record(
             PatternRecord(
                 self,
@@ -137,16 +147,16 @@ class ConvTransposeBiasPattern(ConvTransposePattern):
 
 
 class ConvHardActivationPattern(IslandPattern):
-    """Conv → HardSwish / HardSigmoid (MobileNetV3, PP-LCNet), no bias."""
+    """Conv → HardSwish / HardSigmoid / LeakyRelu (MobileNetV3, PP-LCNet, YOLO), no bias."""
 
     name = "conv+hard-activation"
     op_type = "Conv"
     activation_required = True
 
     def build_pattern(self) -> tuple[DFPattern, DFPattern]:
-        """The hard activation is required."""
-        hard = is_op("HardSwish")(self.core) | is_op("HardSigmoid")(self.core)
-        return hard, hard
+        """The activation is required."""
+        act = fused_activation(self.core)
+        return act, act
 
     def weight_channel_axis(self, node: gs.Node, weight: np.ndarray) -> int:
         """Conv weights are (M, C/group, k...)."""
@@ -154,14 +164,15 @@ class ConvHardActivationPattern(IslandPattern):
 
 
 class ConvBiasHardActivationPattern(ConvHardActivationPattern):
-    """Conv with bias → HardSwish / HardSigmoid."""
+    """Conv with bias → HardSwish / HardSigmoid / LeakyRelu."""
 
     name = "conv+bias+hard-activation"
     has_bias = True
 
 
 # ConvTranspose(x, W[, b]) [→ act] -> DQ(Q(ConvTranspose(DQ(Q(x)), DQ(Wq), b) [→ act]))
-# Conv(x, W[, b]) → HardSwish      -> DQ(Q(HardSwish(Conv(DQ(Q(x)), DQ(Wq), b))))
+# Conv(x, W[, b]) → HardSwish      -> DQ(Q(HardSwish(Conv(DQ(Q(x)), DQ(Wq), b))))  (or
+#                                     HardSigmoid, LeakyRelu)
 #                                     (--format qdq / openvino only)
 RULES = [
     ConvBiasHardActivationPattern,

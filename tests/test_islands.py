@@ -14,10 +14,8 @@ H = onnx.helper
 
 @pytest.fixture(scope="module")
 def decoder():
-    """conv1+bias → HardSwish → ConvTranspose(stride 2)+bias → Relu → conv2 → HardSigmoid → conv3.
-
-    conv3 reads the HardSigmoid output, so every group has a quantized neighbour.
-    """
+    """conv1+bias → HardSwish → ConvTranspose(stride 2)+bias → Relu → conv2 → HardSigmoid →
+    conv3 → LeakyRelu → conv4: every group has a quantized neighbour."""
     g = np.random.default_rng(21)
     nodes = [
         H.make_node("Conv", ["x", "W1", "B1"], ["c"], name="conv1", pads=[1, 1, 1, 1]),
@@ -26,7 +24,9 @@ def decoder():
         H.make_node("Relu", ["u"], ["ur"], name="relu"),
         H.make_node("Conv", ["ur", "W2"], ["c2"], name="conv2"),
         H.make_node("HardSigmoid", ["c2"], ["s"], name="hsig"),
-        H.make_node("Conv", ["s", "W3"], ["y"], name="conv3"),
+        H.make_node("Conv", ["s", "W3"], ["c3"], name="conv3"),
+        H.make_node("LeakyRelu", ["c3"], ["l"], name="leaky", alpha=0.1),
+        H.make_node("Conv", ["l", "W4"], ["y"], name="conv4"),
     ]
     inits = {
         "W1": g.normal(0, 0.3, (8, 3, 3, 3)).astype(np.float32),
@@ -34,7 +34,8 @@ def decoder():
         "WT": g.normal(0, 0.3, (8, 4, 2, 2)).astype(np.float32),
         "BT": g.normal(0, 0.1, 4).astype(np.float32),
         "W2": g.normal(0, 0.5, (6, 4, 1, 1)).astype(np.float32),
-        "W3": g.normal(0, 0.5, (2, 6, 1, 1)).astype(np.float32),
+        "W3": g.normal(0, 0.5, (5, 6, 1, 1)).astype(np.float32),
+        "W4": g.normal(0, 0.5, (2, 5, 1, 1)).astype(np.float32),
     }
     model = make_model(nodes, [("x", ["N", 3, 8, 8])], [("y", None)], inits, opset=14)
     data = {"x": g.normal(0, 1, (32, 3, 8, 8)).astype(np.float32)}
@@ -54,10 +55,10 @@ def test_qdq_islands_run_in_onnxruntime(decoder):
     assert all(d.quantized for d in report.decisions), [d for d in report.decisions]
     assert by["up"].pattern == "conv-transpose+bias"
     assert by["hswish"].pattern == by["conv1"].pattern == "conv+bias+hard-activation"
-    assert by["hsig"].pattern == "conv+hard-activation"
+    assert by["hsig"].pattern == by["leaky"].pattern == "conv+hard-activation"
     # the activation reads the convolution directly: no Q/DQ between them (runtimes fuse it)
-    assert _producer_op(q, "HardSwish") == "Conv"
-    assert _producer_op(q, "HardSigmoid") == "Conv"
+    for act in ("HardSwish", "HardSigmoid", "LeakyRelu"):
+        assert _producer_op(q, act) == "Conv"
     assert _producer_op(q, "Relu") == "ConvTranspose"
     # ConvTranspose reads an int8 weight, per channel along its output-channel axis 1
     producers = {o: n for n in q.graph.node for o in n.output}
@@ -80,6 +81,7 @@ def test_qoperator_keeps_them_float_and_says_why(decoder):
     assert not by["hswish"].quantized
     assert "Conv followed by HardSwish" in by["hswish"].reason
     assert by["conv1"].quantized and by["conv1"].pattern == "conv+bias"
+    assert by["leaky"].quantized and by["leaky"].pattern == "leaky-relu"  # QLinearLeakyRelu
     assert "ConvTranspose" in [n.op_type for n in q.graph.node]
     x = {"x": data["x"][:8]}
     ref, got = run(model, x)[0], run(q, x)[0]
@@ -97,6 +99,10 @@ def test_openvino_islands_agree_with_qdq(decoder):
     x = data["x"][:8]
     got = core.compile_model(core.read_model(fq.SerializeToString()), "CPU")(x)[0]
     ref = run(qdq, {"x": x})[0]
-    step = report.values["y_scale"]
+    step = report.values["y_scale"] * 1.001
     diff = np.abs(got - ref)
-    assert (diff <= step * 1.001).mean() >= 0.99 and diff.max() <= 2 * step * 1.001
+    # five quantized layers deep, OpenVINO's own rounding of intermediate ties moves a few
+    # outputs by up to 3 steps; both stay as close to float
+    assert (diff <= step).mean() >= 0.97 and diff.max() <= 3 * step
+    fl = run(model, {"x": x})[0]
+    assert np.abs(got - fl).max() <= np.abs(ref - fl).max() + step
