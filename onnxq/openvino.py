@@ -181,6 +181,7 @@ def qdq_to_fakequantize(model: onnx.ModelProto) -> tuple[onnx.ModelProto, list[s
     editor = GraphEditor(graph)
     converted = []
     fq_inputs: dict[str, gs.Variable] = {}
+    chain_params: dict[str, tuple[np.ndarray, np.ndarray]] = {}
     for dq in [n for n in graph.nodes if n.op == "DequantizeLinear"]:
         x, scale_t = dq.inputs[0], dq.inputs[1]
         scale = constant_value(scale_t)
@@ -216,10 +217,10 @@ def qdq_to_fakequantize(model: onnx.ModelProto) -> tuple[onnx.ModelProto, list[s
                     f"DequantizeLinear '{dq.name}' reads '{x.name}', which no QuantizeLinear "
                     "produces (an integer graph input?); FakeQuantize needs the float value"
                 )
-            if q.op == "FakeQuantize":
+            if chain:  # int8 carried through MaxPool, Reshape, Pad…: carry the float instead
+                _float_chain(editor, chain, q, fq_inputs, chain_params)  # x is now float
+            elif q.op == "FakeQuantize":
                 pass  # x is already float
-            elif chain:  # int8 carried through MaxPool, Reshape, Pad…: carry the float instead
-                x = _float_chain(editor, chain, q, fq_inputs)
             else:
                 x = q.inputs[0]
             low, high, levels = fq_bounds(scale, zp, np.dtype(zp.dtype).name)
@@ -252,19 +253,31 @@ def _carried_from_quantize(x: gs.Tensor) -> tuple[list[gs.Node], gs.Node | None]
 
 
 def _float_chain(
-    editor: GraphEditor, chain: list[gs.Node], q: gs.Node, fq_inputs: dict[str, gs.Variable]
-) -> gs.Tensor:
-    """Make ``chain`` (carriers reading Q's integers) read FakeQuantize(Q's float input)."""
+    editor: GraphEditor,
+    chain: list[gs.Node],
+    q: gs.Node,
+    fq_inputs: dict[str, gs.Variable],
+    params: dict[str, tuple[np.ndarray, np.ndarray]],
+) -> None:
+    """Make ``chain`` (carriers reading Q's integers) read FakeQuantize(Q's float input).
+
+    ``q`` may be a FakeQuantize an earlier chain through the same carriers created (SPPF's
+    cascaded MaxPools): the carriers past that chain still declare integers and hold
+    zero-point padding, and are converted here.
+    """
     from onnxq.graph import constant_value
 
-    scale = np.asarray(constant_value(q.inputs[1]), np.float64)
-    zp = np.asarray(constant_value(q.inputs[2]))
-    key = q.outputs[0].name
-    if key not in fq_inputs:
-        low, high, levels = fq_bounds(scale, zp, np.dtype(zp.dtype).name)
-        fq_inputs[key] = _fq_node(editor, q.inputs[0], low, high, levels, f"{key}_float")
-    first = chain[0]
-    editor.set_input(first, 0, fq_inputs[key])
+    if q.op == "FakeQuantize":
+        scale, zp = params[q.outputs[0].name]
+    else:
+        scale = np.asarray(constant_value(q.inputs[1]), np.float64)
+        zp = np.asarray(constant_value(q.inputs[2]))
+        key = q.outputs[0].name
+        if key not in fq_inputs:
+            low, high, levels = fq_bounds(scale, zp, np.dtype(zp.dtype).name)
+            fq_inputs[key] = _fq_node(editor, q.inputs[0], low, high, levels, f"{key}_float")
+            params[fq_inputs[key].name] = (scale, zp)
+        editor.set_input(chain[0], 0, fq_inputs[key])
     for node in chain:
         if node.op == "Pad" and len(node.inputs) > 2 and node.inputs[2].name:
             value = constant_value(node.inputs[2])  # zero point padding → the real value
@@ -275,4 +288,3 @@ def _float_chain(
                 editor.set_input(node, 2, editor.constant(f"{node.name}_pad_value", real))
         for out in node.outputs:
             out.dtype = np.float32
-    return chain[-1].outputs[0]

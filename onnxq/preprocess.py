@@ -9,8 +9,10 @@ shapes are inferred.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
+import tempfile
 
 import numpy as np
 import onnx
@@ -96,9 +98,12 @@ def _symbolic_shapes(model: onnx.ModelProto) -> onnx.ModelProto:
     try:
         from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
 
-        inferred = SymbolicShapeInference.infer_shapes(
-            model, auto_merge=True, guess_output_rank=True
-        )
+        # on incomplete inference it saves "sym_shape_infer_temp.onnx" (and external data) in
+        # the working directory: run it in a scratch directory so no file lands there
+        with tempfile.TemporaryDirectory() as scratch, contextlib.chdir(scratch):
+            inferred = SymbolicShapeInference.infer_shapes(
+                model, auto_merge=True, guess_output_rank=True
+            )
     except Exception as exc:  # sympy missing, or an op it does not know
         logging.getLogger("onnxq").info("symbolic shape inference failed: %s", exc)
         return model

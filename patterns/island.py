@@ -34,7 +34,7 @@ FUSED = ("HardSwish", "HardSigmoid", "LeakyRelu")
 def fused_activation(core: DFPattern) -> DFPattern:
     """``core`` followed by one of the :data:`FUSED` activations."""
     alternatives = [is_op(op)(core) for op in FUSED]
-    out = alternatives[0]
+    out: DFPattern = alternatives[0]
     for alt in alternatives[1:]:
         out = out | alt
     return out

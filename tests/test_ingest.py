@@ -173,3 +173,37 @@ def test_convert_to_fakequantize_refuses_integer_inputs():
     model = h.make_model(graph, opset_imports=[h.make_opsetid("", 13)])
     with pytest.raises(ModelError, match="which no QuantizeLinear produces"):
         convert(model, "openvino")
+
+
+def test_convert_to_fakequantize_follows_split_outputs_and_cascaded_maxpools():
+    # YOLOv8's shapes: a Split whose second output carries int8 to its reader, and SPPF's
+    # MaxPool → MaxPool → MaxPool cascade read at every stage. The converted model must read
+    # the right Split output and declare float types past an earlier chain's FakeQuantize.
+    ov = pytest.importorskip("openvino")
+    g = rng(31)
+    pool = dict(kernel_shape=[3, 3], pads=[1, 1, 1, 1], strides=[1, 1])
+    nodes = [
+        h.make_node("Conv", ["x", "W1"], ["c"], name="conv1", pads=[1, 1, 1, 1]),
+        h.make_node("Relu", ["c"], ["r"], name="relu1"),
+        h.make_node("Split", ["r", "sizes"], ["s0", "s1"], name="split", axis=1),
+        h.make_node("MaxPool", ["s1"], ["p1"], name="pool1", **pool),
+        h.make_node("MaxPool", ["p1"], ["p2"], name="pool2", **pool),
+        h.make_node("Concat", ["s1", "p1", "p2", "s0"], ["cat"], name="cat", axis=1),
+        h.make_node("Conv", ["cat", "W2"], ["y"], name="conv2"),
+    ]
+    inits = {
+        "W1": g.normal(0, 0.3, (8, 3, 3, 3)).astype(np.float32),
+        "sizes": np.array([2, 6], np.int64),
+        "W2": g.normal(0, 0.3, (4, 20, 1, 1)).astype(np.float32),
+    }
+    model = make_model(nodes, [("x", [1, 3, 8, 8])], [("y", None)], inits)
+    data = {"x": g.normal(0, 1, (16, 3, 8, 8)).astype(np.float32)}
+    qdq, report = onnxq.quantize(model, data, format="qdq", method="minmax", progress=False)
+    fq, _ = convert(qdq, "openvino")
+    core = ov.Core()
+    x = data["x"][:1]
+    got = core.compile_model(core.read_model(fq.SerializeToString()), "CPU")(x)[0]
+    ref = run(qdq, {"x": x})[0]
+    step = report.values["y_scale"] * 1.001
+    assert np.abs(got - ref).max() <= 2 * step
+    assert np.abs(got - run(model, {"x": x})[0]).max() < 0.05 * np.abs(ref).max()

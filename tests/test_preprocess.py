@@ -178,3 +178,26 @@ def test_onnx_light_zoo_graphs_quantize(name):
     assert convs and all(d.quantized for d in convs)  # ConstantOfShape weights were folded
     ref, got = run(model, {spec.name: x[:1]})[0], run(q, {spec.name: x[:1]})[0]
     assert np.isfinite(got).all() and got.shape == ref.shape
+
+
+def test_symbolic_shape_inference_leaves_no_file_in_the_working_directory(tmp_path, monkeypatch):
+    # onnxruntime's SymbolicShapeInference saves "sym_shape_infer_temp.onnx" (+ external data)
+    # in the working directory when it gives up (it did on ddddocr's int8 model)
+    from onnxruntime.tools import symbolic_shape_infer
+
+    from onnxq.preprocess import _symbolic_shapes
+
+    def gives_up(model, **kwargs):
+        onnx.save_model(model, "sym_shape_infer_temp.onnx")
+        raise RuntimeError("Incomplete symbolic shape inference")
+
+    monkeypatch.setattr(
+        symbolic_shape_infer.SymbolicShapeInference, "infer_shapes", staticmethod(gives_up)
+    )
+    monkeypatch.chdir(tmp_path)
+    x = h.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [2, 2])
+    y = h.make_tensor_value_info("y", onnx.TensorProto.FLOAT, None)
+    nodes = [h.make_node("Relu", ["x"], ["r"]), h.make_node("Relu", ["r"], ["y"])]
+    model = h.make_model(h.make_graph(nodes, "g", [x], [y]))
+    assert _symbolic_shapes(model) is model  # unchanged when the pass gives up
+    assert list(tmp_path.iterdir()) == []
