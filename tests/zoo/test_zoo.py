@@ -146,3 +146,23 @@ def test_manifest_input_spec_is_checked_against_the_model(tmp_path):
     body = '[model.a]\nfile = "a.onnx"\nrecipe = "r"\ninputs = { x = "float32(1,2)" }\n'
     with pytest.raises(ZooError, match="is not dtype"):
         load_manifest(_manifest(tmp_path, body))
+
+
+@pytest.mark.parametrize("target", ["ort-cpu", "tensorrt", "generic"])
+def test_explain_names_every_node_of_a_zoo_model(target, capsys):
+    import json
+
+    from onnxq.preprocess import preprocess
+
+    path = fetch(MANIFEST, MANIFEST.models["ppocrv6_tiny_rec"], lambda _: None)["model"]
+    assert main(["inspect", str(path), "--explain", "--json", "--target", target]) == 0
+    nodes = json.loads(capsys.readouterr().out)["nodes"]
+    expected = [n.name for n in preprocess(onnx.load(str(path))).graph.node]
+    assert [d["node"] for d in nodes] == expected
+    assert all(d["reason"] for d in nodes if not d["quantized"])
+    quantized = {d["node"]: d["pattern"] for d in nodes if d["quantized"]}
+    assert len(quantized) > 40
+    # QDQ output (generic, tensorrt): Conv → HardSigmoid is one island; QOperator (ort-cpu) has
+    # no HardSigmoid kernel, so the Conv is a QLinearConv and the HardSigmoid stays float
+    islands = "conv+bias+hard-activation" in quantized.values()
+    assert islands == (target != "ort-cpu")
