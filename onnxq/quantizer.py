@@ -201,6 +201,29 @@ class QuantizerPattern(DFPatternCallback):
         """Build the quantized replacement of ``m``; None leaves it float."""
         raise NotImplementedError
 
+    def record_match(
+        self,
+        m: Match,
+        inputs: list[QTensor],
+        outputs: list[QTensor],
+        qnode: gs.Node,
+        relu_folded: bool = False,
+        bias: str | None = None,
+    ) -> None:
+        """Register the rewritten group of ``m`` with the Quantizer (calibration, reports)."""
+        self.quantizer.record(
+            PatternRecord(
+                self,
+                self.label(),
+                [n.name for n in m.nodes],
+                inputs,
+                outputs,
+                qnode.name,
+                relu_folded=relu_folded,
+                bias=bias,
+            )
+        )
+
     def float_output_check(self, m: Match) -> MatchResult:
         """Shared check: the root must be float32 (or of unknown type)."""
         dt = tensor_dtype(m.root)

@@ -24,7 +24,7 @@ from onnxq.pattern import (
     tensor_shape,
     wildcard,
 )
-from onnxq.quantizer import PatternRecord, QTensor, QuantizerPattern
+from onnxq.quantizer import QTensor, QuantizerPattern
 
 
 def _is_zero(t: gs.Tensor) -> bool:
@@ -128,17 +128,8 @@ class WeightedPattern(QuantizerPattern):
         bias = q.quantize_bias(node, bias_value, xq, wq) if bias_value is not None else None
         yq, y_var = q.quantize_output(m.root)
         qnode = self.emit(m, node, xq, wq, bias, yq, y_var)
-        q.record(
-            PatternRecord(
-                self,
-                self.label(),
-                [n.name for n in m.nodes],
-                [xq, wq],
-                [yq],
-                qnode.name,
-                relu_folded=self.relu in m,
-                bias=None if bias is None else bias.name,
-            )
+        self.record_match(
+            m, [xq, wq], [yq], qnode, self.relu in m, None if bias is None else bias.name
         )
         return q.dequantize(yq, y_var, m.root)
 
@@ -254,17 +245,7 @@ class ActivationPattern(QuantizerPattern):
         qnode = q.add_node(
             self.qop, inputs, [y_var], f"{node.name}_quant", self.qop_attrs(node), self.domain
         )
-        q.record(
-            PatternRecord(
-                self,
-                self.label(),
-                [n.name for n in m.nodes],
-                qins,
-                [yq],
-                qnode.name,
-                relu_folded=self.relu in m,
-            )
-        )
+        self.record_match(m, qins, [yq], qnode, relu_folded=self.relu in m)
         return q.dequantize(yq, y_var, m.root)
 
 

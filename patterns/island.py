@@ -23,7 +23,6 @@ import onnx_graphsurgeon as gs
 
 from onnxq.pattern import DFPattern, Match, MatchResult, is_op
 from onnxq.patterns.base import WeightedPattern, _const, with_relu
-from onnxq.quantizer import PatternRecord
 
 #: output formats whose runtimes consume a QDQ island
 ISLAND_FORMATS = ("qdq", "openvino")
@@ -108,17 +107,7 @@ class IslandPattern(WeightedPattern):
             f"{m.root.name}_island_QuantizeLinear",
         )
         relu = bool(acts) and acts[0].op not in FUSED and not q.config.activation_symmetric
-        q.record(
-            PatternRecord(
-                self,
-                self.label(),
-                [n.name for n in m.nodes],
-                [xq, wq],
-                [yq],
-                qnode.name,
-                relu_folded=relu,
-            )
-        )
+        self.record_match(m, [xq, wq], [yq], qnode, relu_folded=relu)
         return q.dequantize(yq, y_var, m.root)
 
 
