@@ -276,6 +276,10 @@ def quantize(
     result = requantizer.requantize(quantizer.materialize(values))
     if "Concat" in tgt.shared_scale_ops and format != "openvino":
         result, _ = share_concat_scales(result)
+    if format == "qoperator":
+        from onnxq.fusions import fuse_gelu
+
+        result, _ = fuse_gelu(result)
     if format == "qdq":
         result = to_qdq(result)
         if tgt.dedicated_qdq_pairs:

@@ -1,7 +1,7 @@
 """The pattern library: every QuantizerPattern onnxq ships.
 
 Conv, dense, Add, Mul, pooling, activations, Concat, Gather, and QDQ islands (ConvTranspose,
-Conv → HardSwish) for QDQ and OpenVINO output.
+Conv → HardSwish) for QDQ and OpenVINO output; GELU kept whole for QOperator output.
 
 ``default_patterns(callback)`` returns one instance of every rule, largest first.
 """
@@ -20,6 +20,7 @@ from onnxq.patterns.concat import ConcatPattern
 from onnxq.patterns.conv import ConvBiasPattern, ConvPattern
 from onnxq.patterns.dense import GemmBiasPattern, GemmPattern, MatMulAddPattern, MatMulPattern
 from onnxq.patterns.gather import GatherPattern
+from onnxq.patterns.gelu import GeluPattern
 from onnxq.patterns.island import (
     ConvBiasHardActivationPattern,
     ConvHardActivationPattern,
@@ -31,6 +32,7 @@ from onnxq.quantizer import QuantizerPattern
 
 __all__ = [
     "GatherPattern",
+    "GeluPattern",
     "ConcatPattern",
     "SoftmaxPattern",
     "SigmoidPattern",
@@ -57,9 +59,10 @@ __all__ = [
 
 def default_patterns(callback: CalibrationCallback | None = None) -> list[QuantizerPattern]:
     """One instance of every rule, each calibrated by ``callback`` (None: the Calibrator's)."""
-    from onnxq.patterns import activation, binary, concat, conv, dense, gather, island, pool
+    from onnxq.patterns import activation, binary, concat, conv, dense, gather, gelu, island, pool
 
     rules = [
+        *gelu.RULES,
         *island.RULES,
         *conv.RULES,
         *dense.RULES,

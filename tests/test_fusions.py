@@ -1,0 +1,88 @@
+"""GELU written out in float ops becomes one com.microsoft.Gelu node in QOperator output."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import onnx
+import pytest
+from helpers import make_model, run
+
+import onnxq
+from onnxq.fusions import fuse_gelu
+
+H = onnx.helper
+
+
+def _gelu_model(form: str, escape: bool = False):
+    """conv1 → GELU (written out in ``form``) → conv2."""
+    g = np.random.default_rng(5)
+    scale = (
+        [H.make_node("Div", ["c", "sqrt2"], ["d"], name="div")]
+        if form != "mul-inv-sqrt2"
+        else [H.make_node("Mul", ["c", "inv_sqrt2"], ["d"], name="div")]
+    )
+    head = [
+        H.make_node("Conv", ["x", "W1"], ["c"], name="conv1", pads=[1, 1, 1, 1]),
+        *scale,
+        H.make_node("Erf", ["d"], ["e"], name="erf"),
+        H.make_node("Add", ["one", "e"], ["a"], name="add"),  # commuted on purpose
+    ]
+    if form == "x-half":
+        tail = [
+            H.make_node("Mul", ["c", "half"], ["xh"], name="mul1"),
+            H.make_node("Mul", ["xh", "a"], ["gelu"], name="mul2"),
+        ]
+    elif form == "half-last-factor":
+        tail = [
+            H.make_node("Mul", ["a", "half"], ["ah"], name="mul1"),
+            H.make_node("Mul", ["c", "ah"], ["gelu"], name="mul2"),
+        ]
+    else:  # paddle2onnx and PyTorch: (x · (1 + erf)) · 0.5
+        tail = [
+            H.make_node("Mul", ["c", "a"], ["xa"], name="mul1"),
+            H.make_node("Mul", ["xa", "half"], ["gelu"], name="mul2"),
+        ]
+    nodes = [*head, *tail, H.make_node("Conv", ["gelu", "W2"], ["y"], name="conv2")]
+    inits = {
+        "W1": g.normal(0, 0.4, (8, 3, 3, 3)).astype(np.float32),
+        "W2": g.normal(0, 0.4, (4, 8, 1, 1)).astype(np.float32),
+        "sqrt2": np.array(math.sqrt(2), np.float32),
+        "inv_sqrt2": np.array(1 / math.sqrt(2), np.float32),
+        "one": np.array(1.0, np.float32),
+        "half": np.array(0.5, np.float32),
+    }
+    outputs = [("y", None)] + ([("e", None)] if escape else [])
+    model = make_model(nodes, [("x", ["N", 3, 8, 8])], outputs, inits)
+    return model, {"x": g.normal(0, 1, (16, 3, 8, 8)).astype(np.float32)}
+
+
+@pytest.mark.parametrize("form", ["x-then-half", "x-half", "half-last-factor", "mul-inv-sqrt2"])
+def test_gelu_becomes_one_node_in_qoperator_output(form):
+    model, data = _gelu_model(form)
+    q, report = onnxq.quantize(model, data, progress=False)
+    kinds = [(n.op_type, n.domain) for n in q.graph.node]
+    assert ("Gelu", "com.microsoft") in kinds and not {"Erf", "Div", "Mul"} & {k for k, _ in kinds}
+    erf = next(d for d in report.decisions if d.node == "erf")
+    assert not erf.quantized and erf.pattern == "gelu" and "com.microsoft.Gelu" in erf.reason
+    x = {"x": data["x"][:4]}
+    ref, got = run(model, x)[0], run(q, x)[0]
+    assert np.abs(got - ref).max() < 0.05 * np.abs(ref).max()
+    # QDQ output keeps the written-out ops (its runtimes fuse them themselves)
+    unfused = onnxq.quantize(model, data, format="qdq", progress=False)[0]
+    assert "Erf" in [n.op_type for n in unfused.graph.node]
+
+
+def test_gelu_whose_interior_escapes_is_left_alone():
+    model, _ = _gelu_model("x-then-half", escape=True)
+    fused, groups = fuse_gelu(model)
+    assert groups == [] and fused is model
+
+
+def test_other_constants_are_not_gelu():
+    model, _ = _gelu_model("x-then-half")
+    for init in model.graph.initializer:
+        if init.name == "half":
+            init.CopyFrom(onnx.numpy_helper.from_array(np.array(0.25, np.float32), "half"))
+    assert fuse_gelu(model)[1] == []
