@@ -1,4 +1,11 @@
-"""Fusions onnxruntime makes in a float graph but not behind a DequantizeLinear.
+"""Fusions of written-out activations into the single ops runtimes run as one kernel.
+
+HardSwish written out as ``x · Clip(x + 3, 0, 6) / 6`` (paddle2onnx: 28 times in the PP-OCRv4
+recogniser) is four element-wise kernels in onnxruntime, float or int8, and hides the
+Conv → HardSwish group the QDQ islands fuse. :func:`fuse_hardswish` (run by preprocessing)
+writes it as the ONNX ``HardSwish`` op, raising the opset to 14 where needed.
+
+GELU: onnxruntime fuses it in a float graph but not behind a DequantizeLinear.
 
 GELU written out as ``x · 0.5 · (1 + erf(x / √2))`` (paddle2onnx, older PyTorch exports) is one
 ``Gelu`` kernel in a float onnxruntime session. In a quantized model ``x`` comes from a
@@ -59,6 +66,64 @@ class GeluFusion(DFPatternCallback):
         self.editor.add_node("Gelu", [m.tensor(self.x)], [out], f"{names[0]}_Gelu", None, MS_DOMAIN)
         self.fused.append(names)
         return out
+
+
+class HardSwishFusion(DFPatternCallback):
+    """``x · Clip(x + 3, 0, 6) / 6`` in its usual arrangements → ``HardSwish(x)``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.x = wildcard()
+
+        def const(value: float, text: str) -> DFPattern:
+            # a fresh pattern per use: one pattern object binds one tensor
+            return is_constant().check(_scalar(value), f"not {text}")
+
+        relu6 = is_op("Clip")(
+            is_op("Add")(self.x, const(3.0, "3")), const(0.0, "0"), const(6.0, "6")
+        )
+        self.pattern: DFPattern = (
+            is_op("Div")(is_op("Mul")(self.x, relu6), const(6.0, "6"))
+            | is_op("Mul")(is_op("Mul")(self.x, relu6), const(1 / 6, "1/6"))
+            | is_op("Mul")(self.x, is_op("Div")(relu6, const(6.0, "6")))
+            | is_op("Mul")(self.x, is_op("Mul")(relu6, const(1 / 6, "1/6")))
+        )
+        self.fused: list[list[str]] = []
+
+    def callback(self, pre: gs.Tensor, post: gs.Tensor, node_map: dict) -> gs.Tensor | None:
+        """One HardSwish node reading ``x``, named after the group's last node."""
+        m = self.match
+        out = self.editor.variable(f"{pre.name}_hardswish", np.float32, pre.shape)
+        names = [n.name for n in m.nodes]
+        self.editor.add_node("HardSwish", [m.tensor(self.x)], [out], names[0])
+        self.fused.append(names)
+        return out
+
+
+HARDSWISH_OPSET = 14
+
+
+def fuse_hardswish(model: onnx.ModelProto) -> tuple[onnx.ModelProto, list[list[str]]]:
+    """``model`` with every written-out HardSwish as one ``HardSwish`` node (opset ≥ 14).
+
+    A model below opset 14 is converted first; when the conversion fails it is returned as it
+    was. ``model`` is not modified.
+    """
+    from onnxq.errors import ModelError
+    from onnxq.preprocess import default_opset, raise_opset
+
+    fusion = HardSwishFusion()
+    graph = import_graph(model)
+    if not any(fusion.pattern.match(n.outputs[0]) for n in graph.nodes if n.outputs):
+        return model, []
+    if default_opset(model) < HARDSWISH_OPSET:
+        try:
+            model = raise_opset(model, HARDSWISH_OPSET, "HardSwish")
+        except ModelError:
+            return model, []
+        graph = import_graph(model)
+    rewrite(fusion, graph)
+    return export_model(graph, model), fusion.fused
 
 
 def fuse_gelu(model: onnx.ModelProto) -> tuple[onnx.ModelProto, list[list[str]]]:

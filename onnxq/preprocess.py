@@ -58,6 +58,8 @@ def raise_opset(model: onnx.ModelProto, opset: int, why: str) -> onnx.ModelProto
 
 def preprocess(model: onnx.ModelProto) -> onnx.ModelProto:
     """Run every preprocessing pass and return a new model (the argument is not modified)."""
+    from onnxq.fusions import fuse_hardswish
+
     if default_opset(model) < MIN_OPSET:
         model = raise_opset(model, TARGET_OPSET, f"QLinear ops (opset >= {MIN_OPSET})")
     graph = import_graph(model)
@@ -67,6 +69,7 @@ def preprocess(model: onnx.ModelProto) -> onnx.ModelProto:
     _fold_batchnorm(graph)
     _fold_affine(graph)
     out = export_model(graph, model)
+    out, _ = fuse_hardswish(out)
     out.producer_name = model.producer_name
     out.producer_version = model.producer_version
     try:

@@ -86,3 +86,73 @@ def test_other_constants_are_not_gelu():
         if init.name == "half":
             init.CopyFrom(onnx.numpy_helper.from_array(np.array(0.25, np.float32), "half"))
     assert fuse_gelu(model)[1] == []
+
+
+def _hardswish_model(form: str, opset: int = 12):
+    """conv1 → HardSwish written out (paddle2onnx's x · Clip(x + 3, 0, 6) / 6 and relatives)."""
+    g = np.random.default_rng(9)
+    relu6 = [
+        H.make_node("Add", ["c", "three"], ["c3"], name="add3"),
+        H.make_node("Clip", ["c3", "zero", "six"], ["r6"], name="clip"),
+    ]
+    tail = {
+        "div": [
+            H.make_node("Mul", ["c", "r6"], ["m"], name="mul"),
+            H.make_node("Div", ["m", "six_b"], ["hs"], name="div"),
+        ],
+        "mul-sixth": [
+            H.make_node("Mul", ["c", "r6"], ["m"], name="mul"),
+            H.make_node("Mul", ["m", "sixth"], ["hs"], name="div"),
+        ],
+        "gate": [
+            H.make_node("Div", ["r6", "six_b"], ["gate"], name="div"),
+            H.make_node("Mul", ["gate", "c"], ["hs"], name="mul"),
+        ],
+    }[form]
+    nodes = [
+        H.make_node("Conv", ["x", "W1"], ["c"], name="conv1", pads=[1, 1, 1, 1]),
+        *relu6,
+        *tail,
+        H.make_node("Conv", ["hs", "W2"], ["y"], name="conv2"),
+    ]
+    inits = {
+        "W1": g.normal(0, 0.8, (8, 3, 3, 3)).astype(np.float32),
+        "W2": g.normal(0, 0.4, (4, 8, 1, 1)).astype(np.float32),
+        "three": np.array([3.0], np.float32),
+        "zero": np.array(0.0, np.float32),
+        "six": np.array(6.0, np.float32),
+        "six_b": np.array([6.0], np.float32),
+        "sixth": np.array(1 / 6, np.float32),
+    }
+    model = make_model(nodes, [("x", ["N", 3, 8, 8])], [("y", None)], inits, opset=opset)
+    return model, {"x": g.normal(0, 1, (16, 3, 8, 8)).astype(np.float32)}
+
+
+@pytest.mark.parametrize("form", ["div", "mul-sixth", "gate"])
+def test_written_out_hardswish_becomes_the_op(form):
+    from onnxq.fusions import fuse_hardswish
+    from onnxq.preprocess import default_opset
+
+    model, data = _hardswish_model(form)
+    fused, groups = fuse_hardswish(model)
+    assert len(groups) == 1 and default_opset(fused) == 14  # raised from 12 for HardSwish
+    assert [n.op_type for n in fused.graph.node] == ["Conv", "HardSwish", "Conv"]
+    x = {"x": data["x"][:4]}
+    assert np.allclose(run(fused, x)[0], run(model, x)[0], atol=1e-5)
+    # QDQ output quantizes the Conv → HardSwish group as one island
+    q, report = onnxq.quantize(model, data, format="qdq", progress=False)
+    hs = next(d for d in report.decisions if d.op == "HardSwish")
+    assert hs.quantized and hs.pattern == "conv+hard-activation"
+    ref, got = run(model, x)[0], run(q, x)[0]
+    assert np.abs(got - ref).max() < 0.05 * np.abs(ref).max()
+
+
+def test_hardswish_with_other_constants_is_left_alone():
+    from onnxq.fusions import fuse_hardswish
+
+    model, _ = _hardswish_model("div")
+    for init in model.graph.initializer:
+        if init.name == "three":
+            init.CopyFrom(onnx.numpy_helper.from_array(np.array([2.0], np.float32), "three"))
+    fused, groups = fuse_hardswish(model)
+    assert groups == [] and fused is model
