@@ -316,7 +316,11 @@ def quantize(
         result, branches = _quantize_branches(quantizer, result, dataset, format, branches_kw)
 
     t3 = time.perf_counter()
-    verify(result, runtime="openvino" if format == "openvino" else "onnxruntime")
+    verify(
+        result,
+        runtime="openvino" if format == "openvino" else "onnxruntime",
+        float_model=quantizer.float_model,
+    )
     times["verify"] = time.perf_counter() - t3
     if output is not None:
         save_model(result, output)
@@ -469,8 +473,16 @@ def _target_patterns(tgt: Any) -> list[QuantizerPattern]:
     return [library[n] for n in tgt.patterns]
 
 
-def verify(model: onnx.ModelProto, runtime: str = "onnxruntime") -> None:
-    """The output must pass onnx.checker and load in its runtime (OpenVINO when installed)."""
+def verify(
+    model: onnx.ModelProto,
+    runtime: str = "onnxruntime",
+    float_model: onnx.ModelProto | None = None,
+) -> None:
+    """The output must pass onnx.checker and load in its runtime (OpenVINO when installed).
+
+    When OpenVINO refuses the output, ``float_model`` (if given) tells whether it refuses the
+    float model too, which the error then says.
+    """
     check_model(model, "the quantized model")
     if runtime == "onnxruntime":
         make_session(model)
@@ -484,5 +496,39 @@ def verify(model: onnx.ModelProto, runtime: str = "onnxruntime") -> None:
     try:
         ov.Core().compile_model(ov.Core().read_model(serialize(model)), "CPU")
     except Exception as exc:  # OpenVINO raises RuntimeError and others
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise ModelError(f"the OpenVINO runtime cannot load the model: {first}") from None
+        reason = _openvino_reason(exc)
+        float_reason = _float_loads_in_openvino(float_model)
+        either = ""
+        if float_reason:
+            same = "for the same reason" if float_reason == reason else f"({float_reason})"
+            either = f"; it cannot load the float model either, {same}"
+        raise ModelError(
+            f"the OpenVINO runtime cannot load the model: {reason}{either}; use --format qdq "
+            "or qoperator for onnxruntime"
+        ) from None
+
+
+def _openvino_reason(exc: BaseException) -> str:
+    """The informative line of an OpenVINO exception (its first lines are source locations)."""
+    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+    for marker in ("While validating", "-- "):
+        for ln in lines:
+            if ln.startswith(marker) or marker in ln:
+                return ln.lstrip("- ").split(" failed at ")[0][:300]
+    useful = [ln for ln in lines if not ln.startswith(("Exception from", "Check '"))]
+    return (useful or lines or [type(exc).__name__])[0][:300]
+
+
+def _float_loads_in_openvino(float_model: onnx.ModelProto | None) -> str:
+    """'' when OpenVINO loads ``float_model`` (or none is given), else its reason."""
+    if float_model is None:
+        return ""
+    import openvino as ov
+
+    from onnxq.graph import serialize
+
+    try:
+        ov.Core().compile_model(ov.Core().read_model(serialize(float_model)), "CPU")
+    except Exception as exc:  # OpenVINO raises RuntimeError and others
+        return _openvino_reason(exc)
+    return ""

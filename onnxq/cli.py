@@ -289,14 +289,22 @@ def _zoo(args: argparse.Namespace) -> int:
             print(f"{m.name}: {files['model']}")
         return 0
     results, failed = [], []
+    errors: list[dict[str, str]] = []
     for m in models:
         out = None
         if args.output_dir:
             Path(args.output_dir).mkdir(parents=True, exist_ok=True)
             out = Path(args.output_dir) / f"{m.name}.int8.onnx"
-        res = zoo.run_model(
-            manifest, m, target=args.target, output=out, log=lambda s: print(s, file=sys.stderr)
-        )
+        try:
+            res = zoo.run_model(
+                manifest, m, target=args.target, output=out, log=lambda s: print(s, file=sys.stderr)
+            )
+        except OnnxqError as exc:  # one model that cannot run does not stop the others
+            failed.append(m.name)
+            errors.append({"model": m.name, "error": str(exc)})
+            if not args.json:
+                print(f"{m.name}: FAILED: {exc}", flush=True)
+            continue
         results.append(res)
         if res.failures:
             failed.append(m.name)
@@ -313,7 +321,7 @@ def _zoo(args: argparse.Namespace) -> int:
                 flush=True,
             )
     if args.json:
-        print(json.dumps([r.to_dict() for r in results], indent=1))
+        print(json.dumps([r.to_dict() for r in results] + errors, indent=1))
     return 1 if failed else 0
 
 

@@ -409,6 +409,32 @@ def runner(
     return lambda feeds: session.run(None, feeds)
 
 
+def openvino_runner(model: onnx.ModelProto) -> Callable[[dict[str, np.ndarray]], list[np.ndarray]]:
+    """``feeds → outputs`` through the OpenVINO runtime (FakeQuantize models)."""
+    try:
+        import openvino as ov
+    except ImportError:
+        raise ZooError(
+            "the model holds OpenVINO FakeQuantize nodes, which only the OpenVINO runtime "
+            "runs; pip install openvino"
+        ) from None
+    core = ov.Core()
+    compiled = core.compile_model(core.read_model(model.SerializeToString()), "CPU")
+    outputs = list(compiled.outputs)
+    return lambda feeds: [
+        np.asarray(v) for v in (lambda r: [r[o] for o in outputs])(compiled(feeds))
+    ]
+
+
+def runner_for(model: onnx.ModelProto) -> Callable[[dict[str, np.ndarray]], list[np.ndarray]]:
+    """The runtime ``model`` is meant for: OpenVINO for FakeQuantize models, else onnxruntime."""
+    from onnxq.openvino import OV_DOMAIN
+
+    if any(n.domain == OV_DOMAIN for n in model.graph.node):
+        return openvino_runner(model)
+    return runner(model)
+
+
 def make_recipe(manifest: Manifest, model: ZooModel, files: dict[str, Path]) -> Any:
     """The recipe object of ``model``."""
     recipes = manifest.recipes()
@@ -506,7 +532,7 @@ def _result(
     reasons: dict[str, str],
 ) -> ZooResult:
     """Score ``qmodel``, save it to ``output`` (if given) and gather the result."""
-    int8 = recipe.evaluate(runner(qmodel), model.evaluation)
+    int8 = recipe.evaluate(runner_for(qmodel), model.evaluation)
     if output is not None:
         from onnxq.graph import save_model
 

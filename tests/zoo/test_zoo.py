@@ -166,3 +166,17 @@ def test_explain_names_every_node_of_a_zoo_model(target, capsys):
     # no HardSigmoid kernel, so the Conv is a QLinearConv and the HardSigmoid stays float
     islands = "conv+bias+hard-activation" in quantized.values()
     assert islands == (target != "ort-cpu")
+
+
+def test_openvino_target_is_scored_in_openvino_and_one_error_does_not_stop_the_run(capsys):
+    # FakeQuantize models run in the OpenVINO runtime (onnxruntime has no FakeQuantize); silero-vad
+    # cannot be loaded by OpenVINO at all (float included): a clear error, and the run goes on
+    pytest.importorskip("openvino")
+    argv = ["zoo", "run", "silero_vad", "digits_cnn", "--target", "openvino"]
+    assert main([*argv, "--manifest", str(MANIFEST.path)]) == 1
+    out = capsys.readouterr().out
+    silero = next(ln for ln in out.splitlines() if ln.startswith("silero_vad:"))
+    assert "FAILED: the OpenVINO runtime cannot load the model" in silero
+    assert "cannot load the float model either, for the same reason" in silero
+    digits = next(ln for ln in out.splitlines() if ln.startswith("digits_cnn:"))
+    assert digits.endswith(": ok") and "10 nodes int8" in digits
