@@ -223,17 +223,6 @@ def quantize(
                 f"int16 activations are written as QDQ (opset 21); --format "
                 f"{format} has no int16 kernels — add --format qdq"
             )
-    if format == "qdq" and (
-        activation_dtype == "int16" or (user is not None and user.asks("activation_dtype", "int16"))
-    ):
-        float_model = raise_opset(float_model, 21, "int16 activations")
-    int4_refused = _int4_refused(format)
-    if user is not None and user.asks("weight_dtype", "int4") and not int4_refused:
-        from onnxq.weight_only import INT4_OPSET
-
-        float_model = raise_opset(float_model, INT4_OPSET, "int4 weights")
-    if format == "qdq" and (per_channel or (user is not None and user.asks("per_channel", True))):
-        float_model = raise_opset(float_model, PER_CHANNEL_OPSET, "per-channel QDQ")
     qconfig = QuantizerConfig(
         user=user,
         activation_dtype=activation_dtype,
@@ -242,10 +231,19 @@ def quantize(
         per_channel=per_channel,
         exclude=tuple(exclude),
         weight_bits=weight_bits,
-        refused_dtypes=_refused_dtypes(tgt, format, activation_dtype, symmetric_activations),
-        int4_refused=int4_refused,
         format=format,
+        target=tgt.name,
     )
+    if format == "qdq" and (
+        activation_dtype == "int16" or (user is not None and user.asks("activation_dtype", "int16"))
+    ):
+        float_model = raise_opset(float_model, 21, "int16 activations")
+    if user is not None and user.asks("weight_dtype", "int4") and not qconfig.int4_refused:
+        from onnxq.weight_only import INT4_OPSET
+
+        float_model = raise_opset(float_model, INT4_OPSET, "int4 weights")
+    if format == "qdq" and (per_channel or (user is not None and user.asks("per_channel", True))):
+        float_model = raise_opset(float_model, PER_CHANNEL_OPSET, "per-channel QDQ")
     if load_ranges is not None:
         cb: CalibrationCallback = RangeTableCallback(read_ranges(load_ranges), f"'{load_ranges}'")
     else:
@@ -347,30 +345,6 @@ def quantize(
     )
     _explain_constraints(report.decisions, solution)
     return result, report
-
-
-def _refused_dtypes(
-    tgt: Any, format: str, activation_dtype: str, symmetric: bool
-) -> tuple[tuple[str, str], ...]:
-    """Activation dtypes a per-node setting may not ask for here, with the reason."""
-    refused: dict[str, str] = {}
-    if format != "qdq":
-        refused["int16"] = (
-            f"--format {format} has no int16 kernels (int16 activations need --format qdq)"
-        )
-    if symmetric:
-        for dt in ("uint8", "int8", "int16"):
-            if dt != activation_dtype:
-                refused.setdefault(
-                    dt,
-                    f"target '{tgt.name}' runs symmetric {activation_dtype} activations only",
-                )
-    return tuple(sorted(refused.items()))
-
-
-def _int4_refused(format: str) -> str:
-    """Why per-node int4 weights cannot be written in ``format`` ('' when they can)."""
-    return "FakeQuantize output has 8-bit weights only" if format == "openvino" else ""
 
 
 def _explain_constraints(decisions: list[Decision], solution: Any) -> None:

@@ -451,7 +451,7 @@ def _compare(args: argparse.Namespace) -> int:
 
 
 def _inspect(args: argparse.Namespace) -> int:
-    from onnxq.api import _int4_refused, _refused_dtypes, _target_patterns, op_histogram
+    from onnxq.api import _target_patterns, op_histogram
     from onnxq.config import UserConfig
     from onnxq.quantizer import Quantizer, QuantizerConfig
     from onnxq.targets import get_target, load_targets
@@ -467,11 +467,8 @@ def _inspect(args: argparse.Namespace) -> int:
         activation_symmetric=tgt.symmetric_activations,
         per_channel=tgt.per_channel,
         weight_bits=tgt.weight_bits,
-        refused_dtypes=_refused_dtypes(
-            tgt, tgt.format, tgt.activation_dtype, tgt.symmetric_activations
-        ),
-        int4_refused=_int4_refused(tgt.format),
         format=tgt.format,
+        target=tgt.name,
     )
     patterns = _target_patterns(tgt) if tgt.patterns is not None else None
     quantizer = Quantizer(args.model, patterns, config)

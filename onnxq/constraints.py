@@ -32,8 +32,9 @@ import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
 
-from onnxq.graph import GraphEditor, constant_value, export_model, import_graph, producer
+from onnxq.graph import GraphEditor, constant_value, export_model, import_graph
 from onnxq.qparams import params_from_range, qrange
+from onnxq.requantize import carried_source
 
 if TYPE_CHECKING:
     from onnxq.quantizer import PatternRecord, QTensor, Quantizer
@@ -74,8 +75,6 @@ class Solution:
     #: one line per group of two or more ports joined by a same-scale constraint
     shared: list[str] = field(default_factory=list)
     rescales: list[Rescale] = field(default_factory=list)
-    #: carrier output ports that took their source's value
-    derived: int = 0
 
 
 def implied_range(scale: float, zero_point: int, dtype: str) -> tuple[float, float]:
@@ -199,24 +198,17 @@ class _Solver:
 
     def _derive(self, rec: PatternRecord, writers: dict[str, QTensor], tensors: dict) -> None:
         """Carrier outputs read by ``rec`` take the value of the port the carrier reads."""
-        from onnxq.requantize import CARRIERS
-
         for qt in rec.inputs:
-            if qt.role != "activation" or qt.tensor in writers:
+            if qt.role != "activation" or qt.tensor not in tensors:
                 continue
-            t = tensors.get(qt.tensor)
-            node = producer(t) if t is not None else None
-            while node is not None and node.op in CARRIERS and node.inputs:
-                src = node.inputs[0].name
-                if src in writers:
-                    source = writers[src]
-                    root, port = self.find(source.scale), self.find(qt.scale)
-                    conflict = self.conflict(self.groups[root], self.groups[port], derived=True)
-                    if root != port and not conflict:
-                        self.merge(root, port, derived=True)
-                        self.solution.derived += 1
-                    break
-                node = producer(node.inputs[0])
+            carried = carried_source(tensors[qt.tensor])
+            if carried is None or carried.name not in writers:
+                continue
+            root, port = self.find(writers[carried.name].scale), self.find(qt.scale)
+            if root != port and not self.conflict(
+                self.groups[root], self.groups[port], derived=True
+            ):
+                self.merge(root, port, derived=True)
 
     def _share(self, rec: PatternRecord) -> None:
         """One scale for a Concat's inputs and output; conflicting inputs get a rescale."""

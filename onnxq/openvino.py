@@ -26,6 +26,7 @@ import onnx_graphsurgeon as gs
 
 from onnxq.graph import GraphEditor, export_model, import_graph, producer
 from onnxq.qparams import qrange
+from onnxq.requantize import carried_source
 
 if TYPE_CHECKING:
     from onnxq.quantizer import QTensor, Quantizer
@@ -75,24 +76,13 @@ def to_fakequantize(
             else:
                 # like the requantize pass: data that reached this op through MaxPool, Split…
                 # from a quantized op keeps that op's parameters
-                source = _pass_through_source(t, by_tensor) or qt
+                carried = carried_source(t)
+                source = (by_tensor.get(carried.name) if carried is not None else None) or qt
                 _fq_activation(
                     editor, graph, t, source, values, group_nodes, all_readers=qt.tensor in produced
                 )
     editor.finish()
     return export_model(graph, quantizer.float_model)
-
-
-def _pass_through_source(t: gs.Tensor, outputs: dict[str, QTensor]) -> QTensor | None:
-    from onnxq.requantize import CARRIERS
-
-    node = producer(t)
-    seen = False
-    while node is not None and node.op in CARRIERS and node.inputs:
-        seen = True
-        t = node.inputs[0]
-        node = producer(t)
-    return outputs.get(t.name) if seen else None
 
 
 def _fq_node(

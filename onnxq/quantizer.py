@@ -62,13 +62,10 @@ class QuantizerConfig:
     unsigned_after_relu: bool = False
     #: per-node settings (onnxq.config.UserConfig) from --config
     user: Any = None
-    #: activation dtypes the output format or target cannot run, with the reason: a per-node
-    #: request for one is ignored for that node with a warning
-    refused_dtypes: tuple[tuple[str, str], ...] = ()
-    #: why per-node int4 weights cannot be written ("" when they can)
-    int4_refused: str = ""
     #: the output format (QDQ islands need qdq or openvino)
     format: str = "qoperator"
+    #: the target's name, for messages about requests it cannot run
+    target: str = "ort-cpu"
 
     def __post_init__(self) -> None:
         if self.activation_dtype not in ACTIVATION_DTYPES:
@@ -80,6 +77,21 @@ class QuantizerConfig:
         if self.weight_bits not in (7, 8):
             raise ConfigError(f"--weight-bits {self.weight_bits} is not supported; use 8 or 7")
         object.__setattr__(self, "exclude", tuple(self.exclude))
+
+    def refused_dtype(self, dtype: str) -> str:
+        """Why a per-node request for activations of ``dtype`` cannot run here ('' if it can)."""
+        if dtype == "int16" and self.format != "qdq":
+            return (
+                f"--format {self.format} has no int16 kernels (int16 activations need --format qdq)"
+            )
+        if self.activation_symmetric and dtype != self.activation_dtype:
+            return f"target '{self.target}' runs symmetric {self.activation_dtype} activations only"
+        return ""
+
+    @property
+    def int4_refused(self) -> str:
+        """Why per-node int4 weights cannot be written in this format ('' when they can)."""
+        return "FakeQuantize output has 8-bit weights only" if self.format == "openvino" else ""
 
 
 @dataclass(frozen=True)
@@ -315,7 +327,6 @@ class Quantizer:
                 f"{user.path} names node(s) {missing} that are not in the "
                 "model; `onnxq inspect MODEL` lists node names"
             )
-        refused = dict(self.config.refused_dtypes)
         for n in graph.nodes:
             st = user.resolve(n.name, n.op)
             where = f"--config {st.source}"
@@ -325,8 +336,9 @@ class Quantizer:
                 self.node_methods[n.name] = st.method
                 self.node_method_levels[n.name] = st.method_level
             dt = st.activation_dtype
-            if dt is not None and dt in refused:
-                self._ignore(n.name, f"activation_dtype {dt} ({where}) is ignored: {refused[dt]}")
+            refused = self.config.refused_dtype(dt) if dt is not None else ""
+            if refused:
+                self._ignore(n.name, f"activation_dtype {dt} ({where}) is ignored: {refused}")
             elif dt is not None:
                 self.node_dtypes[n.name] = dt
                 self.node_dtype_sources[n.name] = where

@@ -85,6 +85,16 @@ BYTE_ONLY = frozenset({"MaxPool", "Resize", "Pad"})
 CARRIERS = frozenset(PASS_THROUGH) | {"Split"}
 
 
+def carried_source(t: gs.Tensor) -> gs.Tensor | None:
+    """The tensor ``t`` carries through a chain of CARRIERS (None: no carrier produces ``t``)."""
+    node = producer(t)
+    source = None
+    while node is not None and node.op in CARRIERS and node.inputs:
+        source = node.inputs[0]
+        node = producer(source)
+    return source
+
+
 @dataclass
 class RequantizeStats:
     """What the pass changed."""
