@@ -31,12 +31,9 @@ from zoo import _nncf, _ort, _setup  # noqa: E402
 
 
 def _ov(model: onnx.ModelProto | Path) -> Any:
-    import openvino as ov
+    from onnxq.zoo import openvino_runner
 
-    core = ov.Core()
-    source = str(model) if isinstance(model, Path) else model.SerializeToString()
-    compiled = core.compile_model(core.read_model(source), "CPU")
-    return lambda feeds: [compiled(feeds)[0]]
+    return openvino_runner(onnx.load(str(model)) if isinstance(model, Path) else model)
 
 
 def measure(name: str) -> list[tuple[str, str, float]]:

@@ -38,82 +38,96 @@ def _scalar(value: float) -> Callable[[gs.Tensor], bool]:
     return test
 
 
-class GeluFusion(DFPatternCallback):
+class _Fusion(DFPatternCallback):
+    """A written-out activation of ``self.x`` (the pattern :meth:`build` returns) → one ``op``."""
+
+    op = ""
+    domain = ""
+    #: appended to the group's last node name to name the fused node
+    suffix = ""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.x = wildcard()
+        self.pattern: DFPattern = self.build(self.x)
+        #: the node names of every fused group
+        self.fused: list[list[str]] = []
+
+    def build(self, x: DFPattern) -> DFPattern:
+        """The written-out form, reading ``x``."""
+        raise NotImplementedError
+
+    def callback(self, pre: gs.Tensor, post: gs.Tensor, node_map: dict) -> gs.Tensor | None:
+        """One ``op`` node reading ``x``, named after the group's last node."""
+        m = self.match
+        out = self.editor.variable(f"{pre.name}_{self.op.lower()}", np.float32, pre.shape)
+        names = [n.name for n in m.nodes]
+        self.editor.add_node(
+            self.op, [m.tensor(self.x)], [out], names[0] + self.suffix, None, self.domain
+        )
+        self.fused.append(names)
+        return out
+
+
+def _const(value: float, text: str) -> DFPattern:
+    # a fresh pattern per use: one pattern object binds one tensor
+    return is_constant().check(_scalar(value), f"not {text}")
+
+
+class GeluFusion(_Fusion):
     """``Mul(Mul(x, Add(Erf(x / √2), 1)), 0.5)`` in its usual arrangements → ``Gelu(x)``."""
 
-    def __init__(self) -> None:
-        super().__init__()
-        self.x = wildcard()
-        scaled = is_op("Div")(self.x, is_constant().check(_scalar(math.sqrt(2)), "not √2")) | (
-            is_op("Mul")(self.x, is_constant().check(_scalar(1 / math.sqrt(2)), "not 1/√2"))
+    op = "Gelu"
+    domain = MS_DOMAIN
+    suffix = "_Gelu"
+
+    def build(self, x: DFPattern) -> DFPattern:
+        """The three arrangements of the Muls, with x / √2 or x · (1/√2)."""
+        scaled = is_op("Div")(x, _const(math.sqrt(2), "√2")) | is_op("Mul")(
+            x, _const(1 / math.sqrt(2), "1/√2")
         )
-        one = is_constant().check(_scalar(1.0), "not 1")
-        half = is_constant().check(_scalar(0.5), "not 0.5")
-        one_plus = is_op("Add")(is_op("Erf")(scaled), one)
-        self.pattern: DFPattern = (
-            is_op("Mul")(is_op("Mul")(self.x, one_plus), half)
-            | is_op("Mul")(is_op("Mul")(self.x, half), one_plus)
-            | is_op("Mul")(self.x, is_op("Mul")(one_plus, half))
+        one_plus = is_op("Add")(is_op("Erf")(scaled), _const(1.0, "1"))
+        return (
+            is_op("Mul")(is_op("Mul")(x, one_plus), _const(0.5, "0.5"))
+            | is_op("Mul")(is_op("Mul")(x, _const(0.5, "0.5")), one_plus)
+            | is_op("Mul")(x, is_op("Mul")(one_plus, _const(0.5, "0.5")))
         )
-        #: the node names of every fused GELU
-        self.fused: list[list[str]] = []
-
-    def callback(self, pre: gs.Tensor, post: gs.Tensor, node_map: dict) -> gs.Tensor | None:
-        """One Gelu node reading ``x``."""
-        m = self.match
-        out = self.editor.variable(f"{pre.name}_gelu", np.float32, pre.shape)
-        names = [n.name for n in m.nodes]
-        self.editor.add_node("Gelu", [m.tensor(self.x)], [out], f"{names[0]}_Gelu", None, MS_DOMAIN)
-        self.fused.append(names)
-        return out
 
 
-class HardSwishFusion(DFPatternCallback):
+class HardSwishFusion(_Fusion):
     """``x · Clip(x + 3, 0, 6) / 6`` in its usual arrangements → ``HardSwish(x)``."""
 
-    def __init__(self) -> None:
-        super().__init__()
-        self.x = wildcard()
+    op = "HardSwish"
 
-        def const(value: float, text: str) -> DFPattern:
-            # a fresh pattern per use: one pattern object binds one tensor
-            return is_constant().check(_scalar(value), f"not {text}")
-
-        relu6 = is_op("Clip")(
-            is_op("Add")(self.x, const(3.0, "3")), const(0.0, "0"), const(6.0, "6")
+    def build(self, x: DFPattern) -> DFPattern:
+        """Divided by 6 or multiplied by 1/6, before or after the product with x."""
+        relu6 = is_op("Clip")(is_op("Add")(x, _const(3.0, "3")), _const(0.0, "0"), _const(6.0, "6"))
+        return (
+            is_op("Div")(is_op("Mul")(x, relu6), _const(6.0, "6"))
+            | is_op("Mul")(is_op("Mul")(x, relu6), _const(1 / 6, "1/6"))
+            | is_op("Mul")(x, is_op("Div")(relu6, _const(6.0, "6")))
+            | is_op("Mul")(x, is_op("Mul")(relu6, _const(1 / 6, "1/6")))
         )
-        self.pattern: DFPattern = (
-            is_op("Div")(is_op("Mul")(self.x, relu6), const(6.0, "6"))
-            | is_op("Mul")(is_op("Mul")(self.x, relu6), const(1 / 6, "1/6"))
-            | is_op("Mul")(self.x, is_op("Div")(relu6, const(6.0, "6")))
-            | is_op("Mul")(self.x, is_op("Mul")(relu6, const(1 / 6, "1/6")))
-        )
-        self.fused: list[list[str]] = []
-
-    def callback(self, pre: gs.Tensor, post: gs.Tensor, node_map: dict) -> gs.Tensor | None:
-        """One HardSwish node reading ``x``, named after the group's last node."""
-        m = self.match
-        out = self.editor.variable(f"{pre.name}_hardswish", np.float32, pre.shape)
-        names = [n.name for n in m.nodes]
-        self.editor.add_node("HardSwish", [m.tensor(self.x)], [out], names[0])
-        self.fused.append(names)
-        return out
 
 
 HARDSWISH_OPSET = 14
 
 
-def fuse_hardswish(model: onnx.ModelProto) -> tuple[onnx.ModelProto, list[list[str]]]:
+def fuse_hardswish(
+    model: onnx.ModelProto, graph: gs.Graph | None = None
+) -> tuple[onnx.ModelProto, list[list[str]]]:
     """``model`` with every written-out HardSwish as one ``HardSwish`` node (opset ≥ 14).
 
     A model below opset 14 is converted first; when the conversion fails it is returned as it
-    was. ``model`` is not modified.
+    was. ``model`` is not modified. ``graph``: ``model`` already imported, which the caller
+    gives up (preprocessing passes the graph it exported ``model`` from), so it is not
+    imported again.
     """
     from onnxq.errors import ModelError
     from onnxq.preprocess import default_opset, raise_opset
 
     fusion = HardSwishFusion()
-    graph = import_graph(model)
+    graph = graph if graph is not None else import_graph(model)
     if not any(fusion.pattern.match(n.outputs[0]) for n in graph.nodes if n.outputs):
         return model, []
     if default_opset(model) < HARDSWISH_OPSET:

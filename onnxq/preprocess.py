@@ -69,7 +69,7 @@ def preprocess(model: onnx.ModelProto) -> onnx.ModelProto:
     _fold_batchnorm(graph)
     _fold_affine(graph)
     out = export_model(graph, model)
-    out, _ = fuse_hardswish(out)
+    out, _ = fuse_hardswish(out, graph)
     out.producer_name = model.producer_name
     out.producer_version = model.producer_version
     try:

@@ -73,6 +73,13 @@ class IslandPattern(WeightedPattern):
             )
         return MatchResult(m)
 
+    def _float_copy(self, node: gs.Node, inputs: list[gs.Tensor]) -> gs.Variable:
+        """A float copy of ``node`` inside the island, reading ``inputs``; its output."""
+        y = node.outputs[0]
+        out = self.quantizer.editor.variable(f"{y.name}_island", np.float32, y.shape)
+        self.quantizer.add_node(node.op, inputs, [out], f"{node.name}_island", dict(node.attrs))
+        return out
+
     def _what(self, m: Match) -> str:
         core = m.node(self.core)
         return " followed by ".join([core.op] + [n.op for n in m.nodes if n is not core])
@@ -90,16 +97,10 @@ class IslandPattern(WeightedPattern):
         ins: list[gs.Tensor] = [xf, wf]
         if self.b is not None:
             ins.append(m.tensor(self.b))
-        out = q.editor.variable(f"{node.outputs[0].name}_island", np.float32, m.root.shape)
-        core_out = out
+        out = self._float_copy(node, ins)
         acts = [n for n in m.nodes if n is not node]
-        if acts:
-            core_out = q.editor.variable(f"{node.outputs[0].name}_island", np.float32)
-        q.add_node(node.op, ins, [core_out], f"{node.name}_island", dict(node.attrs))
-        for act in acts:
-            q.add_node(
-                act.op, [core_out, *act.inputs[1:]], [out], f"{act.name}_island", dict(act.attrs)
-            )
+        for act in acts:  # the activation reads the op's float output: no Q/DQ between them
+            out = self._float_copy(act, [out, *act.inputs[1:]])
         qnode = q.add_node(
             "QuantizeLinear",
             [out, q.const(yq.scale), q.const(yq.zero_point)],
