@@ -60,8 +60,10 @@ class QuantizeReport:
     rescales: list[str] = field(default_factory=list)
     #: what constraint propagation decided: shared-scale groups and conflicting edges rescaled
     constraints: list[str] = field(default_factory=list)
-    #: per-node requests the target cannot run (ignored for that node)
+    #: per-node requests the target cannot run (ignored for that node), and other warnings
     warnings: list[str] = field(default_factory=list)
+    #: choices onnxq made on its own that the user should know about (e.g. 7-bit weights)
+    notes: list[str] = field(default_factory=list)
 
     @property
     def quantized_nodes(self) -> list[str]:
@@ -89,6 +91,7 @@ class QuantizeReport:
                 "changes or a shared scale meets a conflicting constraint: "
                 + ", ".join(self.rescales)
             )
+        lines.extend(f"note: {n}" for n in self.notes)
         lines.extend(f"constraint: {c}" for c in self.constraints)
         for name, count in cal.nonfinite.items():
             lines.append(
@@ -111,6 +114,7 @@ class QuantizeReport:
             "rescales": self.rescales,
             "constraints": self.constraints,
             "warnings": self.warnings,
+            "notes": self.notes,
         }
 
 
@@ -203,7 +207,12 @@ def quantize(
                 "--unsigned-after-relu mixes uint8 and int8 activations, which onnxruntime's "
                 "QLinear kernels do not take in one op; use --format qdq or --format openvino"
             )
-    weight_bits = tgt.weight_bits if weight_bits is None else weight_bits
+    from onnxq.config import UserConfig
+
+    user = config if isinstance(config, UserConfig) or config is None else UserConfig.load(config)
+    weight_bits, notes, bit_warnings = _weight_bits(
+        weight_bits, tgt, format, activation_dtype, unsigned_after_relu, user
+    )
     if patterns is None and tgt.patterns is not None:
         patterns = _target_patterns(tgt)
 
@@ -214,9 +223,6 @@ def quantize(
         raise ConfigError(f"--format {format!r} is unknown; choose one of {', '.join(FORMATS)}")
     float_model = load_model(model)
     refuse_quantized(float_model, where)
-    from onnxq.config import UserConfig
-
-    user = config if isinstance(config, UserConfig) or config is None else UserConfig.load(config)
     if activation_dtype == "int16":  # A16W8: only standard Q/DQ has int16, from opset 21
         if format != "qdq":
             raise ConfigError(
@@ -341,10 +347,53 @@ def quantize(
         values={k: v.tolist() for k, v in quantizer.final_values.items()},
         rescales=rescales(result) if format != "openvino" else [],
         constraints=solution.shared + [str(r) for r in solution.rescales],
-        warnings=list(quantizer.warnings),
+        warnings=list(quantizer.warnings) + bit_warnings,
+        notes=notes + _widened_notes(quantizer.widened_biases),
     )
     _explain_constraints(report.decisions, solution)
     return result, report
+
+
+def _widened_notes(widened: dict[str, int]) -> list[str]:
+    """One note per bias whose weight scale was widened to keep the int32 accumulator exact."""
+    return [
+        f"bias '{bias}': the weight scale of {n} channel(s) was widened so that bias plus the "
+        "worst-case sum of products fits the int32 accumulator (those channels are nearly "
+        "constant, e.g. a BatchNormalization with gamma ≈ 0)"
+        for bias, n in sorted(widened.items())
+    ]
+
+
+def _weight_bits(
+    requested: int | None,
+    tgt: Any,
+    format: str,
+    activation_dtype: str,
+    unsigned_after_relu: bool,
+    user: Any,
+) -> tuple[int, list[str], list[str]]:
+    """Resolve the weight bits: explicit, the target's, or ``auto`` (see onnxq.hostcheck).
+
+    Returns the bits, the notes explaining an automatic choice and the warnings for an explicit
+    8-bit choice that this machine's onnxruntime would clip.
+    """
+    from onnxq.hostcheck import auto_weight_bits, saturation_warning
+
+    # onnxruntime runs QDQ through its U8S8 kernels whatever the activation dtype (it turns
+    # int8 QDQ into uint8 on x86), OpenVINO its FakeQuantize models alike; the int8 QLinear
+    # ops of QOperator output are exact
+    runtime = "openvino" if format == "openvino" else tgt.runtime
+    clipping_path = format != "qoperator" or (
+        activation_dtype == "uint8"
+        or unsigned_after_relu
+        or (user is not None and user.asks("activation_dtype", "uint8"))
+    )
+    bits = requested if requested is not None else tgt.weight_bits
+    if bits is None:
+        bits, why = auto_weight_bits(runtime, clipping_path)
+        return bits, [why] if why else [], []
+    warning = saturation_warning(runtime, clipping_path, bits) if requested is not None else ""
+    return bits, [], [warning] if warning else []
 
 
 def _explain_constraints(decisions: list[Decision], solution: Any) -> None:

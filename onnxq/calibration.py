@@ -389,7 +389,7 @@ class Calibrator:
             self._quant_inits = {i.name: i for i in model.graph.initializer}
             produced = {o for n in model.graph.node for o in n.output}
             dyn = sorted(n for n in self._all_quant_names() if n in produced)
-            self._quant_session = make_session(expose(model, dyn))
+            self._quant_session = make_session(expose(model, dyn), exact=True)
             self._quant_version = self._version
         res: dict[str, np.ndarray] = {}
         dynamic = [n for n in names if n not in self._quant_inits]

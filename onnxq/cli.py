@@ -383,6 +383,9 @@ def _quantize(args: argparse.Namespace) -> int:
     if not args.quiet:
         print(report.summary())
         print(f"wrote {dst}")
+    else:  # warnings are never silent, even with --quiet
+        for w in report.warnings:
+            print(f"onnxq: warning: {w}", file=sys.stderr)
     return 0
 
 
@@ -425,7 +428,7 @@ def _targets(args: argparse.Namespace) -> int:
         sym = " symmetric" if t.symmetric_activations else ""
         print(
             f"{t.name:<10} format={t.format} activations={t.activation_dtype}{sym} "
-            f"per_channel={t.per_channel} weight_bits={t.weight_bits}; {pats}"
+            f"per_channel={t.per_channel} weight_bits={t.weight_bits or 'auto'}; {pats}"
         )
         if t.description:
             print(f"{'':<10} {t.description}")
@@ -466,7 +469,7 @@ def _inspect(args: argparse.Namespace) -> int:
         activation_dtype=tgt.activation_dtype,
         activation_symmetric=tgt.symmetric_activations,
         per_channel=tgt.per_channel,
-        weight_bits=tgt.weight_bits,
+        weight_bits=tgt.weight_bits or 8,
         format=tgt.format,
         target=tgt.name,
     )

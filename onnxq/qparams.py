@@ -154,14 +154,40 @@ def weight_params(
     return params_from_range(-absmax, absmax, dtype, symmetric=True, axis=axis, narrow=narrow)
 
 
+def accumulation_bound(
+    products: int, weight_qmax: int, input_dtype: str | np.dtype, input_zero_point: np.ndarray
+) -> int:
+    """Largest |Σ (x_q − zp)·w_q| an int32 accumulator can reach over ``products`` terms.
+
+    ``max(zp − qmin, qmax − zp) · weight_qmax · products``: the kernel adds this to the int32
+    bias, so bias and accumulation must fit int32 *together* (a dead channel after a folded
+    BatchNormalization, gamma ≈ 0 and beta ≠ 0, otherwise wraps around).
+    """
+    lo, hi = qrange(np.dtype(input_dtype).name)
+    zp = np.asarray(input_zero_point, np.int64).reshape(-1)
+    reach = int(max(np.max(zp - lo), np.max(hi - zp))) if zp.size else hi - lo
+    return reach * int(weight_qmax) * int(products)
+
+
 def widen_for_bias(
-    bias: np.ndarray, input_scale: np.ndarray, weight_scale: np.ndarray, limit: int = INT32_MAX
+    bias: np.ndarray,
+    input_scale: np.ndarray,
+    weight_scale: np.ndarray,
+    limit: int = INT32_MAX,
+    where: str = "a bias",
 ) -> np.ndarray:
     """Weight scale enlarged (per channel) so that ``|b / (s_x s_w)| <= limit``.
 
-    Clipping an overflowing bias would silently change the model; a larger weight scale costs
-    weight precision on that channel only.
+    ``limit`` is INT32_MAX less :func:`accumulation_bound`, so the bias plus the worst-case sum
+    of products stays inside int32. Clipping an overflowing bias would silently change the model;
+    a larger weight scale costs weight precision on that channel only (a channel whose bias
+    needs it is nearly constant anyway).
     """
+    if limit < 1:
+        raise CalibrationError(
+            f"{where}: the sum of products alone can exceed int32 (reduced length too long "
+            "for 8-bit integer kernels); exclude the node to keep it float"
+        )
     need = np.abs(np.asarray(bias, np.float64)) / (float(np.asarray(input_scale)) * limit)
     need = need * (1 + 1e-6)  # stay below the limit after rounding the scale to float32
     ws = np.asarray(weight_scale, np.float64)

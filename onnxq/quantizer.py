@@ -38,7 +38,14 @@ from onnxq.graph import (
     producer,
 )
 from onnxq.preprocess import preprocess
-from onnxq.qparams import QParams, qrange, quantize, widen_for_bias
+from onnxq.qparams import (
+    INT32_MAX,
+    QParams,
+    accumulation_bound,
+    qrange,
+    quantize,
+    widen_for_bias,
+)
 
 if TYPE_CHECKING:
     from onnxq.calibration import CalibrationCallback, CalibrationInfo
@@ -158,6 +165,9 @@ class _BiasDerivation:
     input_scale: str
     weight_scale: str
     weight_axis: int | None
+    weight: str = ""  # the float weight (its size gives the products per output)
+    input_zero_point: str = ""
+    input_dtype: str = "uint8"
 
 
 @dataclass
@@ -276,6 +286,8 @@ class Quantizer:
         self._left_float: dict[str, tuple[str, str]] = {}
         #: scales and zero points of the last materialized model (after bias widening)
         self.final_values: dict[str, np.ndarray] = {}
+        #: biases whose weight scale was widened so bias + accumulation fit int32: channels
+        self.widened_biases: dict[str, int] = {}
 
         graph = import_graph(self.float_model)
         self._check_exclusions(graph)
@@ -434,7 +446,9 @@ class Quantizer:
         name = f"{node.name or node.outputs[0].name}.bias"
         self._float_values[name] = np.asarray(bias, np.float32).reshape(-1)
         q = self._placeholder(f"{name}_quantized", "bias", name, "int32", (int(bias.size),))
-        self._biases[q] = _BiasDerivation(name, x.scale, w.scale, w.axis)
+        self._biases[q] = _BiasDerivation(
+            name, x.scale, w.scale, w.axis, w.tensor, x.zero_point, x.dtype
+        )
         return self._consts[q]
 
     def const(self, name: str) -> gs.Constant:
@@ -612,9 +626,19 @@ class Quantizer:
             arr = np.asarray(value).astype(np.dtype(ph.dtype)).reshape(ph.shape)
             full[name] = arr
         self._check_relu_folds(full)
+        self.widened_biases = {}
         for b in self._biases.values():
             fb = self._float_values[b.bias]
-            full[b.weight_scale] = widen_for_bias(fb, full[b.input_scale], full[b.weight_scale])
+            products = self._float_values[b.weight].size // max(fb.size, 1)
+            qmax = 2 ** (self.config.weight_bits - 1) - 1
+            bound = accumulation_bound(products, qmax, b.input_dtype, full[b.input_zero_point])
+            before = full[b.weight_scale]
+            full[b.weight_scale] = widen_for_bias(
+                fb, full[b.input_scale], before, INT32_MAX - bound, f"bias '{b.bias}'"
+            )
+            widened = int(np.count_nonzero(full[b.weight_scale] != before))
+            if widened:
+                self.widened_biases[b.bias] = widened
         for qname, w in self._weights.items():
             qp = QParams(full[w.scale], full[w.zero_point], w.axis)
             full[qname] = quantize(self._float_values[w.weight], qp)

@@ -23,7 +23,7 @@ import onnx_graphsurgeon as gs
 
 from onnxq.graph import GraphEditor, constant_value, export_model, import_graph, producer
 from onnxq.preprocess import default_opset
-from onnxq.qparams import qrange
+from onnxq.qparams import INT32_MAX, accumulation_bound, qrange
 
 #: quantized ops and the input positions of their (tensor, scale, zero point) operand triples
 QLINEAR_INPUTS: dict[str, tuple[int, ...]] = {
@@ -246,12 +246,25 @@ def _new_bias(user: gs.Node, q: gs.Node, dq: gs.Node) -> np.ndarray | None:
 
 
 def _bias_rescalable(user: gs.Node, q_out: gs.Tensor, q: gs.Node, dq: gs.Node) -> bool:
-    """Reading the producer's scale keeps ``user``'s int32 bias (if any) inside int32."""
+    """Reading the producer's scale keeps ``user``'s int32 bias (if any) plus the worst-case
+    accumulation over its weight inside int32 (onnxq.qparams.accumulation_bound)."""
     if not user.inputs or user.inputs[0] is not q_out:
         return True
     bias = _new_bias(user, q, dq)
-    info = np.iinfo(np.int32)
-    return bias is None or bool(np.all((bias >= info.min) & (bias <= info.max)))
+    if bias is None:
+        return True
+    weight = constant_value(user.inputs[3])  # QLinearConv and QGemm: the int8 weight
+    zero_point = constant_value(dq.inputs[2]) if len(dq.inputs) > 2 else None
+    if weight is None:
+        return False
+    x_dtype = zero_point.dtype if zero_point is not None else np.dtype(np.uint8)
+    bound = accumulation_bound(
+        weight.size // max(bias.size, 1),
+        int(np.abs(weight.astype(np.int64)).max(initial=0)),
+        x_dtype,
+        zero_point if zero_point is not None else np.zeros(1, np.uint8),
+    )
+    return bool(np.all(np.abs(bias) + bound <= INT32_MAX))
 
 
 def _rescale_bias(editor: GraphEditor, user: gs.Node, q: gs.Node, dq: gs.Node) -> None:

@@ -9,7 +9,7 @@ patterns worth quantizing for one runtime. ``--target NAME`` picks one; explicit
     format = "qdq"
     activation_dtype = "int8"
     symmetric_activations = true
-    weight_bits = 8
+    weight_bits = 8                 # or "auto" (the default): 7 where onnxruntime would clip
     patterns = ["conv", "conv+bias", "gemm", "gemm+bias"]
     shared_scale_ops = ["Concat"]   # inputs and output of a Concat share one scale
 """
@@ -23,6 +23,7 @@ from onnxq.errors import ConfigError
 
 #: ops whose scale sharing onnxq.constraints can enforce
 SHAREABLE_OPS = frozenset({"Concat"})
+RUNTIMES = ("onnxruntime", "tensorrt", "openvino", "other")
 
 
 @dataclass(frozen=True)
@@ -35,13 +36,17 @@ class Target:
     activation_dtype: str = "uint8"
     symmetric_activations: bool = False
     per_channel: bool = True
-    weight_bits: int = 8
+    #: 8 or 7; None ("auto") is 7 only where this machine's onnxruntime clips U8S8 products
+    weight_bits: int | None = None
     patterns: tuple[str, ...] | None = None
     unsigned_after_relu: bool = False
     #: QDQ output: a Q/DQ pair per consumer (TensorRT fuses each pair into its layer)
     dedicated_qdq_pairs: bool = False
     #: ops whose inputs and output share one scale and zero point (onnxq.constraints)
     shared_scale_ops: tuple[str, ...] = ()
+    #: what runs the model: "onnxruntime" (weight_bits auto then measures its CPU kernels),
+    #: "tensorrt", "openvino" or "other"
+    runtime: str = "onnxruntime"
 
     def __post_init__(self) -> None:
         from onnxq.export import FORMATS
@@ -52,8 +57,13 @@ class Target:
             )
         if self.activation_dtype not in ("uint8", "int8"):
             raise ConfigError(f"target {self.name!r}: activation_dtype must be uint8 or int8")
-        if self.weight_bits not in (7, 8):
-            raise ConfigError(f"target {self.name!r}: weight_bits must be 8 or 7")
+        if self.weight_bits not in (None, 7, 8):
+            raise ConfigError(f"target {self.name!r}: weight_bits must be 8, 7 or \"auto\"")
+        if self.runtime not in RUNTIMES:
+            raise ConfigError(
+                f"target {self.name!r}: runtime {self.runtime!r} is not one of "
+                f"{', '.join(RUNTIMES)}"
+            )
         unknown = set(self.shared_scale_ops) - SHAREABLE_OPS
         if unknown:
             raise ConfigError(
@@ -65,7 +75,8 @@ class Target:
 BUILTIN = (
     Target(
         "ort-cpu",
-        "onnxruntime CPU: uint8 activations (U8S8 kernels), int8 per-channel weights, QLinear ops",
+        "onnxruntime CPU: uint8 activations (U8S8 kernels), int8 per-channel weights (7-bit on "
+        "CPUs without VNNI, where those kernels clip), QLinear ops",
         "qoperator",
         "uint8",
     ),
@@ -78,14 +89,23 @@ BUILTIN = (
         symmetric_activations=True,
         dedicated_qdq_pairs=True,
         shared_scale_ops=("Concat",),
+        runtime="tensorrt",
+        weight_bits=8,
     ),
     Target(
         "openvino",
-        "OpenVINO: FakeQuantize on the float graph, uint8 activations",
+        "OpenVINO: FakeQuantize on the float graph, uint8 activations (7-bit weights on CPUs "
+        "without VNNI, where its kernels clip)",
         "openvino",
         "uint8",
+        runtime="openvino",
     ),
-    Target("generic", "any runtime that reads standard ONNX Q/DQ", "qdq", "uint8"),
+    Target(
+        "generic",
+        "any runtime that reads standard ONNX Q/DQ (weights 7-bit where onnxruntime would clip)",
+        "qdq",
+        "uint8",
+    ),
 )
 _REGISTRY: dict[str, Target] = {t.name: t for t in BUILTIN}
 
@@ -127,6 +147,8 @@ def load_targets(path: str | os.PathLike[str]) -> list[Target]:
                 f"valid keys: {sorted(known)}"
             )
         values = dict(table)
+        if values.get("weight_bits") == "auto":
+            values["weight_bits"] = None
         for key in ("patterns", "shared_scale_ops"):
             if key in values:
                 values[key] = tuple(values[key])

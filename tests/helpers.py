@@ -38,10 +38,14 @@ def make_model(nodes, inputs, outputs, inits=None, opset=13) -> onnx.ModelProto:
     return model
 
 
-def run(model: onnx.ModelProto | str | Path, feeds: dict) -> list[np.ndarray]:
+def run(model: onnx.ModelProto | str | Path, feeds: dict, exact: bool = False) -> list[np.ndarray]:
+    """Run in onnxruntime; ``exact`` asks for its exact U8S8 path (for models meant for another
+    runtime, e.g. TensorRT, whose integer math does not clip like x86 CPUs without VNNI)."""
     src = model.SerializeToString() if isinstance(model, onnx.ModelProto) else str(model)
     opts = ort.SessionOptions()
     opts.log_severity_level = 3
+    if exact:
+        opts.add_session_config_entry("session.x64quantprecision", "1")
     return ort.InferenceSession(src, opts, providers=["CPUExecutionProvider"]).run(None, feeds)
 
 

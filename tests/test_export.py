@@ -192,7 +192,8 @@ def test_three_formats_agree_within_one_step(name):
     fp32 = onnx.load(path)
     inp = fp32.graph.input[0].name
     models = {
-        f: onnxq.quantize(path, {inp: calib}, format=f, progress=False)[0]
+        # 7-bit weights: exact in onnxruntime and OpenVINO on any CPU (see onnxq.hostcheck)
+        f: onnxq.quantize(path, {inp: calib}, format=f, weight_bits=7, progress=False)[0]
         for f in ("qoperator", "qdq", "openvino")
     }
     fq = models["openvino"]

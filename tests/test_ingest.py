@@ -148,7 +148,8 @@ def test_convert_to_fakequantize_runs_in_openvino(source, tmp_path, digits):
     }
     core = ov.Core()
     got = core.compile_model(core.read_model(fq.SerializeToString()), "CPU")(xte)[0]
-    ref = run(q, {"input": xte})[0]
+    # onnxruntime's quantizer writes 8-bit weights: compare with its exact U8S8 arithmetic
+    ref = run(q, {"input": xte}, exact=True)[0]
     # the same integer arithmetic, rounded by another runtime: the same decisions
     assert (got.argmax(1) == ref.argmax(1)).mean() > 0.99
     assert (got.argmax(1) == yte).mean() >= (ref.argmax(1) == yte).mean() - 0.005
