@@ -53,12 +53,45 @@ MODEL_KEYS = {
     "expect",
     "notes",
     "inputs",
+    "requires",
 }
 BAR_KEYS = {"max_loss", "min_quantized"}
 
 
 class ZooError(OnnxqError):
     """A manifest, fetch or bar problem of the model zoo."""
+
+
+class MissingPackage(ZooError):
+    """A model's data recipe needs a Debian package that is not installed."""
+
+
+#: Debian packages a recipe may need, and the file or command that shows each is installed
+SYSTEM_PACKAGES = {
+    "dataset-fashion-mnist": "/usr/share/datasets/fashion-mnist/t10k-images-idx3-ubyte.gz",
+    "espeak-ng": "espeak-ng",
+    "fonts-dejavu-core": "/usr/share/fonts/truetype/dejavu/DejaVuSans.ttf",
+}
+
+
+def missing_packages(model: ZooModel) -> list[str]:
+    """The Debian packages ``model`` requires that this machine lacks."""
+    import shutil
+
+    def present(probe: str) -> bool:
+        return Path(probe).is_file() if probe.startswith("/") else shutil.which(probe) is not None
+
+    return [p for p in model.requires if not present(SYSTEM_PACKAGES[p])]
+
+
+def require_packages(model: ZooModel) -> None:
+    """Raise :class:`MissingPackage` naming the install command when a package is missing."""
+    missing = missing_packages(model)
+    if missing:
+        raise MissingPackage(
+            f"[model.{model.name}] needs the Debian package(s) {', '.join(missing)}, which this "
+            f"machine lacks: apt-get install {' '.join(missing)}"
+        )
 
 
 @dataclass(frozen=True)
@@ -90,6 +123,8 @@ class ZooModel:
     expect: str = "quantize"
     notes: str = ""
     inputs: dict[str, str] = field(default_factory=dict)
+    #: Debian packages the recipe needs (keys of SYSTEM_PACKAGES)
+    requires: tuple[str, ...] = ()
 
     @property
     def source(self) -> str:
@@ -212,7 +247,14 @@ def load_manifest(path: str | os.PathLike[str] | None = None) -> Manifest:
             expect=str(table.get("expect", "quantize")),
             notes=str(table.get("notes", "")),
             inputs={str(k): str(v) for k, v in table.get("inputs", {}).items()},
+            requires=tuple(str(r) for r in table.get("requires", ())),
         )
+        unknown = sorted(set(models[name].requires) - set(SYSTEM_PACKAGES))
+        if unknown:
+            raise ZooError(
+                f"{where}.requires: {unknown} are not known system packages; known: "
+                f"{', '.join(sorted(SYSTEM_PACKAGES))}"
+            )
         for key, spec in models[name].inputs.items():
             if not _SPEC.fullmatch(spec):
                 raise ZooError(
@@ -462,6 +504,7 @@ def run_model(
     """
     from onnxq.api import quantize
 
+    require_packages(model)
     files = fetch(manifest, model, log)
     check_inputs(model, files["model"])
     recipe = make_recipe(manifest, model, files)

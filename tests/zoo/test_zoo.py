@@ -4,6 +4,7 @@ to its bars; the manifest parser and the fetcher are checked on local files."""
 from __future__ import annotations
 
 import hashlib
+import os
 import zipfile
 from pathlib import Path
 
@@ -12,7 +13,15 @@ import pytest
 
 from onnxq.cli import main
 from onnxq.graph import check_model
-from onnxq.zoo import ZooError, fetch, load_manifest, run_model
+from onnxq.zoo import (
+    MissingPackage,
+    ZooError,
+    fetch,
+    load_manifest,
+    SYSTEM_PACKAGES,
+    missing_packages,
+    run_model,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 MANIFEST = load_manifest(ROOT / "models" / "manifest.toml")
@@ -24,9 +33,18 @@ def _param(name: str):
     return pytest.param(name, marks=[pytest.mark.slow] if model.slow else [], id=name)
 
 
+def skip_without_packages(model) -> None:
+    """Skip (outside CI) a model whose Debian packages are missing, naming the install command;
+    under CI=true the run goes on and fails, since .ci/run installs them."""
+    missing = missing_packages(model)
+    if missing and not os.environ.get("CI"):
+        pytest.skip(f"needs Debian package(s) {missing}: apt-get install {' '.join(missing)}")
+
+
 @pytest.mark.parametrize("name", [_param(n) for n in MANIFEST.models])
 def test_zoo_model(name, tmp_path):
     model = MANIFEST.models[name]
+    skip_without_packages(model)
     out = tmp_path / f"{name}.int8.onnx"
     res = run_model(MANIFEST, model, output=out, log=lambda _: None)
     assert not res.failures, res.failures
@@ -172,6 +190,7 @@ def test_openvino_target_is_scored_in_openvino_and_one_error_does_not_stop_the_r
     # FakeQuantize models run in the OpenVINO runtime (onnxruntime has no FakeQuantize); silero-vad
     # cannot be loaded by OpenVINO at all (float included): a clear error, and the run goes on
     pytest.importorskip("openvino")
+    skip_without_packages(MANIFEST.models["silero_vad"])
     argv = ["zoo", "run", "silero_vad", "digits_cnn", "--target", "openvino"]
     assert main([*argv, "--manifest", str(MANIFEST.path)]) == 1
     out = capsys.readouterr().out
@@ -180,3 +199,31 @@ def test_openvino_target_is_scored_in_openvino_and_one_error_does_not_stop_the_r
     assert "cannot load the float model either, for the same reason" in silero
     digits = next(ln for ln in out.splitlines() if ln.startswith("digits_cnn:"))
     assert digits.endswith(": ok") and "10 nodes int8" in digits
+
+
+def test_missing_system_package_is_named_and_the_run_goes_on(tmp_path, monkeypatch, capsys):
+    # a model whose Debian package is missing: one clear line with the apt-get command, exit 1,
+    # and the next model still runs (no "internal error")
+    body = MANIFEST.path.read_text().replace(
+        'requires = ["espeak-ng"]', 'requires = ["espeak-ng", "dataset-fashion-mnist"]'
+    )
+    path = tmp_path / "manifest.toml"
+    path.write_text(body)
+    for name in ("recipes.py", "datasets.py", "digits_cnn.onnx"):
+        (tmp_path / name).write_bytes((MANIFEST.path.parent / name).read_bytes())
+    monkeypatch.setattr("onnxq.zoo.SYSTEM_PACKAGES", {**SYSTEM_PACKAGES, "espeak-ng": "/nope"})
+    manifest = load_manifest(path)
+    with pytest.raises(MissingPackage, match="apt-get install espeak-ng"):
+        run_model(manifest, manifest.models["silero_vad"], log=lambda _: None)
+    assert main(["zoo", "run", "silero_vad", "digits_cnn", "--manifest", str(path)]) == 1
+    captured = capsys.readouterr()
+    lines = captured.out.splitlines()
+    assert lines[0].startswith("silero_vad: FAILED: [model.silero_vad] needs the Debian package")
+    assert "apt-get install espeak-ng" in lines[0] and "internal error" not in captured.err
+    assert lines[1].startswith("digits_cnn:") and lines[1].endswith(": ok")
+
+
+def test_unknown_required_package_is_refused(tmp_path):
+    body = '[model.a]\nfile = "a.onnx"\nrecipe = "r"\nrequires = ["cowsay"]\n'
+    with pytest.raises(ZooError, match="not known system packages"):
+        load_manifest(_manifest(tmp_path, body))
