@@ -123,13 +123,13 @@ def op_histogram(model: onnx.ModelProto) -> dict[str, int]:
     return dict(sorted(Counter(n.op_type for n in model.graph.node).items()))
 
 
-def refuse_quantized(model: onnx.ModelProto, where: str) -> None:
+def refuse_quantized(model: onnx.ModelProto, where: str, command: str = "quantize") -> None:
     """Raise when ``model`` already holds quantized ops."""
     found = sorted({n.op_type for n in model.graph.node if n.op_type in QUANTIZED_OPS})
     if found:
         raise ModelError(
-            f"{where} is already quantized (it holds {', '.join(found)}); quantize "
-            "the float model instead"
+            f"{where} is already quantized (it holds {', '.join(found)}); {command} the float "
+            "model instead, or retarget this one with `onnxq convert`"
         )
 
 
@@ -347,7 +347,9 @@ def quantize(
         values={k: v.tolist() for k, v in quantizer.final_values.items()},
         rescales=rescales(result) if format != "openvino" else [],
         constraints=solution.shared + [str(r) for r in solution.rescales],
-        warnings=list(quantizer.warnings) + bit_warnings,
+        warnings=list(quantizer.warnings)
+        + bit_warnings
+        + (dataset.warnings if dataset is not None else []),
         notes=notes + _widened_notes(quantizer.widened_biases),
     )
     _explain_constraints(report.decisions, solution)

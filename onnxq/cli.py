@@ -454,8 +454,10 @@ def _compare(args: argparse.Namespace) -> int:
 
 
 def _inspect(args: argparse.Namespace) -> int:
-    from onnxq.api import _target_patterns, op_histogram
+    from onnxq.api import _target_patterns, op_histogram, refuse_quantized
     from onnxq.config import UserConfig
+    from onnxq.dataset import inputs_hint, model_inputs
+    from onnxq.graph import load_model
     from onnxq.quantizer import Quantizer, QuantizerConfig
     from onnxq.targets import get_target, load_targets
 
@@ -474,7 +476,9 @@ def _inspect(args: argparse.Namespace) -> int:
         target=tgt.name,
     )
     patterns = _target_patterns(tgt) if tgt.patterns is not None else None
-    quantizer = Quantizer(args.model, patterns, config)
+    float_model = load_model(args.model)
+    refuse_quantized(float_model, f"'{args.model}'", "inspect")
+    quantizer = Quantizer(float_model, patterns, config)
     for w in quantizer.warnings:
         print(f"warning: {w}", file=sys.stderr)
     hist = op_histogram(quantizer.float_model)
@@ -484,6 +488,7 @@ def _inspect(args: argparse.Namespace) -> int:
 
         print(json.dumps({"ops": hist, "nodes": [asdict(d) for d in decisions]}, indent=2))
         return 0
+    print(inputs_hint(model_inputs(quantizer.float_model)))
     print("ops: " + ", ".join(f"{k} {v}" for k, v in hist.items()))
     by_pattern: dict[str, list[str]] = {}
     for d in decisions:

@@ -67,6 +67,8 @@ class DatasetManager:
             raise DataError(f"the sample limit {limit} must be >= 1")
         self.inputs = inputs
         self.limit = limit
+        #: conversions made on the way (float64 → float32, …), one line per input
+        self.warnings: list[str] = []
         self._iter: Iterator[Feed] | None = None
         self._peek: Feed | None = None
 
@@ -87,7 +89,16 @@ class DatasetManager:
         return self
 
     def batches(self) -> Iterator[Feed]:
-        """Checked feeds, from the start; at most ``limit`` samples in all."""
+        """Checked feeds, from the start; at most ``limit`` samples in all.
+
+        A data error names the model's inputs and an ``.npz`` built from them.
+        """
+        try:
+            yield from self._batches()
+        except DataError as exc:
+            raise with_inputs(exc, self.inputs) from None
+
+    def _batches(self) -> Iterator[Feed]:
         seen = 0
         index = 0
         for raw in self._raw():
@@ -165,23 +176,63 @@ class DatasetManager:
         if self.inputs is None:
             return {k: np.asarray(v) for k, v in raw.items()}
         want = {s.name: s for s in self.inputs}
-        unknown = sorted(set(raw) - set(want))
-        missing = sorted(set(want) - set(raw))
+        self.check_names(raw, f"item {index}")
+        feed: Feed = {}
+        for name, spec in want.items():
+            arr = np.asarray(raw[name])
+            feed[name] = _conform(arr, spec, f"{self.describe()}: item {index}", self._warn)
+        return feed
+
+    def check_names(self, raw: Mapping[str, Any], what: str) -> None:
+        """Raise DataError when ``raw``'s keys are not exactly the model's input names."""
+        want = {s.name for s in self.inputs or []}
+        unknown = sorted(set(raw) - want)
+        missing = sorted(want - set(raw))
         if unknown or missing:
             parts = []
             if unknown:
                 parts.append(f"unexpected input(s) {unknown}")
             if missing:
                 parts.append(f"missing input(s) {missing}")
-            raise DataError(
-                f"{self.describe()}: item {index} has {' and '.join(parts)}; the model's "
-                f"inputs are {sorted(want)}"
+            raise with_inputs(
+                DataError(f"{self.describe()}: {what} has {' and '.join(parts)}"), self.inputs
             )
-        feed: Feed = {}
-        for name, spec in want.items():
-            arr = np.asarray(raw[name])
-            feed[name] = _conform(arr, spec, f"{self.describe()}: item {index}")
-        return feed
+
+    def _warn(self, message: str) -> None:
+        if message not in self.warnings:
+            self.warnings.append(message)
+
+
+def inputs_hint(inputs: list[InputSpec] | None) -> str:
+    """The model's inputs and an ``.npz`` built from them, for messages and ``inspect``."""
+    if not inputs:
+        return ""
+
+    def dims(spec: InputSpec) -> str:
+        if spec.shape is None:
+            return "?"
+        return ",".join("N" if d is None or d <= 0 else str(d) for d in spec.shape)
+
+    listed = ", ".join(f"'{s.name}' {s.dtype}[{dims(s)}]" for s in inputs)
+    keys = ", ".join(f"{_py_key(s.name)}=samples_{i}" for i, s in enumerate(inputs))
+    return (
+        f"the model's inputs: {listed}; e.g. numpy.savez('calib.npz', {keys}) with each array "
+        "of that dtype, samples stacked on a new axis 0 (or, for fixed-size inputs, one array of "
+        "exactly that shape per .npz file in a folder)"
+    )
+
+
+def _py_key(name: str) -> str:
+    return name if name.isidentifier() else f"**{{{name!r}: ...}}"
+
+
+def with_inputs(exc: DataError, inputs: list[InputSpec] | None) -> DataError:
+    """``exc`` with the model's inputs appended (once)."""
+    hint = inputs_hint(inputs)
+    text = str(exc)
+    if not hint or "the model's inputs:" in text:
+        return exc
+    return type(exc)(f"{text}; {hint}")
 
 
 def feed_samples(feed: Mapping[str, np.ndarray]) -> int:
@@ -190,20 +241,11 @@ def feed_samples(feed: Mapping[str, np.ndarray]) -> int:
     return int(first.shape[0]) if first is not None and first.ndim else 1
 
 
-def _conform(arr: np.ndarray, spec: InputSpec, where: str) -> np.ndarray:
+def _conform(
+    arr: np.ndarray, spec: InputSpec, where: str, warn: Callable[[str], None]
+) -> np.ndarray:
     if arr.dtype != spec.dtype:
-        same_kind = (
-            np.issubdtype(arr.dtype, np.floating) and np.issubdtype(spec.dtype, np.floating)
-        ) or (np.issubdtype(arr.dtype, np.integer) and np.issubdtype(spec.dtype, np.integer))
-        int_to_float = np.issubdtype(arr.dtype, np.integer) and np.issubdtype(
-            spec.dtype, np.floating
-        )
-        if not (same_kind or int_to_float):
-            raise DataError(
-                f"{where}: input '{spec.name}' has dtype {arr.dtype}, the model expects "
-                f"{spec.dtype}"
-            )
-        arr = arr.astype(spec.dtype)
+        arr = _convert(arr, spec, where, warn)
     if spec.shape is not None:
         if arr.ndim != len(spec.shape):
             raise DataError(
@@ -222,12 +264,47 @@ def _conform(arr: np.ndarray, spec: InputSpec, where: str) -> np.ndarray:
     return np.ascontiguousarray(arr) if arr.ndim else arr
 
 
-class ArrayDataset(DatasetManager):
-    """Arrays keyed by input name, samples on axis 0, fed in batches the model accepts.
+def _convert(
+    arr: np.ndarray, spec: InputSpec, where: str, warn: Callable[[str], None]
+) -> np.ndarray:
+    """Data of another dtype than the input's: convert what is safe, refuse what is a guess.
 
-    ``batch_size`` None picks the model's fixed batch dimension, or 1 when it is dynamic, so the
-    batch statistics of AverageMax match per-sample inference. A trailing partial batch is fed
-    only when the batch dimension is dynamic.
+    * float → float: converted; narrowing (float64 → float32) says so once;
+    * integer or bool → float: refused — uint8 pixels 0..255 for a float input are the most
+      common data mistake, and the model's own scaling cannot be guessed;
+    * integer → integer: converted when every value fits, else refused;
+    * anything else (float → integer, strings, objects): refused.
+    """
+    got, want = arr.dtype, spec.dtype
+    what = f"{where}: input '{spec.name}' holds {got} data, the model expects {want}"
+    if np.issubdtype(got, np.floating) and np.issubdtype(want, np.floating):
+        if np.finfo(got).bits > np.finfo(want).bits:
+            warn(f"input '{spec.name}': {got} calibration data converted to {want}")
+        return arr.astype(want)
+    if np.issubdtype(want, np.floating) and (
+        np.issubdtype(got, np.integer) or got == np.bool_
+    ):
+        raise DataError(
+            f"{what}; scale your pixels as your model expects (e.g. x.astype(numpy.float32) / "
+            "255, then its mean and std) and save float data — onnxq does not guess"
+        )
+    if np.issubdtype(got, np.integer) and np.issubdtype(want, np.integer):
+        info = np.iinfo(want)
+        if arr.size and (arr.min() < info.min or arr.max() > info.max):
+            raise DataError(f"{what} and its values [{arr.min()}, {arr.max()}] do not fit {want}")
+        return arr.astype(want)
+    raise DataError(f"{what}; save the data as {want}")
+
+
+class ArrayDataset(DatasetManager):
+    """Arrays keyed by input name, fed in batches the model accepts.
+
+    Usually samples are stacked on axis 0 and fed ``batch_size`` at a time: None picks the
+    model's fixed batch dimension, or 1 when it is dynamic, so the batch statistics of AverageMax
+    match per-sample inference; a trailing partial batch is fed only when the batch dimension is
+    dynamic. When every input has a fully fixed shape (e.g. a (2, 3) and a (3, 4) input of one
+    MatMul), arrays of exactly those shapes are one sample, and arrays with one more leading
+    axis are that many samples.
     """
 
     def __init__(
@@ -245,20 +322,47 @@ class ArrayDataset(DatasetManager):
             raise DataError(f"batch size {batch_size} must be >= 1")
         if not self.arrays:
             raise DataError(f"{name} holds no arrays; store one array per model input")
-        counts = {k: (v.shape[0] if v.ndim else 0) for k, v in self.arrays.items()}
-        if len(set(counts.values())) != 1:
-            raise DataError(
-                f"{name}: arrays hold different sample counts {counts}; stack the same "
-                "number of samples for every input on axis 0"
-            )
-        self.count = next(iter(counts.values()))
 
     def describe(self) -> str:
         """How the source is named in messages."""
         return self.name
 
+    def _fixed_layout(self) -> str:
+        """'one' (arrays are one sample), 'stacked' (on a new axis 0) or '' (usual batches)."""
+        specs = self.inputs or []
+        if not specs or any(
+            s.shape is None or any(d is None or d <= 0 for d in s.shape) for s in specs
+        ):
+            return ""
+        shapes = {s.name: tuple(s.shape or ()) for s in specs}
+        if all(self.arrays[k].shape == shapes[k] for k in shapes if k in self.arrays):
+            return "one"
+        if all(self.arrays[k].shape[1:] == shapes[k] for k in shapes if k in self.arrays):
+            return "stacked"
+        return ""
+
+    @property
+    def count(self) -> int:
+        """Samples held (checked: every input the same count, names first)."""
+        if self.inputs is not None:
+            self.check_names(self.arrays, "arrays")
+        layout = self._fixed_layout()
+        if layout == "one":
+            return 1
+        counts = {k: (v.shape[0] if v.ndim else 0) for k, v in self.arrays.items()}
+        if len(set(counts.values())) != 1:
+            raise DataError(
+                f"{self.name}: arrays hold different sample counts {counts}; stack the same "
+                "number of samples for every input on axis 0 (inputs of different fixed batch "
+                "sizes: give arrays of exactly the input shapes, or a folder of .npz files, one "
+                "sample each)"
+            )
+        return next(iter(counts.values()))
+
     def batch_size(self) -> int:
         """Samples per feed."""
+        if self._fixed_layout():
+            return 1
         if self.requested_batch is not None:
             return self.requested_batch
         fixed = [s.fixed_batch for s in (self.inputs or []) if s.fixed_batch]
@@ -271,6 +375,15 @@ class ArrayDataset(DatasetManager):
         return -(-count // bs) if self._dynamic_batch() else count // bs
 
     def _raw(self) -> Iterator[Mapping[str, Any]]:
+        layout = self._fixed_layout()
+        count = self.count
+        if layout == "one":
+            yield dict(self.arrays)
+            return
+        if layout == "stacked":
+            for i in range(count):
+                yield {k: v[i] for k, v in self.arrays.items()}
+            return
         bs = self.batch_size()
         fixed = [s.fixed_batch for s in (self.inputs or []) if s.fixed_batch]
         if fixed and bs != fixed[0]:
@@ -278,14 +391,23 @@ class ArrayDataset(DatasetManager):
                 f"{self.name}: batch size {bs} differs from the model's fixed batch "
                 f"dimension {fixed[0]}"
             )
-        if fixed and self.count < bs:
+        if fixed and count < bs:
             raise DataError(
-                f"{self.name}: {self.count} sample(s) cannot fill one batch of the "
+                f"{self.name}: {count} sample(s) cannot fill one batch of the "
                 f"model's fixed batch size {bs}"
             )
-        stop = self.count if self._dynamic_batch() else self.count - self.count % bs
+        stop = count if self._dynamic_batch() else count - count % bs
         for start in range(0, stop, bs):
             yield {k: v[start : start + bs] for k, v in self.arrays.items()}
+
+    def _batches(self) -> Iterator[Feed]:
+        if self._fixed_layout() and self.limit is not None:  # one sample per feed: count feeds
+            for i, feed in enumerate(super()._batches()):
+                if i >= self.limit:
+                    return
+                yield feed
+            return
+        yield from super()._batches()
 
 
 class NpzDataset(ArrayDataset):

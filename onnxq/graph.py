@@ -41,8 +41,15 @@ def load_model(
     else:
         path = Path(model)
         where = f"'{path}'"
+        if path.is_dir():
+            found = sorted(p.name for p in path.glob("*.onnx"))[:5]
+            inside = f" (it holds {', '.join(found)})" if found else ""
+            raise ModelError(
+                f"model {where} is a folder{inside}; pass the path of the .onnx file itself"
+            )
         if not path.is_file():
             raise ModelError(f"model file {where} does not exist; pass the path of an .onnx file")
+        _check_external_data(path)
         try:
             proto = onnx.load(str(path), load_external_data=True)
         except Exception as exc:  # protobuf raises several unrelated types
@@ -55,6 +62,28 @@ def load_model(
     if check:
         check_model(proto, where)
     return proto
+
+
+def _check_external_data(path: Path) -> None:
+    """Name the missing external-data file of ``path`` (onnx says only 'No such file')."""
+    try:
+        header = onnx.load(str(path), load_external_data=False)
+    except Exception:  # not readable at all: load_model's own message says so
+        return
+    wanted = set()
+    for init in header.graph.initializer:
+        if init.data_location == onnx.TensorProto.EXTERNAL:
+            info = {e.key: e.value for e in init.external_data}
+            if "location" in info:
+                wanted.add(info["location"])
+    missing = sorted(w for w in wanted if not (path.parent / w).is_file())
+    if missing:
+        raise ModelError(
+            f"model file '{path}' keeps its weights in the external file(s) "
+            f"{', '.join(repr(m) for m in missing)}, which are not beside it in "
+            f"'{path.parent}'; put the .data file(s) next to the model (the exporter wrote them "
+            "together)"
+        )
 
 
 def check_model(proto: onnx.ModelProto, where: str = "the model") -> None:
@@ -74,51 +103,66 @@ def check_model(proto: onnx.ModelProto, where: str = "the model") -> None:
 
 
 def save_model(proto: onnx.ModelProto, path: str | os.PathLike[str]) -> None:
-    """Write ``proto`` to ``path`` atomically (temp file in the same folder, then rename).
+    """Write ``proto`` to ``path`` atomically (temp files in the same folder, then rename).
 
-    Models over 2 GB are written with their initializers as external data beside the file.
+    Models over 2 GB are written with their initializers as external data beside the file
+    (``NAME.data``, renamed into place before the model). Files get the mode the umask gives a
+    new file (0644 under umask 022), as any other program's output; a failure (disk full,
+    Ctrl-C) leaves no partial output behind.
     """
     path = Path(path)
     folder = path.parent if str(path.parent) else Path(".")
     if not folder.is_dir():
         raise ModelError(f"output folder '{folder}' does not exist; create it or choose another -o")
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=folder)
-    os.close(fd)
-    try:
-        if proto.ByteSize() >= TWO_GIB:
-            data_name = path.name + ".data"
-            external = onnx.ModelProto()
-            external.CopyFrom(proto)  # saving as external data rewrites the proto it is given
-            onnx.save_model(
-                external,
-                tmp,
-                save_as_external_data=True,
-                all_tensors_to_one_file=True,
-                location=data_name,
-                size_threshold=1024,
-            )
-        else:
-            with open(tmp, "wb") as handle:
-                handle.write(proto.SerializeToString(deterministic=True))
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    if proto.ByteSize() < TWO_GIB:
+        write_bytes_atomic(path, proto.SerializeToString(deterministic=True))
+        return
+    data_name = path.name + ".data"
+    with tempfile.TemporaryDirectory(prefix=f".{path.name}.", dir=folder) as tmp:
+        staged = Path(tmp) / path.name
+        external = onnx.ModelProto()
+        external.CopyFrom(proto)  # saving as external data rewrites the proto it is given
+        onnx.save_model(
+            external,
+            str(staged),
+            save_as_external_data=True,
+            all_tensors_to_one_file=True,
+            location=data_name,
+            size_threshold=1024,
+        )
+        for f in (Path(tmp) / data_name, staged):
+            _publish(f)
+            os.replace(f, folder / f.name)
 
 
 def write_text_atomic(path: str | os.PathLike[str], text: str) -> None:
     """Write a text file atomically (temp file in the same folder, then rename)."""
+    write_bytes_atomic(path, text.encode("utf-8"))
+
+
+def write_bytes_atomic(path: str | os.PathLike[str], data: bytes) -> None:
+    """Write ``data`` to ``path`` atomically, with the umask's mode, synced before the rename."""
     path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent or ".")
+    folder = path.parent if str(path.parent) else Path(".")
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=folder)
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            handle.write(text)
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
+        _publish(Path(tmp))
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
+
+
+def _publish(path: Path) -> None:
+    """Give a finished temporary file the mode a new file gets (mkstemp makes it 0600)."""
+    mask = os.umask(0)
+    os.umask(mask)
+    os.chmod(path, 0o666 & ~mask)
 
 
 def serialize(proto: onnx.ModelProto) -> bytes:

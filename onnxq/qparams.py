@@ -161,8 +161,11 @@ def accumulation_bound(
 
     ``max(zp − qmin, qmax − zp) · weight_qmax · products``: the kernel adds this to the int32
     bias, so bias and accumulation must fit int32 *together* (a dead channel after a folded
-    BatchNormalization, gamma ≈ 0 and beta ≠ 0, otherwise wraps around).
+    BatchNormalization, gamma ≈ 0 and beta ≠ 0, otherwise wraps around). 0 for 16-bit inputs:
+    no runtime has int16 integer kernels, A16W8 runs dequantized in float.
     """
+    if np.dtype(input_dtype).itemsize > 1:
+        return 0
     lo, hi = qrange(np.dtype(input_dtype).name)
     zp = np.asarray(input_zero_point, np.int64).reshape(-1)
     reach = int(max(np.max(zp - lo), np.max(hi - zp))) if zp.size else hi - lo

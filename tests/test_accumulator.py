@@ -77,3 +77,4 @@ def test_accumulation_bound_is_the_worst_case():
     assert accumulation_bound(10, 63, "uint8", np.array(100, np.uint8)) == 10 * 155 * 63
     assert accumulation_bound(1, 127, "int8", np.array(0, np.int8)) == 128 * 127
     assert accumulation_bound(66_000, 127, "uint8", np.array(0, np.uint8)) < INT32_MAX
+    assert accumulation_bound(4096, 127, "int16", np.array(0, np.int16)) == 0

@@ -1,0 +1,132 @@
+"""What a new user meets first: wrong data, file modes, input names, misleading paths.
+
+Each case reproduces a finding of a first-run review through the CLI and holds its fix.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+
+import numpy as np
+import onnx
+import pytest
+from helpers import MODELS, make_model, run
+from onnx import helper as h
+
+from onnxq.cli import main
+
+CNN = MODELS / "digits_cnn.onnx"
+
+
+def _quantize(tmp_path, data, *extra):
+    out = tmp_path / "q.onnx"
+    rc = main(["quantize", str(CNN), "-o", str(out), "--data", str(data), "--quiet", *extra])
+    return rc, out
+
+
+def test_uint8_pixels_for_a_float_input_are_refused_with_the_fix(tmp_path, capsys):
+    path = tmp_path / "calib.npz"
+    pixels = np.random.default_rng(0).integers(0, 256, (8, 1, 28, 28)).astype(np.uint8)
+    np.savez(path, input=pixels)
+    rc, out = _quantize(tmp_path, path)
+    err = capsys.readouterr().err
+    assert rc == 2 and not out.exists()
+    assert "input 'input' holds uint8 data, the model expects float32" in err
+    assert "scale your pixels as your model expects" in err and "onnxq does not guess" in err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
+def test_float64_data_is_converted_with_one_warning(tmp_path, capsys):
+    path = tmp_path / "calib.npz"
+    np.savez(path, input=np.random.default_rng(0).uniform(0, 1, (8, 1, 28, 28)))  # float64
+    rc, out = _quantize(tmp_path, path)
+    err = capsys.readouterr().err
+    assert rc == 0 and out.is_file()
+    lines = [ln for ln in err.splitlines() if "float64" in ln]
+    assert lines == ["onnxq: warning: input 'input': float64 calibration data converted to float32"]
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o077, 0o002])
+def test_every_output_file_honours_the_umask(tmp_path, umask):
+    path = tmp_path / "calib.npz"
+    np.savez(path, input=np.random.default_rng(0).uniform(0, 1, (8, 1, 28, 28)).astype("f4"))
+    old = os.umask(umask)
+    try:
+        rc, out = _quantize(tmp_path, path, "--report", str(tmp_path / "r.json"))
+        html = tmp_path / "c.html"
+        rc2 = main(
+            ["compare", str(CNN), str(out), "--data", str(path), "--report", str(html)]
+        )
+    finally:
+        os.umask(old)
+    assert rc == 0 and rc2 == 0
+    for f in (out, tmp_path / "r.json", html):
+        assert stat.S_IMODE(f.stat().st_mode) == 0o666 & ~umask, f
+
+
+def test_inspect_prints_the_inputs_and_an_npz_example(capsys):
+    assert main(["inspect", str(CNN)]) == 0
+    out = capsys.readouterr().out
+    assert "the model's inputs: 'input' float32[N,1,28,28]" in out
+    assert "numpy.savez('calib.npz', input=samples_0)" in out
+
+
+def test_extra_arrays_of_other_lengths_are_named_before_counts(tmp_path, capsys):
+    path = tmp_path / "calib.npz"
+    x = np.zeros((8, 1, 28, 28), np.float32)
+    np.savez(path, input=x, labels=np.zeros(5, np.int64))
+    rc, _ = _quantize(tmp_path, path)
+    err = capsys.readouterr().err
+    assert rc == 2 and "unexpected input(s) ['labels']" in err and "sample counts" not in err
+    assert "the model's inputs: 'input' float32[N,1,28,28]" in err
+
+
+def _matmul_of_two_fixed_inputs():
+    w = np.random.default_rng(2).normal(0, 0.5, (4, 5)).astype(np.float32)
+    return make_model(
+        [
+            h.make_node("MatMul", ["a", "b"], ["ab"], name="mm"),
+            h.make_node("MatMul", ["ab", "W"], ["y"], name="dense"),
+        ],
+        [("a", [2, 3]), ("b", [3, 4])],
+        [("y", [2, 5])],
+        {"W": w},
+    )
+
+
+@pytest.mark.parametrize("stacked", [False, True])
+def test_inputs_of_different_fixed_batch_sizes_fit_one_npz(tmp_path, capsys, stacked):
+    model = _matmul_of_two_fixed_inputs()
+    src = tmp_path / "mm.onnx"
+    onnx.save(model, str(src))
+    g = np.random.default_rng(1)
+    shape = (5,) if stacked else ()
+    a = g.normal(0, 1, (*shape, 2, 3)).astype(np.float32)
+    b = g.normal(0, 1, (*shape, 3, 4)).astype(np.float32)
+    np.savez(tmp_path / "calib.npz", a=a, b=b)
+    out = tmp_path / "q.onnx"
+    rc = main(["quantize", str(src), "-o", str(out), "--data", str(tmp_path / "calib.npz")])
+    assert rc == 0, capsys.readouterr().err
+    assert f"({5 if stacked else 1} batches," in capsys.readouterr().out
+    feeds = {"a": a.reshape(-1, 2, 3)[0], "b": b.reshape(-1, 3, 4)[0]}
+    ref, got = run(model, feeds)[0], run(onnx.load(str(out)), feeds)[0]
+    assert np.abs(got - ref).max() < 0.05 * np.abs(ref).max()
+
+
+def test_missing_external_data_says_to_put_it_beside_the_model(tmp_path, capsys):
+    model = onnx.load(str(CNN))
+    src = tmp_path / "ext.onnx"
+    onnx.save_model(model, str(src), save_as_external_data=True, location="ext.onnx.data",
+                    size_threshold=0)
+    (tmp_path / "ext.onnx.data").unlink()
+    rc = main(["inspect", str(src)])
+    err = capsys.readouterr().err
+    assert rc == 2 and "'ext.onnx.data'" in err and "put the .data file(s) next to the model" in err
+
+
+def test_a_folder_given_as_the_model_is_named_a_folder(tmp_path, capsys):
+    (tmp_path / "m.onnx").write_bytes(CNN.read_bytes())
+    rc = main(["inspect", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert rc == 2 and "is a folder (it holds m.onnx)" in err and "does not exist" not in err
