@@ -64,6 +64,8 @@ class QuantizeReport:
     warnings: list[str] = field(default_factory=list)
     #: choices onnxq made on its own that the user should know about (e.g. 7-bit weights)
     notes: list[str] = field(default_factory=list)
+    #: fp32 and int8 milliseconds per batch and their ratio (with latency_check)
+    latency: dict[str, float] = field(default_factory=dict)
 
     @property
     def quantized_nodes(self) -> list[str]:
@@ -85,6 +87,12 @@ class QuantizeReport:
             f"{len(self.requantize.relus_removed)} Relus removed",
             "time: " + ", ".join(f"{k} {v:.2f}s" for k, v in self.seconds.items()),
         ]
+        if self.latency:
+            lines.append(
+                f"latency: fp32 {self.latency['fp32_ms']:.3f} ms, int8 "
+                f"{self.latency['int8_ms']:.3f} ms per batch ({self.latency['ratio']:.2f}× "
+                "fp32, 1 thread)"
+            )
         if self.rescales:
             lines.append(
                 f"{len(self.rescales)} rescale(s) (DQ→Q) kept, where the activation dtype "
@@ -115,6 +123,7 @@ class QuantizeReport:
             "constraints": self.constraints,
             "warnings": self.warnings,
             "notes": self.notes,
+            "latency": self.latency,
         }
 
 
@@ -160,6 +169,7 @@ def quantize(
     target: Any = None,
     progress: bool | None = None,
     output: str | os.PathLike[str] | None = None,
+    latency_check: bool = False,
 ) -> tuple[onnx.ModelProto, QuantizeReport]:
     """Quantize ``model`` with calibration ``data``; return the int8 model and a report.
 
@@ -175,7 +185,10 @@ def quantize(
     [-63, 63] for CPUs without VNNI. ``target`` (a name or :class:`~onnxq.targets.Target`) sets
     the defaults of format, activation dtype and symmetry, per-channel, weight bits and the
     patterns; explicit arguments win. With ``output`` the model
-    is also written atomically. The input model is never modified.
+    is also written atomically. The input model is never modified. Every float output is
+    compared with fp32 on a few calibration batches (a warning below 15 dB SQNR names the first
+    layer below it); ``latency_check`` also times fp32 against int8 and warns when int8 is
+    slower (the CLI does this unless ``--no-latency-check``).
     """
     from onnxq.calibrators import method_callback
     from onnxq.ranges import read_ranges, write_ranges
@@ -326,6 +339,9 @@ def quantize(
         float_model=quantizer.float_model,
     )
     times["verify"] = time.perf_counter() - t3
+    t4 = time.perf_counter()
+    checked, latency = _checks(quantizer.float_model, result, dataset, format, latency_check)
+    times["check"] = time.perf_counter() - t4
     if output is not None:
         save_model(result, output)
     if save_ranges is not None:
@@ -349,11 +365,48 @@ def quantize(
         constraints=solution.shared + [str(r) for r in solution.rescales],
         warnings=list(quantizer.warnings)
         + bit_warnings
-        + (dataset.warnings if dataset is not None else []),
+        + (dataset.warnings if dataset is not None else [])
+        + checked,
         notes=notes + _widened_notes(quantizer.widened_biases),
+        latency=latency,
     )
     _explain_constraints(report.decisions, solution)
     return result, report
+
+
+#: calibration batches the accuracy check runs
+CHECK_BATCHES = 4
+
+
+def _checks(
+    float_model: onnx.ModelProto,
+    result: onnx.ModelProto,
+    dataset: Any,
+    format: str,
+    latency_check: bool,
+) -> tuple[list[str], dict[str, float]]:
+    """Accuracy (always) and latency (on request) of an onnxruntime output (onnxq.checks)."""
+    from onnxq.checks import accuracy_warnings, latency
+    from onnxq.errors import DataError
+
+    if format == "openvino" or dataset is None:
+        return [], {}
+    try:
+        dataset.reset()
+        feeds = []
+        for feed in dataset.batches():
+            feeds.append(feed)
+            if len(feeds) >= CHECK_BATCHES:
+                break
+    except DataError:  # a one-shot iterator: nothing left to check with
+        return [], {}
+    warnings = accuracy_warnings(float_model, result, feeds)
+    if not latency_check or not feeds:
+        return warnings, {}
+    lat = latency(float_model, result, feeds[0])
+    if lat.warning():
+        warnings.append(lat.warning())
+    return warnings, {"fp32_ms": lat.fp32_ms, "int8_ms": lat.int8_ms, "ratio": lat.ratio}
 
 
 def _widened_notes(widened: dict[str, int]) -> list[str]:

@@ -173,6 +173,12 @@ def _parser() -> argparse.ArgumentParser:
     q.add_argument("--samples", type=int, default=None, help="use at most N calibration samples")
     q.add_argument("--report", default=None, help="write the quantization report as JSON here")
     q.add_argument("--quiet", action="store_true", help="no progress bar or summary")
+    q.add_argument(
+        "--no-latency-check",
+        action="store_true",
+        help="skip timing fp32 against int8 (by default a model that runs slower in int8 is "
+        "flagged with the measured ratio)",
+    )
 
     i = sub.add_parser("inspect", help="op histogram and what each pattern matches, and why not")
     i.add_argument("model")
@@ -375,6 +381,7 @@ def _quantize(args: argparse.Namespace) -> int:
         weight_bits=args.weight_bits,
         progress=None if not args.quiet else False,
         output=str(dst),
+        latency_check=not args.no_latency_check,
     )
     if args.report:
         from onnxq.graph import write_text_atomic

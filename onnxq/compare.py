@@ -59,6 +59,9 @@ class TensorStats:
     name: str
     is_output: bool
     order: int
+    #: the float node that computes the tensor: the name --exclude and --config take
+    node: str = ""
+    op: str = ""
     ff: float = 0.0
     ee: float = 0.0
     fq: float = 0.0
@@ -122,13 +125,15 @@ class Comparison:
         lines = [
             f"compared on {self.samples} samples; SQNR in dB (higher is better); drop: SQNR "
             "lost in the layer itself",
-            f"{'tensor':<40} {'SQNR':>8} {'drop':>7} {'cosine':>9}",
+            f"{'node (for --exclude / --config)':<40} {'op':<12} {'SQNR':>8} {'drop':>7} "
+            f"{'cosine':>9}  output tensor",
         ]
         for title, rows in (("outputs", self.outputs), ("layers, largest drop first", self.layers)):
             lines.append(f"-- {title}")
             for s in rows[:limit]:
                 lines.append(
-                    f"{short(s.name):<40} {s.sqnr_db:>8.2f} {s.drop_db:>7.2f} {s.cosine:>9.5f}"
+                    f"{short(s.node or s.name):<40} {s.op:<12} {s.sqnr_db:>8.2f} "
+                    f"{s.drop_db:>7.2f} {s.cosine:>9.5f}  {short(s.name, 30)}"
                 )
             if len(rows) > limit:
                 lines.append(f"... {len(rows) - limit} more (see --json or --report)")
@@ -157,13 +162,14 @@ class Comparison:
             bars.append(
                 f'<rect x="260" y="{y}" width="{w:.1f}" height="{bar_h}" '
                 f'fill="{colour}"/><text x="255" y="{y + 12}" text-anchor="end" '
-                f'font-size="11">{html.escape(short(s.name))}</text><text x="{265 + w:.1f}"'
+                f'font-size="11">{html.escape(short(s.node or s.name))}</text>'
+                f'<text x="{265 + w:.1f}"'
                 f' y="{y + 12}" font-size="11">{v:.1f} dB</text>'
             )
         height = max(1, len(by_order)) * (bar_h + 4)
         rows = "".join(
-            f"<tr><td>{html.escape(s.name)}</td><td>{s.sqnr_db:.2f}</td><td>{s.cosine:.5f}</td>"
-            f"</tr>"
+            f"<tr><td>{html.escape(s.node)}</td><td>{html.escape(s.op)}</td>"
+            f"<td>{html.escape(s.name)}</td><td>{s.sqnr_db:.2f}</td><td>{s.cosine:.5f}</td></tr>"
             for s in [*self.outputs, *self.layers]
         )
         return (
@@ -172,7 +178,8 @@ class Comparison:
             "SQNR per layer in graph order (red &lt; 20 dB, orange &lt; 30 dB).</p>"
             f"<svg width='{width + 340}' height='{height}'>{''.join(bars)}</svg>"
             "<h2>Outputs, then layers worst first</h2><table border='1' cellpadding='3'>"
-            f"<tr><th>tensor</th><th>SQNR dB</th><th>cosine</th></tr>{rows}</table>"
+            "<tr><th>node</th><th>op</th><th>tensor</th><th>SQNR dB</th><th>cosine</th></tr>"
+            f"{rows}</table>"
             "</body></html>"
         )
 
@@ -234,9 +241,16 @@ def compare(
                 q = (q.astype(np.float64) - zp) * scale
             stats[name].add(np.asarray(f_vals[name]), np.asarray(q))
     _link_inputs(float_model, stats)
+    producers = {o: n for n in float_model.graph.node for o in n.output}
+    for name, st in stats.items():
+        node = producers.get(name)
+        if node is not None:
+            st.node, st.op = node.name or name, node.op_type
     outs = [s for s in stats.values() if s.is_output]
+    # graph inputs are compared (the layers they feed start from them) but are no layer
     layers = sorted(
-        (s for s in stats.values() if not s.is_output), key=lambda s: (-s.drop_db, s.order)
+        (s for s in stats.values() if not s.is_output and s.name not in graph_inputs),
+        key=lambda s: (-s.drop_db, s.order),
     )
     return Comparison(outs, layers, samples)
 

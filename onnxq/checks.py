@@ -1,0 +1,126 @@
+"""Checks of a finished model against its float original, on the machine that made it.
+
+* :func:`accuracy_warnings`: every float graph output is compared with fp32 on a few calibration
+  batches; one below :data:`SQNR_FLOOR_DB` is named, with the first layer (graph order) whose
+  own SQNR falls below the floor, so the warning says where to look and what to exclude.
+* :func:`latency`: fp32 and int8 are timed in the same onnxruntime configuration; a model that
+  runs slower in int8 is flagged with the measured ratio (measured, not guessed).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import onnx
+
+from onnxq.compare import compare
+from onnxq.dataset import Feed, IterableDataset, model_inputs
+from onnxq.session import make_session
+
+#: an output below this SQNR against fp32 (on the check's samples) is warned about
+SQNR_FLOOR_DB = 15.0
+#: a model whose int8 run takes this much longer than fp32 is flagged
+SLOWER_RATIO = 1.05
+
+
+def output_sqnr(
+    float_model: onnx.ModelProto, quant_model: onnx.ModelProto, feeds: Sequence[Feed]
+) -> dict[str, float]:
+    """SQNR in dB of every float graph output of ``quant_model`` against ``float_model``."""
+    names = [
+        o.name
+        for o in float_model.graph.output
+        if o.type.tensor_type.elem_type == onnx.TensorProto.FLOAT
+    ]
+    fs, qs = make_session(float_model), make_session(quant_model)
+    signal = dict.fromkeys(names, 0.0)
+    noise = dict.fromkeys(names, 0.0)
+    for feed in feeds:
+        for name, f, q in zip(names, fs.run(names, feed), qs.run(names, feed)):
+            f64, d = f.astype(np.float64), f.astype(np.float64) - q.astype(np.float64)
+            signal[name] += float((f64 * f64).sum())
+            noise[name] += float((d * d).sum())
+    return {
+        n: (np.inf if noise[n] == 0 else -np.inf if signal[n] == 0 else 10 * np.log10(
+            signal[n] / noise[n]
+        ))
+        for n in names
+    }
+
+
+def accuracy_warnings(
+    float_model: onnx.ModelProto, quant_model: onnx.ModelProto, feeds: Sequence[Feed]
+) -> list[str]:
+    """One warning per output below the floor, naming the first layer that falls below it."""
+    if not feeds:
+        return []
+    low = {n: v for n, v in output_sqnr(float_model, quant_model, feeds).items()
+           if v < SQNR_FLOOR_DB}
+    if not low:
+        return []
+    data = IterableDataset(list(feeds)).bind(model_inputs(float_model))
+    layers = sorted(compare(float_model, quant_model, data).layers, key=lambda s: s.order)
+    first = next((s for s in layers if s.sqnr_db < SQNR_FLOOR_DB), None)
+    where = (
+        f"; the error first jumps at node '{first.node}' ({first.op}, {first.sqnr_db:.1f} dB, "
+        f"{first.drop_db:.1f} dB lost there): try --exclude {first.node}, or `onnxq compare` "
+        "for every layer"
+        if first is not None
+        else "; no single layer falls below the floor: run `onnxq compare` for every layer"
+    )
+    return [
+        f"output '{name}' is {value:.1f} dB SQNR against fp32 on {len(feeds)} calibration "
+        f"batch(es), below the {SQNR_FLOOR_DB:g} dB floor{where}"
+        for name, value in low.items()
+    ]
+
+
+@dataclass(frozen=True)
+class Latency:
+    """Median milliseconds per run of one feed, fp32 and int8, in onnxruntime."""
+
+    fp32_ms: float
+    int8_ms: float
+    runs: int
+
+    @property
+    def ratio(self) -> float:
+        """int8 time over fp32 time (> 1: slower)."""
+        return self.int8_ms / self.fp32_ms if self.fp32_ms > 0 else 1.0
+
+    def warning(self) -> str:
+        """'' unless int8 is slower than fp32 by more than :data:`SLOWER_RATIO`."""
+        if self.ratio <= SLOWER_RATIO:
+            return ""
+        return (
+            f"the int8 model runs {self.ratio:.2f}× slower than fp32 here ({self.int8_ms:.3f} "
+            f"vs {self.fp32_ms:.3f} ms per batch, median of {self.runs} onnxruntime CPU runs): "
+            "the Q/DQ work outweighs the int8 kernels on a model this small; keep it float, or "
+            "--exclude the layers that gain least"
+        )
+
+
+def latency(
+    float_model: onnx.ModelProto, quant_model: onnx.ModelProto, feed: Feed, seconds: float = 0.3
+) -> Latency:
+    """Time both models on ``feed`` for about ``seconds`` each (at least 5 runs, 1 thread)."""
+    times = {}
+    runs = 0
+    for key, model in (("fp32", float_model), ("int8", quant_model)):
+        session = make_session(model, threads=1)
+        session.run(None, feed)  # warm-up
+        samples: list[float] = []
+        start = time.perf_counter()
+        while len(samples) < 5 or time.perf_counter() - start < seconds:
+            t = time.perf_counter()
+            session.run(None, feed)
+            samples.append(time.perf_counter() - t)
+            if len(samples) >= 2000:
+                break
+        times[key] = statistics.median(samples) * 1e3
+        runs = len(samples) if not runs else min(runs, len(samples))
+    return Latency(times["fp32"], times["int8"], runs)

@@ -1,0 +1,73 @@
+"""After quantizing: a low output SQNR names the layer to look at; a slower int8 model is flagged."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+from helpers import MODELS, make_model, rng
+from onnx import helper as h
+
+import onnxq
+from onnxq import checks
+from onnxq.checks import Latency
+from onnxq.cli import main
+
+CNN = MODELS / "digits_cnn.onnx"
+
+
+def _chain():
+    g = rng(4)
+    nodes = [
+        h.make_node("Conv", ["x", "W1"], ["a"], name="conv1", pads=[1, 1, 1, 1]),
+        h.make_node("Relu", ["a"], ["ar"], name="relu1"),
+        h.make_node("Conv", ["ar", "W2"], ["b"], name="conv2", pads=[1, 1, 1, 1]),
+        h.make_node("Conv", ["b", "W3"], ["y"], name="conv3", pads=[1, 1, 1, 1]),
+    ]
+    inits = {k: g.normal(0, 0.3, (4, c, 3, 3)).astype(np.float32)
+             for k, c in (("W1", 3), ("W2", 4), ("W3", 4))}
+    model = make_model(nodes, [("x", ["N", 3, 8, 8])], [("y", None)], inits)
+    return model, {"x": g.normal(0, 1, (16, 3, 8, 8)).astype(np.float32)}
+
+
+def test_a_broken_layer_is_named_in_the_warning(tmp_path):
+    model, data = _chain()
+    _, report = onnxq.quantize(model, data, progress=False)
+    assert not [w for w in report.warnings if "SQNR" in w]  # a healthy model: nothing said
+    # clip conv2's output range to a sliver: the output falls far below the floor
+    ranges = tmp_path / "r.json"
+    onnxq.quantize(model, data, progress=False, save_ranges=ranges)
+    table = json.loads(ranges.read_text())
+    table["tensors"]["b"] = [-0.01, 0.01]
+    ranges.write_text(json.dumps(table))
+    _, report = onnxq.quantize(model, data, progress=False, load_ranges=ranges)
+    low = [w for w in report.warnings if "SQNR against fp32" in w]
+    assert len(low) == 1 and "output 'y'" in low[0]
+    assert "first jumps at node 'conv2'" in low[0] and "--exclude conv2" in low[0]
+
+
+def test_latency_warning_only_when_int8_is_slower():
+    assert Latency(1.0, 1.4, 50).warning().startswith("the int8 model runs 1.40× slower")
+    assert Latency(1.0, 1.02, 50).warning() == ""
+    assert Latency(1.0, 0.5, 50).warning() == ""
+
+
+def test_cli_flags_a_slower_model_with_the_measured_ratio(tmp_path, capsys, monkeypatch):
+    calib = tmp_path / "c.npz"
+    np.savez(calib, input=rng(0).uniform(0, 1, (8, 1, 28, 28)).astype(np.float32))
+    monkeypatch.setattr(checks, "latency", lambda *a, **k: Latency(0.10, 0.14, 9))
+    out = tmp_path / "q.onnx"
+    assert main(["quantize", str(CNN), "-o", str(out), "--data", str(calib)]) == 0
+    text = capsys.readouterr().out
+    assert "latency: fp32 0.100 ms, int8 0.140 ms per batch (1.40× fp32" in text
+    assert "warning: the int8 model runs 1.40× slower than fp32 here" in text
+    assert main(["quantize", str(CNN), "-o", str(out), "--data", str(calib),
+                 "--no-latency-check"]) == 0
+    assert "latency:" not in capsys.readouterr().out
+
+
+def test_latency_is_measured_for_real():
+    model, data = _chain()
+    q, _ = onnxq.quantize(model, data, progress=False)
+    lat = checks.latency(model, q, {"x": data["x"][:1]}, seconds=0.05)
+    assert lat.runs >= 5 and lat.fp32_ms > 0 and lat.int8_ms > 0
