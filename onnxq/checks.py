@@ -25,6 +25,8 @@ from onnxq.session import make_session
 SQNR_FLOOR_DB = 15.0
 #: a model whose int8 run takes this much longer than fp32 is flagged
 SLOWER_RATIO = 1.05
+#: the layer search (every tensor exposed) runs on one batch of models up to this size
+LAYER_SEARCH_BYTES = 64 * 2**20
 
 
 def output_sqnr(
@@ -45,9 +47,13 @@ def output_sqnr(
             signal[name] += float((f64 * f64).sum())
             noise[name] += float((d * d).sum())
     return {
-        n: (np.inf if noise[n] == 0 else -np.inf if signal[n] == 0 else 10 * np.log10(
-            signal[n] / noise[n]
-        ))
+        n: (
+            np.inf
+            if noise[n] == 0
+            else -np.inf
+            if signal[n] == 0
+            else 10 * np.log10(signal[n] / noise[n])
+        )
         for n in names
     }
 
@@ -58,20 +64,23 @@ def accuracy_warnings(
     """One warning per output below the floor, naming the first layer that falls below it."""
     if not feeds:
         return []
-    low = {n: v for n, v in output_sqnr(float_model, quant_model, feeds).items()
-           if v < SQNR_FLOOR_DB}
+    low = {
+        n: v for n, v in output_sqnr(float_model, quant_model, feeds).items() if v < SQNR_FLOOR_DB
+    }
     if not low:
         return []
-    data = IterableDataset(list(feeds)).bind(model_inputs(float_model))
-    layers = sorted(compare(float_model, quant_model, data).layers, key=lambda s: s.order)
-    first = next((s for s in layers if s.sqnr_db < SQNR_FLOOR_DB), None)
-    where = (
-        f"; the error first jumps at node '{first.node}' ({first.op}, {first.sqnr_db:.1f} dB, "
-        f"{first.drop_db:.1f} dB lost there): try --exclude {first.node}, or `onnxq compare` "
-        "for every layer"
-        if first is not None
-        else "; no single layer falls below the floor: run `onnxq compare` for every layer"
-    )
+    where = "; run `onnxq compare` to see every layer (the model is too large to search here)"
+    if float_model.ByteSize() <= LAYER_SEARCH_BYTES:
+        data = IterableDataset(list(feeds[:1])).bind(model_inputs(float_model))
+        layers = sorted(compare(float_model, quant_model, data).layers, key=lambda s: s.order)
+        first = next((s for s in layers if s.sqnr_db < SQNR_FLOOR_DB), None)
+        where = (
+            f"; the error first jumps at node '{first.node}' ({first.op}, {first.sqnr_db:.1f} "
+            f"dB, {first.drop_db:.1f} dB lost there): try --exclude {first.node}, or `onnxq "
+            "compare` for every layer"
+            if first is not None
+            else "; no single layer falls below the floor: run `onnxq compare` for every layer"
+        )
     return [
         f"output '{name}' is {value:.1f} dB SQNR against fp32 on {len(feeds)} calibration "
         f"batch(es), below the {SQNR_FLOOR_DB:g} dB floor{where}"

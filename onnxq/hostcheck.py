@@ -145,3 +145,4 @@ def saturation_warning(runtime: str, clipping_path: bool, bits: int) -> str:
             f"int16, so the model is inaccurate here; run it {_ELSEWHERE[runtime]}, or quantize "
             "with --weight-bits 7"
         )
+    return ""

@@ -246,8 +246,10 @@ def _new_bias(user: gs.Node, q: gs.Node, dq: gs.Node) -> np.ndarray | None:
 
 
 def _bias_rescalable(user: gs.Node, q_out: gs.Tensor, q: gs.Node, dq: gs.Node) -> bool:
-    """Reading the producer's scale keeps ``user``'s int32 bias (if any) plus the worst-case
-    accumulation over its weight inside int32 (onnxq.qparams.accumulation_bound)."""
+    """Reading the producer's scale keeps ``user``'s bias plus its accumulation inside int32.
+
+    The worst-case sum of products over its weight counts too (qparams.accumulation_bound).
+    """
     if not user.inputs or user.inputs[0] is not q_out:
         return True
     bias = _new_bias(user, q, dq)

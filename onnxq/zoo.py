@@ -249,10 +249,10 @@ def load_manifest(path: str | os.PathLike[str] | None = None) -> Manifest:
             inputs={str(k): str(v) for k, v in table.get("inputs", {}).items()},
             requires=tuple(str(r) for r in table.get("requires", ())),
         )
-        unknown = sorted(set(models[name].requires) - set(SYSTEM_PACKAGES))
-        if unknown:
+        unknown_packages = sorted(set(models[name].requires) - set(SYSTEM_PACKAGES))
+        if unknown_packages:
             raise ZooError(
-                f"{where}.requires: {unknown} are not known system packages; known: "
+                f"{where}.requires: {unknown_packages} are not known system packages; known: "
                 f"{', '.join(sorted(SYSTEM_PACKAGES))}"
             )
         for key, spec in models[name].inputs.items():

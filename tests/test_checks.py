@@ -1,4 +1,4 @@
-"""After quantizing: a low output SQNR names the layer to look at; a slower int8 model is flagged."""
+"""After quantizing: a low output SQNR names the layer to look at; slower int8 is flagged."""
 
 from __future__ import annotations
 
@@ -24,8 +24,10 @@ def _chain():
         h.make_node("Conv", ["ar", "W2"], ["b"], name="conv2", pads=[1, 1, 1, 1]),
         h.make_node("Conv", ["b", "W3"], ["y"], name="conv3", pads=[1, 1, 1, 1]),
     ]
-    inits = {k: g.normal(0, 0.3, (4, c, 3, 3)).astype(np.float32)
-             for k, c in (("W1", 3), ("W2", 4), ("W3", 4))}
+    inits = {
+        k: g.normal(0, 0.3, (4, c, 3, 3)).astype(np.float32)
+        for k, c in (("W1", 3), ("W2", 4), ("W3", 4))
+    }
     model = make_model(nodes, [("x", ["N", 3, 8, 8])], [("y", None)], inits)
     return model, {"x": g.normal(0, 1, (16, 3, 8, 8)).astype(np.float32)}
 
@@ -61,8 +63,10 @@ def test_cli_flags_a_slower_model_with_the_measured_ratio(tmp_path, capsys, monk
     text = capsys.readouterr().out
     assert "latency: fp32 0.100 ms, int8 0.140 ms per batch (1.40× fp32" in text
     assert "warning: the int8 model runs 1.40× slower than fp32 here" in text
-    assert main(["quantize", str(CNN), "-o", str(out), "--data", str(calib),
-                 "--no-latency-check"]) == 0
+    assert (
+        main(["quantize", str(CNN), "-o", str(out), "--data", str(calib), "--no-latency-check"])
+        == 0
+    )
     assert "latency:" not in capsys.readouterr().out
 
 

@@ -55,9 +55,7 @@ def test_every_output_file_honours_the_umask(tmp_path, umask):
     try:
         rc, out = _quantize(tmp_path, path, "--report", str(tmp_path / "r.json"))
         html = tmp_path / "c.html"
-        rc2 = main(
-            ["compare", str(CNN), str(out), "--data", str(path), "--report", str(html)]
-        )
+        rc2 = main(["compare", str(CNN), str(out), "--data", str(path), "--report", str(html)])
     finally:
         os.umask(old)
     assert rc == 0 and rc2 == 0
@@ -117,8 +115,9 @@ def test_inputs_of_different_fixed_batch_sizes_fit_one_npz(tmp_path, capsys, sta
 def test_missing_external_data_says_to_put_it_beside_the_model(tmp_path, capsys):
     model = onnx.load(str(CNN))
     src = tmp_path / "ext.onnx"
-    onnx.save_model(model, str(src), save_as_external_data=True, location="ext.onnx.data",
-                    size_threshold=0)
+    onnx.save_model(
+        model, str(src), save_as_external_data=True, location="ext.onnx.data", size_threshold=0
+    )
     (tmp_path / "ext.onnx.data").unlink()
     rc = main(["inspect", str(src)])
     err = capsys.readouterr().err

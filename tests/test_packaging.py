@@ -26,3 +26,24 @@ def test_subpackages_import(tmp_path):
     )
     assert res.returncode == 0, res.stderr
     assert int(res.stdout) >= 8
+
+
+def test_no_large_tracked_file_outside_the_model_folders():
+    # generated dumps (profiles, caches) must not be committed; models live in models/ or the demo
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    res = subprocess.run(["git", "ls-files", "-z"], capture_output=True, cwd=root, timeout=60)
+    if res.returncode != 0:
+        import pytest
+
+        pytest.skip("not a git checkout")
+    big = [
+        name
+        for name in res.stdout.decode().split("\0")
+        if name
+        and not name.startswith(("models/", "onnxq/demo/"))
+        and (root / name).is_file()
+        and (root / name).stat().st_size > 1_000_000
+    ]
+    assert big == [], f"tracked files over 1 MB outside models/: {big}"

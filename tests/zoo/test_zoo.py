@@ -14,11 +14,11 @@ import pytest
 from onnxq.cli import main
 from onnxq.graph import check_model
 from onnxq.zoo import (
+    SYSTEM_PACKAGES,
     MissingPackage,
     ZooError,
     fetch,
     load_manifest,
-    SYSTEM_PACKAGES,
     missing_packages,
     run_model,
 )
