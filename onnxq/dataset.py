@@ -281,9 +281,7 @@ def _convert(
         if np.finfo(got).bits > np.finfo(want).bits:
             warn(f"input '{spec.name}': {got} calibration data converted to {want}")
         return arr.astype(want)
-    if np.issubdtype(want, np.floating) and (
-        np.issubdtype(got, np.integer) or got == np.bool_
-    ):
+    if np.issubdtype(want, np.floating) and (np.issubdtype(got, np.integer) or got == np.bool_):
         raise DataError(
             f"{what}; scale your pixels as your model expects (e.g. x.astype(numpy.float32) / "
             "255, then its mean and std) and save float data — onnxq does not guess"

@@ -58,7 +58,7 @@ class Target:
         if self.activation_dtype not in ("uint8", "int8"):
             raise ConfigError(f"target {self.name!r}: activation_dtype must be uint8 or int8")
         if self.weight_bits not in (None, 7, 8):
-            raise ConfigError(f"target {self.name!r}: weight_bits must be 8, 7 or \"auto\"")
+            raise ConfigError(f'target {self.name!r}: weight_bits must be 8, 7 or "auto"')
         if self.runtime not in RUNTIMES:
             raise ConfigError(
                 f"target {self.name!r}: runtime {self.runtime!r} is not one of "
