@@ -333,14 +333,16 @@ def quantize(
         result, branches = _quantize_branches(quantizer, result, dataset, format, branches_kw)
 
     t3 = time.perf_counter()
-    verify(
+    session = verify(
         result,
         runtime="openvino" if format == "openvino" else "onnxruntime",
         float_model=quantizer.float_model,
     )
     times["verify"] = time.perf_counter() - t3
     t4 = time.perf_counter()
-    checked, latency = _checks(quantizer.float_model, result, dataset, format, latency_check)
+    checked, latency = _checks(
+        quantizer.float_model, result, session, dataset, format, latency_check
+    )
     times["check"] = time.perf_counter() - t4
     if output is not None:
         save_model(result, output)
@@ -381,11 +383,15 @@ CHECK_BATCHES = 4
 def _checks(
     float_model: onnx.ModelProto,
     result: onnx.ModelProto,
+    session: Any,
     dataset: Any,
     format: str,
     latency_check: bool,
 ) -> tuple[list[str], dict[str, float]]:
-    """Accuracy (always) and latency (on request) of an onnxruntime output (onnxq.checks)."""
+    """Accuracy (always) and latency (on request) of an onnxruntime output (onnxq.checks).
+
+    ``session``: verify's onnxruntime session of ``result``, reused for the accuracy check.
+    """
     from onnxq.checks import accuracy_warnings, latency
     from onnxq.errors import DataError
 
@@ -400,12 +406,13 @@ def _checks(
                 break
     except DataError:  # a one-shot iterator: nothing left to check with
         return [], {}
-    warnings = accuracy_warnings(float_model, result, feeds)
+    warnings = accuracy_warnings(float_model, result, feeds, session)
     if not latency_check or not feeds:
         return warnings, {}
     lat = latency(float_model, result, feeds[0])
-    if lat.warning():
-        warnings.append(lat.warning())
+    slower = lat.warning()
+    if slower:
+        warnings.append(slower)
     return warnings, {"fp32_ms": lat.fp32_ms, "int8_ms": lat.int8_ms, "ratio": lat.ratio}
 
 
@@ -555,20 +562,20 @@ def verify(
     model: onnx.ModelProto,
     runtime: str = "onnxruntime",
     float_model: onnx.ModelProto | None = None,
-) -> None:
+) -> Any:
     """The output must pass onnx.checker and load in its runtime (OpenVINO when installed).
 
+    Returns the onnxruntime session it built (None for OpenVINO), for checks that run the model.
     When OpenVINO refuses the output, ``float_model`` (if given) tells whether it refuses the
     float model too, which the error then says.
     """
     check_model(model, "the quantized model")
     if runtime == "onnxruntime":
-        make_session(model)
-        return
+        return make_session(model)
     try:
         import openvino as ov
     except ImportError:
-        return  # checked structurally only; `pip install openvino` to run it
+        return None  # checked structurally only; `pip install openvino` to run it
     from onnxq.graph import serialize
 
     try:
@@ -584,6 +591,7 @@ def verify(
             f"the OpenVINO runtime cannot load the model: {reason}{either}; use --format qdq "
             "or qoperator for onnxruntime"
         ) from None
+    return None
 
 
 def _openvino_reason(exc: BaseException) -> str:

@@ -13,11 +13,11 @@ import statistics
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
-import numpy as np
 import onnx
 
-from onnxq.compare import compare
+from onnxq.compare import TensorStats, compare
 from onnxq.dataset import Feed, IterableDataset, model_inputs
 from onnxq.session import make_session
 
@@ -30,43 +30,40 @@ LAYER_SEARCH_BYTES = 64 * 2**20
 
 
 def output_sqnr(
-    float_model: onnx.ModelProto, quant_model: onnx.ModelProto, feeds: Sequence[Feed]
+    float_model: onnx.ModelProto,
+    quant_model: onnx.ModelProto,
+    feeds: Sequence[Feed],
+    quant_session: Any = None,
 ) -> dict[str, float]:
-    """SQNR in dB of every float graph output of ``quant_model`` against ``float_model``."""
+    """SQNR in dB of every float graph output of ``quant_model`` against ``float_model``.
+
+    ``quant_session``: an onnxruntime session of ``quant_model`` already built (by verify).
+    """
     names = [
         o.name
         for o in float_model.graph.output
         if o.type.tensor_type.elem_type == onnx.TensorProto.FLOAT
     ]
-    fs, qs = make_session(float_model), make_session(quant_model)
-    signal = dict.fromkeys(names, 0.0)
-    noise = dict.fromkeys(names, 0.0)
+    fs = make_session(float_model)
+    qs = quant_session if quant_session is not None else make_session(quant_model)
+    stats = {n: TensorStats(n, True, i) for i, n in enumerate(names)}
     for feed in feeds:
         for name, f, q in zip(names, fs.run(names, feed), qs.run(names, feed)):
-            f64, d = f.astype(np.float64), f.astype(np.float64) - q.astype(np.float64)
-            signal[name] += float((f64 * f64).sum())
-            noise[name] += float((d * d).sum())
-    return {
-        n: (
-            np.inf
-            if noise[n] == 0
-            else -np.inf
-            if signal[n] == 0
-            else 10 * np.log10(signal[n] / noise[n])
-        )
-        for n in names
-    }
+            stats[name].add(f, q)
+    return {n: st.sqnr_db for n, st in stats.items()}
 
 
 def accuracy_warnings(
-    float_model: onnx.ModelProto, quant_model: onnx.ModelProto, feeds: Sequence[Feed]
+    float_model: onnx.ModelProto,
+    quant_model: onnx.ModelProto,
+    feeds: Sequence[Feed],
+    quant_session: Any = None,
 ) -> list[str]:
     """One warning per output below the floor, naming the first layer that falls below it."""
     if not feeds:
         return []
-    low = {
-        n: v for n, v in output_sqnr(float_model, quant_model, feeds).items() if v < SQNR_FLOOR_DB
-    }
+    sqnr = output_sqnr(float_model, quant_model, feeds, quant_session)
+    low = {n: v for n, v in sqnr.items() if v < SQNR_FLOOR_DB}
     if not low:
         return []
     where = "; run `onnxq compare` to see every layer (the model is too large to search here)"

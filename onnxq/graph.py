@@ -49,10 +49,10 @@ def load_model(
             )
         if not path.is_file():
             raise ModelError(f"model file {where} does not exist; pass the path of an .onnx file")
-        _check_external_data(path)
         try:
             proto = onnx.load(str(path), load_external_data=True)
         except Exception as exc:  # protobuf raises several unrelated types
+            _check_external_data(path)
             raise ModelError(
                 f"model file {where} is not a readable ONNX model ({type(exc).__name__}: "
                 f"{_first_line(exc)}); pass an .onnx file exported by an ONNX exporter"
@@ -65,7 +65,7 @@ def load_model(
 
 
 def _check_external_data(path: Path) -> None:
-    """Name the missing external-data file of ``path`` (onnx says only 'No such file')."""
+    """After a failed load: name a missing external-data file (onnx says only 'No such file')."""
     try:
         header = onnx.load(str(path), load_external_data=False)
     except Exception:  # not readable at all: load_model's own message says so
