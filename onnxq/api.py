@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import time
 from collections import Counter
@@ -268,6 +269,7 @@ def quantize(
     else:
         cb = callback or method_callback(method, percentile, bins)
     quantizer = Quantizer(float_model, patterns, qconfig)
+    gc.collect()  # graphsurgeon graphs are reference cycles: free the stages' copies now
     times["match+rewrite"] = time.perf_counter() - t0
 
     t1 = time.perf_counter()
@@ -283,7 +285,10 @@ def quantize(
         else {n: method_callback(m, percentile, bins) for n, m in quantizer.node_methods.items()}
     )
     calibrator = Calibrator(quantizer, dataset, cb, progress, node_callbacks)
+    calibrator.reference_batches = CHECK_BATCHES if format != "openvino" else 0
     values = calibrator.calibrate()
+    calibrator.release()
+    gc.collect()
     solution = solve(quantizer, values, set(tgt.shared_scale_ops))
     values = solution.values
     times["calibrate"] = time.perf_counter() - t1
@@ -305,6 +310,7 @@ def quantize(
         from onnxq.openvino import to_fakequantize
 
         result = to_fakequantize(quantizer, (-64, 63) if weight_bits == 7 else None)
+    gc.collect()
     times["requantize"] = time.perf_counter() - t2
 
     if quantizer.int4_nodes:
@@ -341,7 +347,7 @@ def quantize(
     times["verify"] = time.perf_counter() - t3
     t4 = time.perf_counter()
     checked, latency = _checks(
-        quantizer.float_model, result, session, dataset, format, latency_check
+        quantizer.float_model, result, session, dataset, format, latency_check, calibrator.reference
     )
     times["check"] = time.perf_counter() - t4
     if output is not None:
@@ -387,26 +393,30 @@ def _checks(
     dataset: Any,
     format: str,
     latency_check: bool,
+    reference: list[tuple[dict[str, Any], dict[str, Any]]],
 ) -> tuple[list[str], dict[str, float]]:
     """Accuracy (always) and latency (on request) of an onnxruntime output (onnxq.checks).
 
     ``session``: verify's onnxruntime session of ``result``, reused for the accuracy check.
+    ``reference``: feeds and fp32 outputs kept by the calibration pass (when it ran one).
     """
     from onnxq.checks import accuracy_warnings, latency
     from onnxq.errors import DataError
 
     if format == "openvino" or dataset is None:
         return [], {}
-    try:
-        dataset.reset()
-        feeds = []
-        for feed in dataset.batches():
-            feeds.append(feed)
-            if len(feeds) >= CHECK_BATCHES:
-                break
-    except DataError:  # a one-shot iterator: nothing left to check with
-        return [], {}
-    warnings = accuracy_warnings(float_model, result, feeds, session)
+    feeds = [feed for feed, _ in reference]
+    if not reference:
+        try:
+            dataset.reset()
+            for feed in dataset.batches():
+                feeds.append(feed)
+                if len(feeds) >= CHECK_BATCHES:
+                    break
+        except DataError:  # a one-shot iterator: nothing left to check with
+            return [], {}
+    outputs = [out for _, out in reference] if reference else None
+    warnings = accuracy_warnings(float_model, result, feeds, session, outputs)
     if not latency_check or not feeds:
         return warnings, {}
     lat = latency(float_model, result, feeds[0])

@@ -26,7 +26,7 @@ import onnx
 from onnxq.dataset import feed_samples
 from onnxq.errors import CalibrationError
 from onnxq.qparams import params_from_range, weight_params
-from onnxq.session import make_session, output_types
+from onnxq.session import make_session
 
 if TYPE_CHECKING:
     from onnxq.dataset import DatasetManager
@@ -208,6 +208,10 @@ class Calibrator:
         self.node_callbacks = dict(node_callbacks or {})
         self.progress = sys.stderr.isatty() if progress is None else progress
         self.values: dict[str, np.ndarray] = {}
+        #: batches whose feeds and float graph outputs the calibration pass keeps (set before
+        #: calibrate) for the accuracy check, which then needs no float session of its own
+        self.reference_batches = 0
+        self.reference: list[tuple[dict[str, np.ndarray], dict[str, np.ndarray]]] = []
         #: placeholders holding a pattern's fixed output grid
         self._fixed: set[str] = set()
         #: the activation range chosen per tensor, first writer wins like the values (what
@@ -258,6 +262,15 @@ class Calibrator:
             )
         self.report.seconds = time.perf_counter() - start
         return dict(self.values)
+
+    def release(self) -> None:
+        """Drop the onnxruntime sessions and the kept feeds.
+
+        Each session holds a copy of the weights (548 MB for VGG19) that later steps do not need.
+        """
+        self._float_session = self._quant_session = None
+        self._quant_inits = {}
+        self.sample_feeds = []
 
     def merge(self, rec: PatternRecord, chosen: Mapping[str, Any]) -> None:
         """Add a pattern's values; a placeholder already set keeps its value (conflict noted)."""
@@ -322,11 +335,16 @@ class Calibrator:
         for (tensor, _), obs in self.observers.items():
             by_tensor.setdefault(tensor, []).append(obs)
         session = self._float(names)
+        refs = _float_outputs(self.quantizer.float_model) if self.reference_batches else []
+        fetch = names + [r for r in refs if r not in names]
         keep = max((getattr(self.callback_for(r), "feeds_needed", 0) for r in records), default=0)
         batches = self.dataset_manager.batches()
         bar = _progress(batches, self.dataset_manager.num_batches(), self.progress)
         for feeds in bar:
-            outs = run_checked(session, names, feeds, self.report.batches)
+            outs = run_checked(session, fetch, feeds, self.report.batches)
+            if len(self.reference) < self.reference_batches:
+                got = dict(zip(fetch, outs))
+                self.reference.append((dict(feeds), {r: got[r] for r in refs}))
             if len(self.sample_feeds) < keep:
                 self.sample_feeds.append(feeds)
             self.report.batches += 1
@@ -363,8 +381,7 @@ class Calibrator:
                 }
                 | set(names)
             )
-            model = expose(self.quantizer.float_model, all_names)
-            self._float_session = make_session(model)
+            self._float_session = make_session(self.quantizer.float_model, expose=all_names)
             self._float_names = all_names
         return self._float_session
 
@@ -373,7 +390,7 @@ class Calibrator:
         out: dict[str, np.ndarray] = {}
         dynamic = []
         for n in names:
-            if n in self.quantizer._float_values:
+            if self.quantizer.has_float_value(n):
                 out[n] = self.quantizer.float_value(n)
             else:
                 dynamic.append(n)
@@ -389,7 +406,7 @@ class Calibrator:
             self._quant_inits = {i.name: i for i in model.graph.initializer}
             produced = {o for n in model.graph.node for o in n.output}
             dyn = sorted(n for n in self._all_quant_names() if n in produced)
-            self._quant_session = make_session(expose(model, dyn), exact=True)
+            self._quant_session = make_session(model, exact=True, expose=dyn)
             self._quant_version = self._version
         res: dict[str, np.ndarray] = {}
         dynamic = [n for n in names if n not in self._quant_inits]
@@ -409,6 +426,12 @@ class Calibrator:
         }
 
 
+def _float_outputs(model: onnx.ModelProto) -> list[str]:
+    return [
+        o.name for o in model.graph.output if o.type.tensor_type.elem_type == onnx.TensorProto.FLOAT
+    ]
+
+
 def run_checked(
     session: Any, names: list[str], feeds: Mapping[str, np.ndarray], index: int
 ) -> list[np.ndarray]:
@@ -424,20 +447,6 @@ def run_checked(
             f"{index} (input shapes {shapes}): {detail}; check that the "
             "calibration data has the shapes and values the model expects"
         ) from None
-
-
-def expose(model: onnx.ModelProto, names: Iterable[str]) -> onnx.ModelProto:
-    """A copy of ``model`` whose graph outputs also include the tensors ``names``."""
-    out = onnx.ModelProto()
-    out.CopyFrom(model)
-    have = {o.name for o in out.graph.output}
-    types = output_types(out)
-    for name in names:
-        if name in have:
-            continue
-        elem = types.get(name, onnx.TensorProto.FLOAT)
-        out.graph.output.append(onnx.helper.make_tensor_value_info(name, elem, None))
-    return out
 
 
 def _progress(it: Iterable[Any], total: int | None, enabled: bool) -> Iterable[Any]:

@@ -15,8 +15,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import onnx
 
+from onnxq.calibration import run_checked
 from onnxq.compare import TensorStats, compare
 from onnxq.dataset import Feed, IterableDataset, model_inputs
 from onnxq.session import make_session
@@ -34,21 +36,28 @@ def output_sqnr(
     quant_model: onnx.ModelProto,
     feeds: Sequence[Feed],
     quant_session: Any = None,
+    float_outputs: Sequence[dict[str, np.ndarray]] | None = None,
 ) -> dict[str, float]:
     """SQNR in dB of every float graph output of ``quant_model`` against ``float_model``.
 
     ``quant_session``: an onnxruntime session of ``quant_model`` already built (by verify).
+    ``float_outputs``: fp32's outputs on ``feeds`` when already computed (by calibration).
     """
     names = [
         o.name
         for o in float_model.graph.output
         if o.type.tensor_type.elem_type == onnx.TensorProto.FLOAT
     ]
-    fs = make_session(float_model)
+    fs = make_session(float_model) if float_outputs is None else None
     qs = quant_session if quant_session is not None else make_session(quant_model)
     stats = {n: TensorStats(n, True, i) for i, n in enumerate(names)}
-    for feed in feeds:
-        for name, f, q in zip(names, fs.run(names, feed), qs.run(names, feed)):
+    for i, feed in enumerate(feeds):
+        ref = (
+            run_checked(fs, names, feed, i)
+            if float_outputs is None
+            else [float_outputs[i][n] for n in names]
+        )
+        for name, f, q in zip(names, ref, run_checked(qs, names, feed, i)):
             stats[name].add(f, q)
     return {n: st.sqnr_db for n, st in stats.items()}
 
@@ -58,11 +67,12 @@ def accuracy_warnings(
     quant_model: onnx.ModelProto,
     feeds: Sequence[Feed],
     quant_session: Any = None,
+    float_outputs: Sequence[dict[str, np.ndarray]] | None = None,
 ) -> list[str]:
     """One warning per output below the floor, naming the first layer that falls below it."""
     if not feeds:
         return []
-    sqnr = output_sqnr(float_model, quant_model, feeds, quant_session)
+    sqnr = output_sqnr(float_model, quant_model, feeds, quant_session, float_outputs)
     low = {n: v for n, v in sqnr.items() if v < SQNR_FLOOR_DB}
     if not low:
         return []

@@ -24,7 +24,7 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
-from onnxq.calibration import expose, run_checked
+from onnxq.calibration import run_checked
 from onnxq.dataset import DatasetManager
 from onnxq.session import make_session, output_types
 
@@ -225,9 +225,9 @@ def compare(
             plan[base] = (node.output[0], scale, zp)
     plan = {n: plan[n] for n in f_names if n in plan}  # graph order
     stats = {n: TensorStats(n, n in outputs, i) for i, n in enumerate(plan)}
-    f_sess = make_session(expose(float_model, list(plan)))
+    f_sess = make_session(float_model, expose=list(plan))
     q_fetch = sorted({v[0] for v in plan.values()})
-    q_sess = make_session(expose(quant_model, q_fetch))
+    q_sess = make_session(quant_model, expose=q_fetch)
     samples = 0
     for index, feeds in enumerate(dataset.batches()):
         f_vals = dict(zip(plan, run_checked(f_sess, list(plan), feeds, index)))

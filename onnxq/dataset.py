@@ -214,7 +214,7 @@ def inputs_hint(inputs: list[InputSpec] | None) -> str:
         return ",".join("N" if d is None or d <= 0 else str(d) for d in spec.shape)
 
     listed = ", ".join(f"'{s.name}' {s.dtype}[{dims(s)}]" for s in inputs)
-    keys = ", ".join(f"{_py_key(s.name)}=samples_{i}" for i, s in enumerate(inputs))
+    keys = _savez_arguments([s.name for s in inputs])
     return (
         f"the model's inputs: {listed}; e.g. numpy.savez('calib.npz', {keys}) with each array "
         "of that dtype, samples stacked on a new axis 0 (or, for fixed-size inputs, one array of "
@@ -222,8 +222,14 @@ def inputs_hint(inputs: list[InputSpec] | None) -> str:
     )
 
 
-def _py_key(name: str) -> str:
-    return name if name.isidentifier() else f"**{{{name!r}: ...}}"
+def _savez_arguments(names: list[str]) -> str:
+    """``numpy.savez`` keyword arguments for ``names``.
+
+    Names that are not Python identifiers (``gpu_0/data_0``) go into one ``**{...}``.
+    """
+    plain = [f"{n}=samples_{i}" for i, n in enumerate(names) if n.isidentifier()]
+    other = [f"{n!r}: samples_{i}" for i, n in enumerate(names) if not n.isidentifier()]
+    return ", ".join(plain + ([f"**{{{', '.join(other)}}}"] if other else []))
 
 
 def with_inputs(exc: DataError, inputs: list[InputSpec] | None) -> DataError:

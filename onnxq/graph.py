@@ -251,6 +251,61 @@ def export_model(graph: gs.Graph, template: onnx.ModelProto | None = None) -> on
     return model
 
 
+def skeleton(model: onnx.ModelProto, limit: int = 4096) -> onnx.ModelProto:
+    """A copy of ``model`` whose large initializers have no data, for shape inference.
+
+    Main-graph initializers over ``limit`` bytes keep their name, type and dims: shape
+    inference reads weight shapes, not weights.
+
+    Each shape-inference call serializes the model and parses it back; on VGG19 (548 MB of
+    weights) the full copies were 2 GB of the quantizer's peak memory.
+    """
+    return split_weights(model, limit)[0]
+
+
+#: the file name an in-memory weight's stub points to (never opened: its data is handed over)
+IN_MEMORY = "onnxq-in-memory"
+
+
+def split_weights(
+    model: onnx.ModelProto, limit: int = 4096
+) -> tuple[onnx.ModelProto, list[onnx.TensorProto]]:
+    """:func:`skeleton` and the main-graph initializers it left without data, in graph order.
+
+    The stubs are marked as external data (location :data:`IN_MEMORY`), so onnxruntime can be
+    given the weights as arrays (``add_external_initializers``) instead of serialized bytes.
+    """
+    out = onnx.ModelProto()
+    _copy_fields(model, out, skip="graph")
+    _copy_fields(model.graph, out.graph, skip="initializer")
+    held = []
+    for t in model.graph.initializer:
+        if t.ByteSize() <= limit or t.data_location == onnx.TensorProto.EXTERNAL:
+            out.graph.initializer.append(t)
+            continue
+        stub = out.graph.initializer.add()
+        stub.name, stub.data_type = t.name, t.data_type
+        stub.dims.extend(t.dims)
+        stub.data_location = onnx.TensorProto.EXTERNAL
+        entry = stub.external_data.add()
+        entry.key, entry.value = "location", IN_MEMORY
+        held.append(t)
+    return out, held
+
+
+def _copy_fields(src: Any, dst: Any, skip: str) -> None:
+    for field, value in src.ListFields():
+        if field.name == skip:
+            continue
+        target = getattr(dst, field.name)
+        if hasattr(value, "extend"):  # repeated field
+            target.extend(value)
+        elif hasattr(value, "ListFields"):  # message
+            target.CopyFrom(value)
+        else:
+            setattr(dst, field.name, value)
+
+
 # --------------------------------------------------------------------------------------------
 # queries (read-only helpers)
 

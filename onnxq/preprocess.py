@@ -26,6 +26,7 @@ from onnxq.graph import (
     import_graph,
     is_absent,
     iter_subgraph_nodes,
+    skeleton,
 )
 
 MIN_OPSET = 10
@@ -46,7 +47,7 @@ def raise_opset(model: onnx.ModelProto, opset: int, why: str) -> onnx.ModelProto
     if have >= opset:
         return model
     try:
-        return onnx.version_converter.convert_version(model, opset)
+        out = onnx.version_converter.convert_version(model, opset)
     except Exception as exc:  # the converter raises RuntimeError and others
         first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise ModelError(
@@ -54,6 +55,11 @@ def raise_opset(model: onnx.ModelProto, opset: int, why: str) -> onnx.ModelProto
             f"it failed ({first}); re-export with opset >= {opset} or use "
             "--per-tensor"
         ) from None
+    # the converter keeps the IR version: an IR 3 export (initializers listed as graph inputs)
+    # raised to opset 13 without them is invalid until it declares the IR that opset needs
+    needed = onnx.helper.find_min_ir_version_for(list(out.opset_import), ignore_unknown=True)
+    out.ir_version = max(out.ir_version, needed)
+    return out
 
 
 def preprocess(model: onnx.ModelProto) -> onnx.ModelProto:
@@ -73,10 +79,18 @@ def preprocess(model: onnx.ModelProto) -> onnx.ModelProto:
     out.producer_name = model.producer_name
     out.producer_version = model.producer_version
     try:
-        out = onnx.shape_inference.infer_shapes(out, data_prop=True)
+        out = _with_weights(onnx.shape_inference.infer_shapes(skeleton(out), data_prop=True), out)
     except Exception as exc:  # shape inference is best effort: patterns cope with unknown shapes
         logging.getLogger("onnxq").info("shape inference failed: %s", exc)
-    return _symbolic_shapes(out)
+    out.graph.value_info.extend(_symbolic_value_info(out))
+    return out
+
+
+def _with_weights(inferred: onnx.ModelProto, full: onnx.ModelProto) -> onnx.ModelProto:
+    """``inferred`` (a :func:`~onnxq.graph.skeleton`) with the initializers of ``full`` back."""
+    del inferred.graph.initializer[:]
+    inferred.graph.initializer.extend(full.graph.initializer)
+    return inferred
 
 
 def _unshaped(model: onnx.ModelProto) -> list[str]:
@@ -95,9 +109,19 @@ def _symbolic_shapes(model: onnx.ModelProto) -> onnx.ModelProto:
     exports: 122 of the 363 tensors of the PP-OCRv4 recogniser). Only missing entries are
     added; when the symbolic pass (it needs sympy) fails, the model is returned as it was.
     """
+    found = _symbolic_value_info(model)
+    if not found:
+        return model
+    out = copy.deepcopy(model)
+    out.graph.value_info.extend(found)
+    return out
+
+
+def _symbolic_value_info(model: onnx.ModelProto) -> list[onnx.ValueInfoProto]:
+    """The shapes :func:`_symbolic_shapes` adds (none when the symbolic pass gives up)."""
     missing = set(_unshaped(model))
     if not missing:
-        return model
+        return []
     try:
         from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
 
@@ -105,18 +129,18 @@ def _symbolic_shapes(model: onnx.ModelProto) -> onnx.ModelProto:
         # the working directory: run it in a scratch directory so no file lands there
         with tempfile.TemporaryDirectory() as scratch, contextlib.chdir(scratch):
             inferred = SymbolicShapeInference.infer_shapes(
-                model, auto_merge=True, guess_output_rank=True
+                skeleton(model), auto_merge=True, guess_output_rank=True
             )
     except Exception as exc:  # sympy missing, or an op it does not know
         logging.getLogger("onnxq").info("symbolic shape inference failed: %s", exc)
-        return model
+        return []
     if inferred is None:
-        return model
-    out = copy.deepcopy(model)
-    for vi in inferred.graph.value_info:
-        if vi.name in missing and vi.type.tensor_type.HasField("shape"):
-            out.graph.value_info.append(vi)
-    return out
+        return []
+    return [
+        vi
+        for vi in inferred.graph.value_info
+        if vi.name in missing and vi.type.tensor_type.HasField("shape")
+    ]
 
 
 def _name_nodes(graph: gs.Graph) -> None:

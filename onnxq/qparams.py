@@ -105,12 +105,31 @@ def params_from_range(
     return QParams(scale.astype(np.float32), zp_arr, axis if scale.ndim == 1 else None)
 
 
+#: elements quantized at a time: float64 temporaries of a whole 400 MB weight were 1.6 GB
+QUANTIZE_CHUNK = 1 << 22
+
+
 def quantize(x: np.ndarray, qp: QParams) -> np.ndarray:
     """Quantize ``x`` with ``qp`` (broadcast along ``qp.axis`` when per channel)."""
     scale, zp = _broadcast(qp, x.ndim)
     lo, hi = qrange(qp.dtype.name)
-    q = np.round(x.astype(np.float64) / scale) + zp
-    return np.clip(q, lo, hi).astype(qp.dtype)
+    x = np.asarray(x)
+    if x.ndim == 0 or x.size <= QUANTIZE_CHUNK:
+        q = np.round(x.astype(np.float64) / scale) + zp
+        return np.clip(q, lo, hi).astype(qp.dtype)
+    out = np.empty(x.shape, qp.dtype)
+    rows = max(1, QUANTIZE_CHUNK // max(x.size // x.shape[0], 1))
+    for start in range(0, x.shape[0], rows):
+        part = slice(start, start + rows)
+        s = scale[part] if scale.ndim and scale.shape[0] != 1 else scale
+        z = zp[part] if zp.ndim and zp.shape[0] != 1 else zp
+        q = x[part].astype(np.float64)
+        q /= s
+        np.round(q, out=q)
+        q += z
+        np.clip(q, lo, hi, out=q)
+        out[part] = q
+    return out
 
 
 def dequantize(q: np.ndarray, qp: QParams) -> np.ndarray:

@@ -283,6 +283,10 @@ class Quantizer:
         #: (tensor, kind, requested name) -> placeholder; a tensor read in two dtypes has two
         self._by_tensor: dict[tuple[str, str, str], str] = {}
         self._float_values: dict[str, np.ndarray] = {}
+        #: weights equal to an initializer of float_model: read from it when needed instead of
+        #: held as a second copy (VGG19: 548 MB)
+        self._float_inits = {i.name: i for i in self.float_model.graph.initializer}
+        self._lazy_floats: set[str] = set()
         self._left_float: dict[str, tuple[str, str]] = {}
         #: scales and zero points of the last materialized model (after bias widening)
         self.final_values: dict[str, np.ndarray] = {}
@@ -435,7 +439,7 @@ class Quantizer:
         scale = self._placeholder(f"{base}_scale", "scale", base, "float32", shape)
         zp = self._placeholder(f"{base}_zero_point", "zero_point", base, wdt, shape)
         q = self._placeholder(f"{base}_quantized", "weight", base, wdt, tuple(value.shape))
-        self._float_values[base] = np.asarray(value, np.float32)
+        self._keep_float(base, value)
         qt = QTensor(base, q, scale, zp, "weight", wdt, axis, True, self.config.weight_bits)
         self._weights[q] = _WeightDerivation(base, scale, zp, axis)
         self._qtensors[key] = qt
@@ -609,7 +613,24 @@ class Quantizer:
 
     def float_value(self, name: str) -> np.ndarray:
         """The float value of a quantized weight or bias."""
+        if name in self._lazy_floats:
+            return numpy_helper.to_array(self._float_inits[name])
         return self._float_values[name]
+
+    def has_float_value(self, name: str) -> bool:
+        """Whether ``name`` is a quantized weight or bias (with a float value)."""
+        return name in self._float_values or name in self._lazy_floats
+
+    def _keep_float(self, name: str, value: np.ndarray) -> None:
+        init = self._float_inits.get(name)
+        if (
+            init is not None
+            and init.data_type == onnx.TensorProto.FLOAT
+            and np.array_equal(numpy_helper.to_array(init), value)
+        ):
+            self._lazy_floats.add(name)
+        else:
+            self._float_values[name] = np.asarray(value, np.float32)
 
     def materialize(self, values: dict[str, np.ndarray]) -> onnx.ModelProto:
         """The template with ``values`` for the scale/zero-point placeholders and derived weights.
@@ -629,7 +650,7 @@ class Quantizer:
         self.widened_biases = {}
         for b in self._biases.values():
             fb = self._float_values[b.bias]
-            products = self._float_values[b.weight].size // max(fb.size, 1)
+            products = self.float_value(b.weight).size // max(fb.size, 1)
             qmax = 2 ** (self.config.weight_bits - 1) - 1
             bound = accumulation_bound(products, qmax, b.input_dtype, full[b.input_zero_point])
             before = full[b.weight_scale]
@@ -641,7 +662,7 @@ class Quantizer:
                 self.widened_biases[b.bias] = widened
         for qname, w in self._weights.items():
             qp = QParams(full[w.scale], full[w.zero_point], w.axis)
-            full[qname] = quantize(self._float_values[w.weight], qp)
+            full[qname] = quantize(self.float_value(w.weight), qp)
         for bname, b in self._biases.items():
             s = full[b.input_scale].astype(np.float64) * full[b.weight_scale].astype(np.float64)
             q = np.round(self._float_values[b.bias] / s)

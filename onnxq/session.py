@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+from collections.abc import Iterable
 from typing import Any
 
 import onnx
@@ -14,9 +15,16 @@ from onnxq.graph import serialize
 
 
 def make_session(
-    model: onnx.ModelProto, threads: int = 0, optimize: bool = True, exact: bool = False
+    model: onnx.ModelProto,
+    threads: int = 0,
+    optimize: bool = True,
+    exact: bool = False,
+    expose: Iterable[str] = (),
 ) -> Any:
     """An onnxruntime CPU InferenceSession for ``model`` (``threads`` 0 = onnxruntime's choice).
+
+    ``expose`` names inner tensors to add as outputs of the session. They are appended to the
+    model only while the session is built, then removed: no second copy of the weights is made.
 
     ``exact`` selects onnxruntime's exact U8S8 path on CPUs without VNNI (see onnxq.hostcheck):
     for onnxq's own layer-by-layer measurements, which must see the quantization error, not the
@@ -38,6 +46,7 @@ def make_session(
         return opts
 
     precise = exact and u8s8_saturates()
+    added = _append_outputs(model, expose)
     try:
         return _session(ort, model, options(precise))
     except Exception as exc:  # onnxruntime raises its own exception types
@@ -48,11 +57,41 @@ def make_session(
                 pass
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ModelError(f"onnxruntime cannot load the model: {first}") from None
+    finally:
+        if added:
+            del model.graph.output[-added:]
+
+
+def _append_outputs(model: onnx.ModelProto, names: Iterable[str]) -> int:
+    """Append ``names`` (those not already outputs) as graph outputs; returns how many."""
+    have = {o.name for o in model.graph.output}
+    wanted = [n for n in dict.fromkeys(names) if n not in have]
+    if not wanted:
+        return 0
+    types = output_types(model)
+    model.graph.output.extend(
+        onnx.helper.make_tensor_value_info(n, types.get(n, onnx.TensorProto.FLOAT), None)
+        for n in wanted
+    )
+    return len(wanted)
+
+
+#: models above this size hand onnxruntime their weights as arrays, not inside the bytes
+SHARED_WEIGHTS_BYTES = 32 * 2**20
 
 
 def _session(ort: Any, model: onnx.ModelProto, opts: Any) -> Any:
-    if model.ByteSize() < graph.TWO_GIB:
-        return ort.InferenceSession(serialize(model), opts, providers=["CPUExecutionProvider"])
+    providers = ["CPUExecutionProvider"]
+    if model.ByteSize() < SHARED_WEIGHTS_BYTES:
+        return ort.InferenceSession(serialize(model), opts, providers=providers)
+    # serialized bytes, onnxruntime's parsed copy and its tensors were three copies of the
+    # weights at once (VGG19: +1.7 GB): give it the weights as arrays beside a weightless graph.
+    # onnxruntime copies them while it loads the model; they are freed on return.
+    stub, held = graph.split_weights(model)
+    if stub.ByteSize() < graph.TWO_GIB:
+        values = [ort.OrtValue.ortvalue_from_numpy(onnx.numpy_helper.to_array(t)) for t in held]
+        opts.add_external_initializers([t.name for t in held], values)
+        return ort.InferenceSession(serialize(stub), opts, providers=providers)
     # protobuf cannot serialize 2 GB: hand onnxruntime a file with external data
     with tempfile.TemporaryDirectory(prefix="onnxq-session-") as tmp:
         path = os.path.join(tmp, "model.onnx")

@@ -121,12 +121,11 @@ def outer_values(
     model: onnx.ModelProto, names: list[str], feeds: Iterable[dict[str, np.ndarray]]
 ) -> list[dict[str, np.ndarray]]:
     """``names`` computed by the float ``model`` on every feed (graph inputs read from it)."""
-    from onnxq.calibration import expose
     from onnxq.session import make_session
 
     inputs = {i.name for i in model.graph.input}
     wanted = [n for n in names if n not in inputs]
-    session = make_session(expose(model, wanted), optimize=False)
+    session = make_session(model, optimize=False, expose=wanted)
     rows = []
     for feed in feeds:
         got = dict(zip(wanted, session.run(wanted, feed), strict=True)) if wanted else {}

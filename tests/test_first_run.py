@@ -129,3 +129,24 @@ def test_a_folder_given_as_the_model_is_named_a_folder(tmp_path, capsys):
     rc = main(["inspect", str(tmp_path)])
     err = capsys.readouterr().err
     assert rc == 2 and "is a folder (it holds m.onnx)" in err and "does not exist" not in err
+
+
+def test_the_npz_example_is_python_for_names_that_are_not_identifiers(tmp_path):
+    # 'gpu_0/data_0' (the onnx light models) once gave "**{'gpu_0/data_0': ...}=samples_0"
+    import ast
+
+    from onnxq.dataset import InputSpec, inputs_hint
+
+    specs = [
+        InputSpec("gpu_0/data_0", np.dtype(np.float32), (1, 3, 4, 4)),
+        InputSpec("mask", np.dtype(np.float32), (None, 4)),
+        InputSpec("2d", np.dtype(np.float32), (None, 2)),
+    ]
+    hint = inputs_hint(specs)
+    call = hint.split("e.g. ", 1)[1].split(" with each array", 1)[0]
+    tree = ast.parse(call, mode="eval").body
+    assert isinstance(tree, ast.Call)
+    named = [k.arg for k in tree.keywords if k.arg] + [
+        key.value for k in tree.keywords if k.arg is None for key in k.value.keys
+    ]
+    assert sorted(named) == sorted(s.name for s in specs)

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import onnx
 import pytest
@@ -151,33 +149,6 @@ def test_constant_node_and_constant_subgraph_weights_become_initializers():
     assert ops(pre) == ["Conv"]
     q, report = onnxq.quantize(model, {"x": X}, progress=False)
     assert "QLinearConv" in ops(q)
-
-
-LIGHT = os.path.join(os.path.dirname(onnx.__file__), "backend", "test", "data", "light")
-LIGHT_MODELS = (
-    sorted(f[:-5] for f in os.listdir(LIGHT) if f.endswith(".onnx")) if os.path.isdir(LIGHT) else []
-)
-SLOW = {"light_bvlc_alexnet", "light_vgg19", "light_zfnet512"}
-
-
-@pytest.mark.parametrize(
-    "name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW else n for n in LIGHT_MODELS]
-)
-def test_onnx_light_zoo_graphs_quantize(name):
-    """The onnx package's light_* graphs: opset 9, weights in ConstantOfShape nodes."""
-    from onnxq.dataset import model_inputs
-
-    path = os.path.join(LIGHT, name + ".onnx")
-    model = onnx.load(path)
-    spec = model_inputs(model)[0]
-    shape = [d or 1 for d in spec.shape]
-    x = R.uniform(0, 1, (3, *shape[1:])).astype(np.float32)
-    q, report = onnxq.quantize(path, [{spec.name: x[i : i + 1]} for i in range(3)], progress=False)
-    onnx.checker.check_model(q)
-    convs = [d for d in report.decisions if d.op == "Conv"]
-    assert convs and all(d.quantized for d in convs)  # ConstantOfShape weights were folded
-    ref, got = run(model, {spec.name: x[:1]})[0], run(q, {spec.name: x[:1]})[0]
-    assert np.isfinite(got).all() and got.shape == ref.shape
 
 
 def test_symbolic_shape_inference_leaves_no_file_in_the_working_directory(tmp_path, monkeypatch):
