@@ -22,6 +22,7 @@ from onnxq.errors import ModelError
 from onnxq.graph import (
     GraphEditor,
     constant_value,
+    copy_fields,
     export_model,
     import_graph,
     is_absent,
@@ -87,10 +88,20 @@ def preprocess(model: onnx.ModelProto) -> onnx.ModelProto:
 
 
 def _with_weights(inferred: onnx.ModelProto, full: onnx.ModelProto) -> onnx.ModelProto:
-    """``inferred`` (a :func:`~onnxq.graph.skeleton`) with the initializers of ``full`` back."""
-    del inferred.graph.initializer[:]
-    inferred.graph.initializer.extend(full.graph.initializer)
-    return inferred
+    """``full``, changed in place, with everything of ``inferred`` but the initializers.
+
+    ``inferred`` is :func:`~onnxq.graph.skeleton` of ``full`` after shape inference.
+    Copying the weights back into ``inferred`` instead took 2 s on VGG19.
+    """
+    for field, _ in full.graph.ListFields():
+        if field.name != "initializer":
+            full.graph.ClearField(field.name)
+    for field, _ in full.ListFields():
+        if field.name != "graph":
+            full.ClearField(field.name)
+    copy_fields(inferred, full, skip="graph")
+    copy_fields(inferred.graph, full.graph, skip="initializer")
+    return full
 
 
 def _unshaped(model: onnx.ModelProto) -> list[str]:
