@@ -267,6 +267,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("onnxq: interrupted; no output written", file=sys.stderr)
         return 130
+    except OSError as exc:  # a file onnxq was pointed at cannot be read or written
+        where = f" '{exc.filename}'" if exc.filename else ""
+        print(f"onnxq: error: {exc.strerror or exc}{where}", file=sys.stderr)
+        return 2
     except Exception as exc:  # an onnxq bug: one line unless debugging
         if os.environ.get("ONNXQ_DEBUG"):
             raise

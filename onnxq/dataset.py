@@ -10,6 +10,7 @@ rank, fixed dimensions and dtype, with a message that names the input.
 from __future__ import annotations
 
 import os
+import zipfile
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -414,6 +415,69 @@ class ArrayDataset(DatasetManager):
         yield from super()._batches()
 
 
+#: the largest array a data file may declare (bytes); None: half the memory free right now
+MEMBER_LIMIT: int | None = None
+
+
+def _member_limit() -> int:
+    if MEMBER_LIMIT is not None:
+        return MEMBER_LIMIT
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 2
+    except (ValueError, OSError, AttributeError):  # not a POSIX system
+        return 1 << 34
+
+
+def check_numpy_file(path: Path) -> None:
+    """Refuse an ``.npy``/``.npz`` whose arrays cannot be loaded safely, from headers alone.
+
+    Object arrays (pickles) and arrays larger than :func:`_member_limit` — a compressed
+    ``.npz`` of a few KB can declare gigabytes — are refused before any data is read.
+    """
+    try:
+        if path.suffix == ".npy":
+            with open(path, "rb") as handle:
+                _check_header(handle, path, None, None)
+            return
+        with zipfile.ZipFile(path) as archive:
+            for info in archive.infolist():
+                if info.filename.endswith(".npy"):
+                    with archive.open(info) as handle:
+                        _check_header(handle, path, info.filename[:-4], info.file_size)
+    except (OSError, ValueError, zipfile.BadZipFile, EOFError) as exc:
+        raise DataError(
+            f"calibration data '{path}' is not a readable numpy file ({exc}); save it with "
+            "numpy.savez(path, input_name=array) or numpy.save"
+        ) from None
+
+
+def _check_header(handle: Any, path: Path, member: str | None, stored: int | None) -> None:
+    fmt = np.lib.format
+    version = fmt.read_magic(handle)
+    read = fmt.read_array_header_1_0 if version == (1, 0) else fmt.read_array_header_2_0
+    shape, _, dtype = read(handle)
+    where = f"'{path}'" + (f" member '{member}'" if member else "")
+    if dtype.hasobject:
+        raise DataError(
+            f"calibration data {where} holds an object array (pickled Python objects), which "
+            "onnxq does not load; save plain numeric arrays"
+        )
+    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    if stored is not None and stored < nbytes:
+        raise DataError(
+            f"calibration data {where} is truncated: it declares {nbytes} bytes of "
+            f"{dtype} {list(shape)} but holds {stored}; save the file again"
+        )
+    limit = _member_limit()
+    if nbytes > limit:
+        raise DataError(
+            f"calibration data {where} declares a {dtype} array of shape {list(shape)} "
+            f"({nbytes / 2**30:.1f} GiB), over the {limit / 2**30:.1f} GiB onnxq may load "
+            "at once (half the free memory); split the samples into a folder of .npz files, "
+            "which onnxq reads one at a time"
+        )
+
+
 class NpzDataset(ArrayDataset):
     """An ``.npz`` file of arrays keyed by input name, samples stacked on axis 0."""
 
@@ -421,6 +485,7 @@ class NpzDataset(ArrayDataset):
         self, path: str | os.PathLike[str], batch_size: int | None = None, limit: int | None = None
     ):
         p = Path(path)
+        check_numpy_file(p)
         try:
             with np.load(p, allow_pickle=False) as data:
                 arrays = {k: data[k] for k in data.files}
@@ -463,6 +528,7 @@ class FolderDataset(DatasetManager):
     def _raw(self) -> Iterator[Mapping[str, Any]]:
         specs = self.inputs or []
         for f in self.files:
+            check_numpy_file(f)
             try:
                 if f.suffix == ".npy":
                     if len(specs) != 1:

@@ -35,3 +35,7 @@ class DataError(CalibrationError):
 
 class ConfigError(OnnxqError):
     """A command-line option or configuration value is invalid."""
+
+
+class OutputError(OnnxqError):
+    """An output file cannot be written (disk full, no permission); nothing partial is left."""

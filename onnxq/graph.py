@@ -17,7 +17,7 @@ import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
 
-from onnxq.errors import ModelError
+from onnxq.errors import ModelError, OutputError
 
 MS_DOMAIN = "com.microsoft"
 TWO_GIB = 2**31  # protobuf's limit on one serialized message
@@ -117,6 +117,13 @@ def save_model(proto: onnx.ModelProto, path: str | os.PathLike[str]) -> None:
     if proto.ByteSize() < TWO_GIB:
         write_bytes_atomic(path, proto.SerializeToString(deterministic=True))
         return
+    try:
+        _save_external(proto, path, folder)
+    except OSError as exc:
+        raise _output_error(path, exc) from None
+
+
+def _save_external(proto: onnx.ModelProto, path: Path, folder: Path) -> None:
     data_name = path.name + ".data"
     with tempfile.TemporaryDirectory(prefix=f".{path.name}.", dir=folder) as tmp:
         staged = Path(tmp) / path.name
@@ -144,7 +151,10 @@ def write_bytes_atomic(path: str | os.PathLike[str], data: bytes) -> None:
     """Write ``data`` to ``path`` atomically, with the umask's mode, synced before the rename."""
     path = Path(path)
     folder = path.parent if str(path.parent) else Path(".")
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=folder)
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=folder)
+    except OSError as exc:
+        raise _output_error(path, exc) from None
     try:
         with os.fdopen(fd, "wb") as handle:
             handle.write(data)
@@ -152,10 +162,20 @@ def write_bytes_atomic(path: str | os.PathLike[str], data: bytes) -> None:
             os.fsync(handle.fileno())
         _publish(Path(tmp))
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as exc:
         if os.path.exists(tmp):
             os.unlink(tmp)
+        if isinstance(exc, OSError):
+            raise _output_error(path, exc) from None
         raise
+
+
+def _output_error(path: Path, exc: OSError) -> OutputError:
+    reason = exc.strerror or type(exc).__name__
+    return OutputError(
+        f"cannot write '{path}': {reason}; nothing was written there — free disk space, check "
+        "the folder's permissions or choose another output path"
+    )
 
 
 def _publish(path: Path) -> None:
