@@ -354,12 +354,7 @@ def quantize(
         save_model(result, output)
     if save_ranges is not None:
         write_ranges(save_ranges, calibrator.ranges, method if callback is None else "callback")
-    decisions = list(quantizer.decisions.values())
-    carried = set(requantizer.stats.crossed_ops)
-    for d in decisions:
-        if d.node in carried:
-            d.quantized, d.pattern = True, "requantize"
-            d.reason = "carries int8 through (commutes with the affine map)"
+    decisions = mark_carried(quantizer, requantizer.stats.crossed_ops)
     decisions += _branch_decisions(quantizer, branches)
     report = QuantizeReport(
         decisions=decisions,
@@ -380,6 +375,26 @@ def quantize(
     )
     _explain_constraints(report.decisions, solution)
     return result, report
+
+
+def mark_carried(quantizer: Quantizer, crossed: Sequence[str] | None = None) -> list[Decision]:
+    """The quantizer's decisions with the ops requantize carries int8 through marked quantized.
+
+    ``crossed``: the ops requantize crossed; None runs requantize on the model materialized
+    with default scales (what it crosses depends on the graph and opset, not on the values),
+    for ``inspect``, which then counts what ``quantize`` will.
+    """
+    if crossed is None:
+        probe = Requantizer()
+        probe.requantize(quantizer.materialize({}))
+        crossed = probe.stats.crossed_ops
+    decisions = list(quantizer.decisions.values())
+    carried = set(crossed)
+    for d in decisions:
+        if d.node in carried:
+            d.quantized, d.pattern = True, "requantize"
+            d.reason = "carries int8 through (commutes with the affine map)"
+    return decisions
 
 
 #: calibration batches the accuracy check runs

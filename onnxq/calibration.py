@@ -445,8 +445,22 @@ def run_checked(
         raise CalibrationError(
             f"onnxruntime failed to run the model on calibration batch "
             f"{index} (input shapes {shapes}): {detail}; check that the "
-            "calibration data has the shapes and values the model expects"
+            f"calibration data has the shapes and values the model expects{_batch_hint(session)}"
         ) from None
+
+
+def _batch_hint(session: Any) -> str:
+    """A hint for models that declare a dynamic batch yet run at one batch size only."""
+    try:
+        dynamic = any(i.shape and not isinstance(i.shape[0], int) for i in session.get_inputs())
+    except Exception:  # not an onnxruntime session
+        return ""
+    if not dynamic:
+        return ""
+    return (
+        "; the model declares a dynamic batch: if it runs at one batch size only, pass "
+        "--batch-size N (batch_size=N from Python) to feed N samples per run"
+    )
 
 
 def _progress(it: Iterable[Any], total: int | None, enabled: bool) -> Iterable[Any]:

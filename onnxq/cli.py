@@ -465,7 +465,7 @@ def _compare(args: argparse.Namespace) -> int:
 
 
 def _inspect(args: argparse.Namespace) -> int:
-    from onnxq.api import _target_patterns, op_histogram, refuse_quantized
+    from onnxq.api import _target_patterns, mark_carried, op_histogram, refuse_quantized
     from onnxq.config import UserConfig
     from onnxq.dataset import inputs_hint, model_inputs
     from onnxq.graph import load_model
@@ -493,7 +493,7 @@ def _inspect(args: argparse.Namespace) -> int:
     for w in quantizer.warnings:
         print(f"warning: {w}", file=sys.stderr)
     hist = op_histogram(quantizer.float_model)
-    decisions = list(quantizer.decisions.values())
+    decisions = mark_carried(quantizer)
     if args.json:
         from dataclasses import asdict
 

@@ -150,3 +150,47 @@ def test_the_npz_example_is_python_for_names_that_are_not_identifiers(tmp_path):
         key.value for k in tree.keywords if k.arg is None for key in k.value.keys
     ]
     assert sorted(named) == sorted(s.name for s in specs)
+
+
+@pytest.mark.parametrize("name", ["digits_cnn", "digits_mlp"])
+def test_inspect_counts_what_quantize_quantizes(tmp_path, capsys, name):
+    # inspect said "7 of 10" where quantize quantized 10: the ops requantize carries int8
+    # through (MaxPool, Reshape) were counted by quantize only
+    import json
+
+    model = MODELS / f"{name}.onnx"
+    spec = onnx.load(str(model)).graph.input[0]
+    shape = [d.dim_value or 4 for d in spec.type.tensor_type.shape.dim]
+    data = tmp_path / "calib.npz"
+    np.savez(data, **{spec.name: np.random.default_rng(0).uniform(0, 1, shape).astype(np.float32)})
+    assert main(["inspect", str(model)]) == 0
+    said = capsys.readouterr().out.strip().splitlines()[-1]
+    report = tmp_path / "r.json"
+    out = tmp_path / "q.onnx"
+    args = ["--data", str(data), "--report", str(report), "--quiet", "--no-latency-check"]
+    assert main(["quantize", str(model), "-o", str(out), *args]) == 0
+    decisions = json.loads(report.read_text())["decisions"]
+    done = sum(d["quantized"] for d in decisions)
+    assert said == f"{done} of {len(decisions)} nodes would be quantized"
+
+
+def test_a_model_that_runs_only_at_batch_2_is_told_about_batch_size(tmp_path, capsys):
+    # declares x: [N, 3] but reshapes to a fixed (2, 6): batches of 1 fail inside onnxruntime
+    nodes = [
+        h.make_node("MatMul", ["x", "w"], ["m"], name="mm"),
+        h.make_node("Reshape", ["m", "shape"], ["y"], name="reshape"),
+    ]
+    w = np.random.default_rng(0).standard_normal((3, 6)).astype(np.float32)
+    model = make_model(
+        nodes, [("x", ["N", 3])], [("y", [2, 6])], {"w": w, "shape": np.array([2, 6])}
+    )
+    path = tmp_path / "m.onnx"
+    onnx.save(model, path)
+    data = tmp_path / "calib.npz"
+    np.savez(data, x=np.random.default_rng(1).standard_normal((8, 3)).astype(np.float32))
+    out = tmp_path / "q.onnx"
+    base = ["quantize", str(path), "-o", str(out), "--data", str(data), "--quiet"]
+    assert main([*base, "--batch-size", "1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "--batch-size N" in err and err.count("\n") == 0
+    assert main([*base, "--batch-size", "2", "--no-latency-check"]) == 0
