@@ -175,7 +175,10 @@ class EntropyObserver(Histogram):
             return last * width
         candidates = np.arange(levels, last + 1)
         kl = _kl_all(absh, candidates, levels)
-        return float(candidates[int(np.argmin(kl))]) * width
+        # ties (spiky data each chunk reproduces exactly, KL 0 from the first candidate on) go
+        # to the widest threshold: KL cannot see what clipping costs, so clip no more than needed
+        best = int(np.flatnonzero(kl <= np.min(kl) + 1e-9)[-1])
+        return float(candidates[best]) * width
 
     def _compute(self, dtype: str, symmetric: bool) -> tuple[float, float]:
         """Observed range clipped to ``±T``."""
@@ -222,13 +225,17 @@ def _kl_all(absh: np.ndarray, candidates: np.ndarray, levels: int) -> np.ndarray
     sum_plogp = cum_hl[i1 - 1] + np.where(
         p_last > 0, p_last * np.log(np.maximum(p_last, 1e-300)), 0.0
     )
+    # a candidate with no mass below it (near-discrete data: every value in a few far bins)
+    # has no Q at all; it was NaN, and argmin picks the first NaN: a 0.25 dB threshold
+    empty = q_total <= 0
+    q_total = np.where(empty, 1.0, q_total)
     sum_plogq = np.sum(inner * log_q, axis=1) - np.log(q_total) * cum_h[i1 - 1]
     q_last = np.where(last_h > 0, mass[:, -1] / np.maximum(filled[:, -1], 1), 0.0)
     q_last_hat = np.maximum(q_last / q_total, 1e-12)
     kl = (sum_plogp / total - np.log(total)) - (
         sum_plogq / total + (p_last / total) * np.log(q_last_hat)
     )
-    return kl
+    return np.where(empty | ~np.isfinite(kl), np.inf, kl)
 
 
 class MSEObserver(Histogram):

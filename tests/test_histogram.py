@@ -84,6 +84,23 @@ def test_entropy_threshold_matches_reference_search():
     assert obs.threshold(levels) == pytest.approx(expect)
 
 
+@pytest.mark.filterwarnings("error")  # the empty candidates were log(0) and NaN
+@pytest.mark.parametrize(
+    "values, counts, expect",
+    [
+        # saturated sigmoid outputs: zeros, ones, a few in between
+        ([0.0, 1.0, -0.3], [1000, 500, 20], (-0.3, 1.0)),
+        # a two-valued output (found by the property tests: 0.25 dB, the +1e-3 mode clipped)
+        ([-1.455e-3, 7.2e-4], [100, 200], (-1.455e-3, 7.2e-4)),
+    ],
+)
+def test_entropy_keeps_every_spike_of_near_discrete_data(values, counts, expect):
+    x = np.repeat(np.array(values, np.float32), counts)
+    for dtype, symmetric in (("uint8", False), ("int8", True)):
+        lo, hi = feed(EntropyObserver(), [x]).compute(dtype, symmetric)
+        assert (lo, hi) == pytest.approx(expect, rel=1e-3)
+
+
 def test_entropy_on_gaussian_clips_tails_but_keeps_bulk():
     x = R.normal(0, 1, 200000).astype(np.float32)
     lo, hi = feed(EntropyObserver(), [x]).compute("int8")
