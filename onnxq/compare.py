@@ -1,7 +1,8 @@
 """Compare a float model with its quantized form, output by output and layer by layer.
 
 Layers are matched by tensor name. A tensor of the float model is found in the quantized model
-either under its own name (a DequantizeLinear output, or a float op left in place) or as the
+either as the output of the QuantizeLinear that reads it (QDQ models: the value the next op
+sees), under its own name (a DequantizeLinear output, or a float op left in place) or as the
 integer output of a quantized op whose output scale is the initializer ``<name>_scale`` (the
 naming of onnxq and of onnxruntime.quantization), dequantized here with its scale and zero
 point. Statistics stream over the samples (four sums per tensor):
@@ -210,8 +211,20 @@ def compare(
     q_inits = _initializers(quant_model)
     # float tensor -> (tensor to fetch, scale initializer, zero-point initializer or "")
     plan: dict[str, tuple[str, str | None, str]] = {}
+    # a float tensor a QuantizeLinear reads (a QDQ model) is compared as that Q's output: the
+    # value the next op sees. onnxruntime's QDQ drops a Relu after a Conv and lets the Q's zero
+    # point clip; the tensor the Conv writes under the Relu's name is the pre-Relu value
+    quantized_by = {
+        n.input[0]: n
+        for n in quant_model.graph.node
+        if n.op_type == "QuantizeLinear" and len(n.input) > 1 and n.input[1] in q_inits
+    }
     for name in f_names:
-        if name in q_produced and q_types.get(name, onnx.TensorProto.FLOAT) in FLOAT_TYPES:
+        q_node = quantized_by.get(name)
+        if q_node is not None:
+            zp = q_node.input[2] if len(q_node.input) > 2 else ""
+            plan[name] = (q_node.output[0], q_node.input[1], zp)
+        elif name in q_produced and q_types.get(name, onnx.TensorProto.FLOAT) in FLOAT_TYPES:
             plan[name] = (name, None, "")
     wanted = set(f_names)
     for node in quant_model.graph.node:

@@ -69,11 +69,21 @@ def _append_outputs(model: onnx.ModelProto, names: Iterable[str]) -> int:
     if not wanted:
         return 0
     types = output_types(model)
+    if any(n not in types for n in wanted):  # a model saved without value_info (a peer's)
+        types = {**_inferred_types(model), **types}
     model.graph.output.extend(
         onnx.helper.make_tensor_value_info(n, types.get(n, onnx.TensorProto.FLOAT), None)
         for n in wanted
     )
     return len(wanted)
+
+
+def _inferred_types(model: onnx.ModelProto) -> dict[str, int]:
+    """Element types onnx's type inference finds (on a weightless copy); {} if it cannot."""
+    try:
+        return output_types(onnx.shape_inference.infer_shapes(graph.skeleton(model)))
+    except Exception:  # onnx raises several types; the caller falls back to float
+        return {}
 
 
 #: models above this size hand onnxruntime their weights as arrays, not inside the bytes

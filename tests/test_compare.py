@@ -84,3 +84,30 @@ def test_cli_compare_json_and_html(tmp_path, capsys):
     text = report.read_text()
     assert "<svg" in text and "r2" in text
     assert main(["compare", str(CNN), str(q), "--data", str(tmp_path / "none.npz")]) == 2
+
+
+def test_a_peer_qdq_model_without_value_info_compares(tmp_path, capsys):
+    # onnxruntime's quantize_static writes no value_info: the exposed QuantizeLinear outputs
+    # were declared float, and onnxruntime refused the model ("Type Error ... tensor(int8)")
+    from onnxruntime.quantization import CalibrationDataReader, quantize_static
+
+    class Reader(CalibrationDataReader):
+        def __init__(self):
+            self.items = iter([{"input": X[i : i + 1]} for i in range(8)])
+
+        def get_next(self):
+            return next(self.items, None)
+
+    peer = tmp_path / "peer.onnx"
+    quantize_static(str(CNN), str(peer), Reader())
+    g = onnx.load(str(peer)).graph
+    typed = {vi.name for vi in g.value_info}
+    assert not typed & {n.output[0] for n in g.node if n.op_type == "QuantizeLinear"}
+    np.savez(tmp_path / "x.npz", input=X[:8])
+    assert main(["compare", str(CNN), str(peer), "--data", str(tmp_path / "x.npz"), "--json"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert res["outputs"][0]["sqnr_db"] > 30
+    # onnxruntime drops the Relu after each Conv (its Q clips) and the Conv writes the Relu's
+    # tensor name: compared before the Q, the pre-Relu values scored 1-4 dB
+    relus = [layer for layer in res["layers"] if layer["op"] == "Relu"]
+    assert len(relus) == 3 and min(layer["sqnr_db"] for layer in relus) > 30
