@@ -3,7 +3,7 @@
 After calibration every quantized activation *port* (a tensor as one dtype sees it: one scale
 and one zero-point placeholder) has a value of its own. Kernels constrain those values:
 
-* **fixed**: Sigmoid and Softmax write a known grid (1/256); nothing may change it.
+* **fixed**: Sigmoid and Softmax write a known grid (1/255); nothing may change it.
 * **zero at min**: a Conv or dense op with a folded Relu needs its output's zero point at the
   type's minimum, so the port's range must start at 0.
 * **derived**: a carrier (MaxPool, Reshape, Slice, nearest Resize, Split…) moves int8 values

@@ -42,6 +42,7 @@ from onnxq.qparams import (
     INT32_MAX,
     QParams,
     accumulation_bound,
+    fit_dead_channels,
     qrange,
     quantize,
     widen_for_bias,
@@ -653,6 +654,12 @@ class Quantizer:
             products = self.float_value(b.weight).size // max(fb.size, 1)
             qmax = 2 ** (self.config.weight_bits - 1) - 1
             bound = accumulation_bound(products, qmax, b.input_dtype, full[b.input_zero_point])
+            if b.weight_axis is not None and b.weight:  # per channel: dead channels free
+                wc = np.moveaxis(self.float_value(b.weight), b.weight_axis, 0)
+                dead = ~np.any(wc.reshape(wc.shape[0], -1), axis=1)
+                full[b.weight_scale] = fit_dead_channels(
+                    fb, full[b.input_scale], full[b.weight_scale], dead
+                )
             before = full[b.weight_scale]
             full[b.weight_scale] = widen_for_bias(
                 fb, full[b.input_scale], before, INT32_MAX - bound, f"bias '{b.bias}'"

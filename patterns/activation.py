@@ -1,8 +1,10 @@
 """Element-wise activations and attention MatMul on int8 data (between quantized neighbours).
 
 Sigmoid and Softmax have a known output range, so their output parameters are fixed rather than
-calibrated: scale 1/256 with zero point 0 (uint8) or −128 (int8); with symmetric int8
-activations (zero point 0, TensorRT) scale 1/127, so that 1.0 is on the grid.
+calibrated: scale 1/255 with zero point 0 (uint8) or −128 (int8), so that both 0 and 1.0 are on
+the grid (1/256, TFLite's choice, wrote a saturated 1.0 as 0.996: a bias on every saturated
+gate); with symmetric int8 activations (zero point 0, TensorRT) scale 1/127. A calibrated output
+range inside [0, 1] gets its finer grid instead (see ActivationPattern.fixed_output).
 """
 
 from __future__ import annotations
@@ -15,8 +17,8 @@ from onnxq.pattern import node_attr
 from onnxq.patterns.base import ActivationPattern
 
 _UNIT_RANGE = {
-    "uint8": (1.0 / 256, 0),
-    "int8": (1.0 / 256, -128),
+    "uint8": (1.0 / 255, 0),
+    "int8": (1.0 / 255, -128),
     "int8-symmetric": (1.0 / 127, 0),
 }
 
@@ -74,8 +76,8 @@ class MatMulActivationsPattern(ActivationPattern):
     domain = ""
 
 
-# Sigmoid(x)   -> DQ(QLinearSigmoid(Q(x), 1/256, 0))
+# Sigmoid(x)   -> DQ(QLinearSigmoid(Q(x), 1/255, 0))
 # LeakyRelu(x) -> DQ(QLinearLeakyRelu(Q(x), ys, yz))
-# Softmax(x)   -> DQ(QLinearSoftmax(Q(x), 1/256, 0))
+# Softmax(x)   -> DQ(QLinearSoftmax(Q(x), 1/255, 0))
 # MatMul(a, b) -> DQ(QLinearMatMul(Q(a), Q(b), ys, yz))      (b not constant)
 RULES = [SigmoidPattern, LeakyReluPattern, SoftmaxPattern, MatMulActivationsPattern]

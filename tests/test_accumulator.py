@@ -70,6 +70,32 @@ def test_random_tiny_weight_large_bias_channels_keep_their_sqnr():
     np.testing.assert_allclose(got[:, tiny], ref[:, tiny], atol=0.5)
 
 
+@pytest.mark.parametrize("fmt", ["qoperator", "qdq"])
+def test_dead_channels_keep_their_bias_exactly(fmt):
+    # zero weights (pruned) after a coarse Relu (input scale 0.79): with weight scale 1.0 the
+    # bias grid was 0.79 and a bias of 0.62 came out 0.79 (hypothesis found it: 24 dB where
+    # per-tensor weights gave 37)
+    g = rng(12)
+    w = g.normal(0, 1e-3, (6, 2, 3, 3)).astype(np.float32)
+    w[:2] = 0.0
+    b = np.array([0.6156, 1.381, 1.98, -1.61, 1.54, 2.13], np.float32)
+    model = make_model(
+        [
+            h.make_node("Relu", ["x"], ["r"], name="relu"),
+            h.make_node("Conv", ["r", "W", "B"], ["y"], name="conv"),
+        ],
+        [("x", ["N", 2, 6, 6])],
+        [("y", None)],
+        {"W": w, "B": b},
+    )
+    data = {"x": (g.standard_normal((16, 2, 6, 6)) * 60).astype(np.float32)}
+    q, report = onnxq.quantize(model, data, format=fmt, progress=False)
+    got = run(q, {"x": data["x"][:4]})[0]
+    step = float(report.values["y_scale"])
+    for c in (0, 1):
+        assert np.abs(got[:, c] - b[c]).max() <= step / 2 + 1e-6
+
+
 def test_accumulation_bound_is_the_worst_case():
     # uint8 input with zero point 0: 255 · 127 per product
     assert accumulation_bound(27, 127, "uint8", np.array(0, np.uint8)) == 27 * 255 * 127

@@ -486,7 +486,7 @@ def test_activations_between_convs(case):
     assert ops(q) == ["QuantizeLinear", "QLinearConv", qop, "QLinearConv", "DequantizeLinear"]
     if case in ("sigmoid", "softmax"):
         assert (
-            report.values["t_scale"] == pytest.approx(1 / 256)
+            report.values["t_scale"] == pytest.approx(1 / 255)
             and report.values["t_zero_point"] == 0
         )
     close_enough(model, q, feeds, tol=0.05)
@@ -624,7 +624,7 @@ def test_embedding_table_is_stored_int8_and_gathered_exactly():
 
 def test_silu_fixed_sigmoid_grid_is_not_a_conflict():
     # YOLOv8's SiLU: Conv → Sigmoid → Mul(conv, sigmoid) → Conv. The Mul observes the sigmoid's
-    # range, but the sigmoid's fixed 1/256 grid defines that tensor: no conflict is reported
+    # range, but the sigmoid's fixed 1/255 grid defines that tensor: no conflict is reported
     nodes = [
         h.make_node("Conv", ["x", "W1"], ["a"], name="c1"),
         h.make_node("Sigmoid", ["a"], ["s"], name="sig"),
@@ -640,5 +640,5 @@ def test_silu_fixed_sigmoid_grid_is_not_a_conflict():
     q, report, feeds = quantize_random(model, {"x": [2, 3, 8, 8]})
     assert {"QLinearSigmoid", "QLinearMul"} <= set(ops(q))
     assert report.calibration.conflicts == []
-    assert report.values["s_scale"] == pytest.approx(1 / 256)
+    assert report.values["s_scale"] == pytest.approx(1 / 255)
     close_enough(model, q, feeds)
