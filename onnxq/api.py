@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
+import numpy as np
 import onnx
 
 from onnxq.calibration import (
@@ -385,8 +386,18 @@ def mark_carried(quantizer: Quantizer, crossed: Sequence[str] | None = None) -> 
     for ``inspect``, which then counts what ``quantize`` will.
     """
     if crossed is None:
+        from onnxq.qparams import qrange
+
+        # default values, but a Relu-folded output's zero point at its type's minimum (an int16
+        # one is -32768; the default 0 was refused as a broken fold)
+        folds = {
+            qt.zero_point: np.asarray(qrange(qt.dtype)[0])
+            for rec in quantizer.records
+            if rec.relu_folded
+            for qt in rec.outputs
+        }
         probe = Requantizer()
-        probe.requantize(quantizer.materialize({}))
+        probe.requantize(quantizer.materialize(folds))
         crossed = probe.stats.crossed_ops
     decisions = list(quantizer.decisions.values())
     carried = set(crossed)

@@ -70,7 +70,10 @@ def test_an_unwritable_report_is_one_line(tmp_path, capsys):
 
 # a child that quantizes, then blocks inside the atomic write (or calibration) until signalled
 CHILD = r"""
-import os, sys, time
+import os, signal, sys, time
+# a shell starts background jobs with SIGINT ignored, and Python then installs no handler:
+# give the child the handler an interactive onnxq has (the suite itself may run in background)
+signal.signal(signal.SIGINT, signal.default_int_handler)
 import onnxq.graph as graph
 from onnxq.cli import main
 stage, ready = sys.argv[1], sys.argv[2]
