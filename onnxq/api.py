@@ -28,7 +28,7 @@ from onnxq.graph import check_model, load_model, save_model
 from onnxq.preprocess import raise_opset
 from onnxq.quantizer import Decision, Quantizer, QuantizerConfig, QuantizerPattern
 from onnxq.requantize import Requantizer, RequantizeStats, rescales
-from onnxq.session import make_session
+from onnxq.session import free_memory, make_session
 from onnxq.subgraphs import has_branches
 
 QUANTIZED_OPS = frozenset(
@@ -289,7 +289,7 @@ def quantize(
     calibrator.reference_batches = CHECK_BATCHES if format != "openvino" else 0
     values = calibrator.calibrate()
     calibrator.release()
-    gc.collect()
+    free_memory()
     solution = solve(quantizer, values, set(tgt.shared_scale_ops))
     values = solution.values
     times["calibrate"] = time.perf_counter() - t1
@@ -311,7 +311,7 @@ def quantize(
         from onnxq.openvino import to_fakequantize
 
         result = to_fakequantize(quantizer, (-64, 63) if weight_bits == 7 else None)
-    gc.collect()
+    free_memory()
     times["requantize"] = time.perf_counter() - t2
 
     if quantizer.int4_nodes:

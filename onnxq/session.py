@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import ctypes
 import os
+import sys
 import tempfile
 from collections.abc import Iterable
 from typing import Any
@@ -119,3 +121,20 @@ def output_types(model: onnx.ModelProto) -> dict[str, int]:
     for init in g.initializer:
         types[init.name] = init.data_type
     return types
+
+
+def free_memory() -> None:
+    """Collect reference cycles and hand freed heap pages back to the system.
+
+    glibc keeps freed blocks in its arenas; ``malloc_trim`` returns them (a no-op elsewhere).
+    After calibration of PP-OCRv4's recogniser (373 MB of exposed outputs per batch) RSS fell
+    from 1.61 to 1.51 GB; the rest is held natively by onnxruntime (no session is alive).
+    """
+    import gc
+
+    gc.collect()
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
+        except (OSError, AttributeError):  # not glibc (musl): nothing to trim
+            pass
