@@ -25,6 +25,7 @@ import onnx
 
 from onnxq.dataset import feed_samples
 from onnxq.errors import CalibrationError
+from onnxq.graph import graphs_of
 from onnxq.qparams import params_from_range, weight_params
 from onnxq.session import make_session
 
@@ -129,7 +130,7 @@ _SIGMOID_EDGE = 1.0 / 255 / 8
 _TANH_EDGE = 2.0 / 255 / 8
 
 
-def _scalar(model: onnx.ModelProto, name: str, consts: dict[str, onnx.TensorProto]) -> float | None:
+def _scalar(name: str, consts: dict[str, onnx.TensorProto]) -> float | None:
     """The value of a constant scalar input (''= absent: None)."""
     t = consts.get(name) if name else None
     if t is None:
@@ -139,7 +140,7 @@ def _scalar(model: onnx.ModelProto, name: str, consts: dict[str, onnx.TensorProt
 
 
 def _saturates(
-    node: onnx.NodeProto, model: onnx.ModelProto, consts: dict[str, onnx.TensorProto]
+    node: onnx.NodeProto, consts: dict[str, onnx.TensorProto]
 ) -> tuple[float, float] | None:
     """Inputs beyond which ``node``'s output no longer moves on its grid (None: no such op)."""
     if node.domain not in ("", "ai.onnx"):
@@ -162,7 +163,7 @@ def _saturates(
             lo, hi = attrs.get("min"), attrs.get("max")
         else:
             ins = list(node.input) + ["", ""]
-            lo, hi = _scalar(model, ins[1], consts), _scalar(model, ins[2], consts)
+            lo, hi = _scalar(ins[1], consts), _scalar(ins[2], consts)
             if (ins[1] and lo is None) or (ins[2] and hi is None):
                 return None  # a bound that is not a constant
         lo = -np.inf if lo is None else float(lo)
@@ -175,11 +176,10 @@ def _read_in_subgraphs(graph: onnx.GraphProto) -> set[str]:
     """Names read by nodes of If/Loop/Scan bodies (outer-scope tensors among them)."""
     names: set[str] = set()
     for node in graph.node:
-        for attr in node.attribute:
-            for sub in [attr.g] if attr.HasField("g") else list(attr.graphs):
-                names.update(i for n in sub.node for i in n.input)
-                names.update(o.name for o in sub.output)
-                names |= _read_in_subgraphs(sub)
+        for _, sub in graphs_of(node):
+            names.update(i for n in sub.node for i in n.input)
+            names.update(o.name for o in sub.output)
+            names |= _read_in_subgraphs(sub)
     return names
 
 
@@ -196,7 +196,7 @@ def saturation_bounds(model: onnx.ModelProto) -> dict[str, tuple[float, float]]:
     bounds: dict[str, tuple[float, float]] = {}
     other: set[str] = {o.name for o in model.graph.output} | _read_in_subgraphs(model.graph)
     for node in model.graph.node:
-        interval = _saturates(node, model, consts)
+        interval = _saturates(node, consts)
         for pos, name in enumerate(node.input):
             if pos > 0 and interval is not None:
                 continue  # Clip's own bounds
