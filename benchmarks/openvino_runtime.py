@@ -31,7 +31,7 @@ from zoo import _nncf, _ort, _setup  # noqa: E402
 
 
 def _ov(model: onnx.ModelProto | Path) -> Any:
-    from onnxq.zoo import openvino_runner
+    from onnxq.tools.zoo import openvino_runner
 
     return openvino_runner(onnx.load(str(model)) if isinstance(model, Path) else model)
 
@@ -39,8 +39,8 @@ def _ov(model: onnx.ModelProto | Path) -> Any:
 def measure(name: str) -> list[tuple[str, str, float]]:
     """(variant, runtime, metric) rows for one zoo model."""
     import onnxq
-    from onnxq.ingest import convert
-    from onnxq.zoo import runner
+    from onnxq.lower.convert import convert
+    from onnxq.tools.zoo import runner
 
     _, model, recipe, files = _setup(name)
     src = files["model"]

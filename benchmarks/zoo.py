@@ -44,7 +44,7 @@ VARIANTS = ("fp32", "onnxq", "onnxq-qdq", "ort", "ort-pc", "nncf")
 
 
 def _setup(name: str) -> tuple[Any, Any, Any, dict[str, Path]]:
-    from onnxq.zoo import fetch, load_manifest, make_recipe
+    from onnxq.tools.zoo import fetch, load_manifest, make_recipe
 
     manifest = load_manifest(ROOT / "models" / "manifest.toml")
     model = manifest.models[name]
@@ -169,7 +169,7 @@ def latency(
 
 
 def bench_model(name: str, runs: int, tmp: Path) -> dict[str, Any]:
-    from onnxq.zoo import runner
+    from onnxq.tools.zoo import runner
 
     _, model, recipe, files = _setup(name)
     src = files["model"]
@@ -322,7 +322,7 @@ def main() -> int:
         (out / "benchmark.md").write_text(markdown(results, args.runs))
         chart(results, out / "benchmark.png")
         return 0
-    from onnxq.zoo import load_manifest
+    from onnxq.tools.zoo import load_manifest
 
     manifest = load_manifest(ROOT / "models" / "manifest.toml")
     names = [m.name for m in manifest.select(args.models)]

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from onnxq.calibration import ObserverCallback
+from onnxq.calibrate.calibration import ObserverCallback
 from onnxq.errors import ConfigError
-from onnxq.qparams import params_from_range, qrange
+from onnxq.solve.qparams import params_from_range, qrange
 
 DEFAULT_BINS = 2048
 _CHUNK = 1 << 15

@@ -23,10 +23,10 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
-from onnxq.calibration import CalibrationInfo, Observer, ObserverCallback
+from onnxq.calibrate.calibration import CalibrationInfo, Observer, ObserverCallback
 from onnxq.calibrators.minmax import MinMaxCallback
-from onnxq.qparams import QParams, dequantize, params_from_range, quantize, weight_params
-from onnxq.session import make_session
+from onnxq.io.session import make_session
+from onnxq.solve.qparams import QParams, dequantize, params_from_range, quantize, weight_params
 
 
 class OutputAwareCallback(ObserverCallback):

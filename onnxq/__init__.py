@@ -7,17 +7,17 @@
 
 __version__ = "0.1.0"
 
+from onnxq.annotate.quantizer import Quantizer, QuantizerConfig, QuantizerPattern  # noqa: E402
 from onnxq.api import QuantizeReport, quantize  # noqa: E402
-from onnxq.calibration import (  # noqa: E402
+from onnxq.calibrate.calibration import (  # noqa: E402
     CalibrationCallback,
     CalibrationInfo,
     Calibrator,
     ObserverCallback,
 )
-from onnxq.dataset import DatasetManager, as_dataset  # noqa: E402
+from onnxq.calibrate.dataset import DatasetManager, as_dataset  # noqa: E402
 from onnxq.errors import OnnxqError  # noqa: E402
-from onnxq.quantizer import Quantizer, QuantizerConfig, QuantizerPattern  # noqa: E402
-from onnxq.requantize import Requantizer  # noqa: E402
+from onnxq.post.requantize import Requantizer  # noqa: E402
 
 __all__ = [
     "CalibrationCallback",

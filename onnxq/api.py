@@ -13,23 +13,23 @@ from typing import Any
 import numpy as np
 import onnx
 
-from onnxq.calibration import (
+from onnxq.annotate.quantizer import Decision, Quantizer, QuantizerConfig, QuantizerPattern
+from onnxq.calibrate.calibration import (
     CalibrationCallback,
     CalibrationReport,
     Calibrator,
     RangeTableCallback,
 )
+from onnxq.calibrate.dataset import as_dataset, model_inputs
 from onnxq.calibrators import DEFAULT_METHOD
-from onnxq.constraints import share_concat_scales, solve
-from onnxq.dataset import as_dataset, model_inputs
 from onnxq.errors import ConfigError, ModelError
-from onnxq.export import FORMATS, PER_CHANNEL_OPSET, dedicated_qdq_pairs, to_qdq
-from onnxq.graph import check_model, load_model, save_model
-from onnxq.preprocess import raise_opset
-from onnxq.quantizer import Decision, Quantizer, QuantizerConfig, QuantizerPattern
-from onnxq.requantize import Requantizer, RequantizeStats, rescales
-from onnxq.session import free_memory, make_session
-from onnxq.subgraphs import has_branches
+from onnxq.io.graph import check_model, load_model, save_model
+from onnxq.io.session import free_memory, make_session
+from onnxq.lower.qdq import FORMATS, PER_CHANNEL_OPSET, dedicated_qdq_pairs, to_qdq
+from onnxq.post.requantize import Requantizer, RequantizeStats, rescales
+from onnxq.post.subgraphs import has_branches
+from onnxq.prepare.preprocess import raise_opset
+from onnxq.solve.constraints import share_concat_scales, solve
 
 QUANTIZED_OPS = frozenset(
     {
@@ -184,17 +184,17 @@ def quantize(
     is ``qoperator`` (QLinear ops, onnxruntime CPU), ``qdq`` (standard ONNX Q/DQ around float
     ops; the opset is raised to 13 when per-channel scales need it) or ``openvino`` (float graph
     with FakeQuantize, run by the OpenVINO runtime). ``weight_bits=7`` restricts weights to
-    [-63, 63] for CPUs without VNNI. ``target`` (a name or :class:`~onnxq.targets.Target`) sets
-    the defaults of format, activation dtype and symmetry, per-channel, weight bits and the
-    patterns; explicit arguments win. With ``output`` the model
-    is also written atomically. The input model is never modified. Every float output is
-    compared with fp32 on a few calibration batches (a warning below 15 dB SQNR names the first
-    layer below it); ``latency_check`` also times fp32 against int8 and warns when int8 is
-    slower (the CLI does this unless ``--no-latency-check``).
+    [-63, 63] for CPUs without VNNI. ``target`` (a name or
+    :class:`~onnxq.annotate.targets.Target`) sets the defaults of format, activation dtype and
+    symmetry, per-channel, weight bits and the patterns; explicit arguments win. With
+    ``output`` the model is also written atomically. The input model is never modified. Every
+    float output is compared with fp32 on a few calibration batches (a warning below 15 dB
+    SQNR names the first layer below it); ``latency_check`` also times fp32 against int8 and
+    warns when int8 is slower (the CLI does this unless ``--no-latency-check``).
     """
+    from onnxq.annotate.targets import Target, get_target
+    from onnxq.calibrate.ranges import read_ranges, write_ranges
     from onnxq.calibrators import method_callback
-    from onnxq.ranges import read_ranges, write_ranges
-    from onnxq.targets import Target, get_target
 
     if weight_dtype == "int4":
         return _int4(model, format, block_size, output)
@@ -222,7 +222,7 @@ def quantize(
                 "--unsigned-after-relu mixes uint8 and int8 activations, which onnxruntime's "
                 "QLinear kernels do not take in one op; use --format qdq or --format openvino"
             )
-    from onnxq.config import UserConfig
+    from onnxq.annotate.config import UserConfig
 
     user = config if isinstance(config, UserConfig) or config is None else UserConfig.load(config)
     weight_bits, notes, bit_warnings = _weight_bits(
@@ -260,7 +260,7 @@ def quantize(
     ):
         float_model = raise_opset(float_model, 21, "int16 activations")
     if user is not None and user.asks("weight_dtype", "int4") and not qconfig.int4_refused:
-        from onnxq.weight_only import INT4_OPSET
+        from onnxq.post.weight_only import INT4_OPSET
 
         float_model = raise_opset(float_model, INT4_OPSET, "int4 weights")
     if format == "qdq" and (per_channel or (user is not None and user.asks("per_channel", True))):
@@ -300,7 +300,7 @@ def quantize(
     if "Concat" in tgt.shared_scale_ops and format != "openvino":
         result, _ = share_concat_scales(result)
     if format == "qoperator":
-        from onnxq.fusions import fuse_gelu
+        from onnxq.prepare.fusions import fuse_gelu
 
         result, _ = fuse_gelu(result)
     if format == "qdq":
@@ -308,14 +308,14 @@ def quantize(
         if tgt.dedicated_qdq_pairs:
             result = dedicated_qdq_pairs(result)
     elif format == "openvino":
-        from onnxq.openvino import to_fakequantize
+        from onnxq.lower.fakequantize import to_fakequantize
 
         result = to_fakequantize(quantizer, (-64, 63) if weight_bits == 7 else None)
     free_memory()
     times["requantize"] = time.perf_counter() - t2
 
     if quantizer.int4_nodes:
-        from onnxq.weight_only import quantize_weights_int4
+        from onnxq.post.weight_only import quantize_weights_int4
 
         result, _ = quantize_weights_int4(
             result, block_size, nodes=set(quantizer.int4_nodes), prepare=False
@@ -386,7 +386,7 @@ def mark_carried(quantizer: Quantizer, crossed: Sequence[str] | None = None) -> 
     for ``inspect``, which then counts what ``quantize`` will.
     """
     if crossed is None:
-        from onnxq.qparams import qrange
+        from onnxq.solve.qparams import qrange
 
         # default values, but a Relu-folded output's zero point at its type's minimum (an int16
         # one is -32768; the default 0 was refused as a broken fold)
@@ -421,13 +421,13 @@ def _checks(
     latency_check: bool,
     reference: list[tuple[dict[str, Any], dict[str, Any]]],
 ) -> tuple[list[str], dict[str, float]]:
-    """Accuracy (always) and latency (on request) of an onnxruntime output (onnxq.checks).
+    """Accuracy (always) and latency (on request) of an onnxruntime output (onnxq.tools.checks).
 
     ``session``: verify's onnxruntime session of ``result``, reused for the accuracy check.
     ``reference``: feeds and fp32 outputs kept by the calibration pass (when it ran one).
     """
-    from onnxq.checks import accuracy_warnings, latency
     from onnxq.errors import DataError
+    from onnxq.tools.checks import accuracy_warnings, latency
 
     if format == "openvino" or dataset is None:
         return [], {}
@@ -470,12 +470,12 @@ def _weight_bits(
     unsigned_after_relu: bool,
     user: Any,
 ) -> tuple[int, list[str], list[str]]:
-    """Resolve the weight bits: explicit, the target's, or ``auto`` (see onnxq.hostcheck).
+    """Resolve the weight bits: explicit, the target's, or ``auto`` (see onnxq.io.hostcheck).
 
     Returns the bits, the notes explaining an automatic choice and the warnings for an explicit
     8-bit choice that this machine's onnxruntime would clip.
     """
-    from onnxq.hostcheck import auto_weight_bits, saturation_warning
+    from onnxq.io.hostcheck import auto_weight_bits, saturation_warning
 
     # onnxruntime runs QDQ through its U8S8 kernels whatever the activation dtype (it turns
     # int8 QDQ into uint8 on x86), OpenVINO its FakeQuantize models alike; the int8 QLinear
@@ -507,8 +507,8 @@ def _explain_constraints(decisions: list[Decision], solution: Any) -> None:
 def _quantize_branches(
     quantizer: Quantizer, result: onnx.ModelProto, dataset: Any, format: str, kw: dict[str, Any]
 ) -> tuple[onnx.ModelProto, list[Any]]:
-    """Quantize the branches of top-level If nodes as models of their own (onnxq.subgraphs)."""
-    from onnxq.subgraphs import BranchResult, quantize_branches
+    """Quantize the branches of top-level If nodes as models of their own (onnxq.post.subgraphs)."""
+    from onnxq.post.subgraphs import BranchResult, quantize_branches
 
     ifs = [n.name for n in quantizer.float_model.graph.node if n.op_type == "If"]
     if dataset is None or format == "openvino":
@@ -554,7 +554,7 @@ def _int4(
     model: Any, format: str | None, block_size: int, output: Any
 ) -> tuple[onnx.ModelProto, QuantizeReport]:
     """Weight-only block-wise int4 (no calibration)."""
-    from onnxq.weight_only import quantize_weights_int4
+    from onnxq.post.weight_only import quantize_weights_int4
 
     if format not in (None, "qdq"):
         raise ConfigError(
@@ -612,7 +612,7 @@ def verify(
         import openvino as ov
     except ImportError:
         return None  # checked structurally only; `pip install openvino` to run it
-    from onnxq.graph import serialize
+    from onnxq.io.graph import serialize
 
     try:
         ov.Core().compile_model(ov.Core().read_model(serialize(model)), "CPU")
@@ -647,7 +647,7 @@ def _float_loads_in_openvino(float_model: onnx.ModelProto | None) -> str:
         return ""
     import openvino as ov
 
-    from onnxq.graph import serialize
+    from onnxq.io.graph import serialize
 
     try:
         ov.Core().compile_model(ov.Core().read_model(serialize(float_model)), "CPU")

@@ -283,7 +283,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _zoo(args: argparse.Namespace) -> int:
-    from onnxq import zoo
+    from onnxq.tools import zoo
 
     manifest = zoo.load_manifest(args.manifest)
     models = manifest.select(args.models)
@@ -340,14 +340,14 @@ def _quantize(args: argparse.Namespace) -> int:
 
     src, dst = Path(args.model), _output_path(args.model, args.output)
     if args.target_file:
-        from onnxq.targets import load_targets
+        from onnxq.annotate.targets import load_targets
 
         load_targets(args.target_file)
     if args.data is None and args.load_ranges is None and args.weight_dtype != "int4":
         raise ConfigError("quantize needs calibration data: --data PATH (or --load-ranges FILE)")
     callback = None
     if args.callback is not None:
-        from onnxq.loader import load_object
+        from onnxq.io.loader import load_object
 
         cls = load_object(args.callback, "--callback")
         callback = cls() if isinstance(cls, type) else cls
@@ -388,7 +388,7 @@ def _quantize(args: argparse.Namespace) -> int:
         latency_check=not args.no_latency_check,
     )
     if args.report:
-        from onnxq.graph import write_text_atomic
+        from onnxq.io.graph import write_text_atomic
 
         write_text_atomic(args.report, json.dumps(report.to_dict(), indent=2))
     if not args.quiet:
@@ -416,8 +416,8 @@ def _output_path(model: str, output: str) -> Path:
 
 def _convert(args: argparse.Namespace) -> int:
     from onnxq.api import verify
-    from onnxq.graph import load_model, save_model
-    from onnxq.ingest import convert
+    from onnxq.io.graph import load_model, save_model
+    from onnxq.lower.convert import convert
 
     dst = _output_path(args.model, args.output)
     model, report = convert(load_model(args.model), args.format)
@@ -430,7 +430,7 @@ def _convert(args: argparse.Namespace) -> int:
 
 
 def _targets(args: argparse.Namespace) -> int:
-    from onnxq.targets import load_targets, targets
+    from onnxq.annotate.targets import load_targets, targets
 
     if args.target_file:
         load_targets(args.target_file)
@@ -447,9 +447,9 @@ def _targets(args: argparse.Namespace) -> int:
 
 
 def _compare(args: argparse.Namespace) -> int:
-    from onnxq.compare import compare
-    from onnxq.dataset import as_dataset, model_inputs
-    from onnxq.graph import load_model, write_text_atomic
+    from onnxq.calibrate.dataset import as_dataset, model_inputs
+    from onnxq.io.graph import load_model, write_text_atomic
+    from onnxq.tools.compare import compare
 
     float_model = load_model(args.float_model)
     quant_model = load_model(args.quant_model)
@@ -465,12 +465,12 @@ def _compare(args: argparse.Namespace) -> int:
 
 
 def _inspect(args: argparse.Namespace) -> int:
+    from onnxq.annotate.config import UserConfig
+    from onnxq.annotate.quantizer import Quantizer, QuantizerConfig
+    from onnxq.annotate.targets import get_target, load_targets
     from onnxq.api import _target_patterns, mark_carried, op_histogram, refuse_quantized
-    from onnxq.config import UserConfig
-    from onnxq.dataset import inputs_hint, model_inputs
-    from onnxq.graph import load_model
-    from onnxq.quantizer import Quantizer, QuantizerConfig
-    from onnxq.targets import get_target, load_targets
+    from onnxq.calibrate.dataset import inputs_hint, model_inputs
+    from onnxq.io.graph import load_model
 
     if args.target_file:
         load_targets(args.target_file)

@@ -14,7 +14,7 @@ with ``None`` for an absent optional input and ``[i]`` for output ``i``; predica
 grouping discipline) and ``rewrite`` (callbacks to a bounded fixed point).
 """
 
-from onnxq._dfpattern import (
+from onnxq.match.dfpattern import (
     COMMUTATIVE_OPS,
     AltPattern,
     AttrPattern,
@@ -44,7 +44,7 @@ from onnxq._dfpattern import (
     tensor_shape,
     wildcard,
 )
-from onnxq._rewrite import (
+from onnxq.match.rewrite import (
     Attempt,
     DFPatternCallback,
     Group,

@@ -8,7 +8,8 @@ Conv → HardSwish) for QDQ and OpenVINO output; GELU kept whole for QOperator o
 
 from __future__ import annotations
 
-from onnxq.calibration import CalibrationCallback
+from onnxq.annotate.quantizer import QuantizerPattern
+from onnxq.calibrate.calibration import CalibrationCallback
 from onnxq.patterns.activation import (
     LeakyReluPattern,
     MatMulActivationsPattern,
@@ -28,7 +29,6 @@ from onnxq.patterns.island import (
     ConvTransposePattern,
 )
 from onnxq.patterns.pool import AveragePoolPattern, GlobalAveragePoolPattern
-from onnxq.quantizer import QuantizerPattern
 
 __all__ = [
     "GatherPattern",

@@ -12,8 +12,9 @@ from typing import Any
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from onnxq.calibration import CalibrationCallback
-from onnxq.graph import MS_DOMAIN, constant_value, producer
+from onnxq.annotate.quantizer import QTensor, QuantizerPattern
+from onnxq.calibrate.calibration import CalibrationCallback
+from onnxq.io.graph import MS_DOMAIN, constant_value, producer
 from onnxq.pattern import (
     DFPattern,
     Match,
@@ -24,7 +25,6 @@ from onnxq.pattern import (
     tensor_shape,
     wildcard,
 )
-from onnxq.quantizer import QTensor, QuantizerPattern
 
 
 def _is_zero(t: gs.Tensor) -> bool:
@@ -135,7 +135,7 @@ class WeightedPattern(QuantizerPattern):
 
 
 def _carries(node: gs.Node | None) -> bool:
-    from onnxq.requantize import CARRIERS
+    from onnxq.post.requantize import CARRIERS
 
     return node is not None and node.op in CARRIERS
 

@@ -12,10 +12,10 @@ from typing import Any
 
 import onnx_graphsurgeon as gs
 
-from onnxq.graph import MS_DOMAIN
+from onnxq.annotate.quantizer import PatternRecord, QuantizerPattern
+from onnxq.io.graph import MS_DOMAIN
 from onnxq.pattern import Match, MatchResult, is_op, node_attr
 from onnxq.patterns.base import is_constant_tensor, quantized_downstream, quantized_upstream
-from onnxq.quantizer import PatternRecord, QuantizerPattern
 
 
 class ConcatPattern(QuantizerPattern):

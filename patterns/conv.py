@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import onnx_graphsurgeon as gs
 
+from onnxq.annotate.quantizer import QTensor
 from onnxq.pattern import Match
 from onnxq.patterns.base import WeightedPattern
-from onnxq.quantizer import QTensor
 
 
 class _ConvBase(WeightedPattern):

@@ -5,7 +5,8 @@ from __future__ import annotations
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from onnxq.graph import MS_DOMAIN
+from onnxq.annotate.quantizer import QTensor
+from onnxq.io.graph import MS_DOMAIN
 from onnxq.pattern import (
     DFPattern,
     Match,
@@ -16,7 +17,6 @@ from onnxq.pattern import (
     tensor_shape,
 )
 from onnxq.patterns.base import WeightedPattern
-from onnxq.quantizer import QTensor
 
 
 class _DenseBase(WeightedPattern):
@@ -91,7 +91,7 @@ class _DenseBase(WeightedPattern):
 
 
 def _value(t: gs.Tensor) -> np.ndarray:
-    from onnxq.graph import constant_value
+    from onnxq.io.graph import constant_value
 
     value = constant_value(t)
     assert value is not None

@@ -13,9 +13,9 @@ from typing import Any
 import numpy as np
 import onnx_graphsurgeon as gs
 
+from onnxq.annotate.quantizer import PatternRecord, QuantizerPattern
 from onnxq.pattern import Match, MatchResult, is_constant, is_op, node_attr, wildcard
-from onnxq.preprocess import default_opset
-from onnxq.quantizer import PatternRecord, QuantizerPattern
+from onnxq.prepare.preprocess import default_opset
 
 
 class GatherPattern(QuantizerPattern):

@@ -2,9 +2,9 @@
 
 A GELU written out as ``x · 0.5 · (1 + erf(x / √2))`` has Mul and Add nodes other patterns could
 quantize one by one. For QOperator output this pattern claims the whole subgraph and leaves it
-float; :func:`onnxq.fusions.fuse_gelu` then writes it as one ``com.microsoft.Gelu`` node, the
-kernel onnxruntime itself would fuse it into in a float graph. QDQ and OpenVINO output keep the
-ops as they are (their runtimes do their own fusions).
+float; :func:`onnxq.prepare.fusions.fuse_gelu` then writes it as one ``com.microsoft.Gelu``
+node, the kernel onnxruntime itself would fuse it into in a float graph. QDQ and OpenVINO output
+keep the ops as they are (their runtimes do their own fusions).
 """
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ from typing import Any
 
 import onnx_graphsurgeon as gs
 
-from onnxq.fusions import GeluFusion
+from onnxq.annotate.quantizer import QuantizerPattern
 from onnxq.pattern import Match, MatchResult
-from onnxq.quantizer import QuantizerPattern
+from onnxq.prepare.fusions import GeluFusion
 
 
 class GeluPattern(QuantizerPattern):

@@ -72,7 +72,7 @@ for job in sorted(data.glob("*.pkl")):
 
 def committed_models() -> list[str]:
     """Zoo models whose .onnx file is committed (no wheel to fetch)."""
-    from onnxq.zoo import load_manifest
+    from onnxq.tools.zoo import load_manifest
 
     return [
         m.name for m in load_manifest().models.values() if m.pypi is None and m.expect == "quantize"
@@ -81,7 +81,14 @@ def committed_models() -> list[str]:
 
 def prepare(names: list[str], settings: list[str], eval_batches: int, data: Path) -> None:
     """Fetch each model and write its calibration and evaluation feeds (from its recipe)."""
-    from onnxq.zoo import check_inputs, fetch, load_manifest, make_recipe, require_packages, runner
+    from onnxq.tools.zoo import (
+        check_inputs,
+        fetch,
+        load_manifest,
+        make_recipe,
+        require_packages,
+        runner,
+    )
 
     manifest = load_manifest()
     for model in manifest.select(names):
@@ -159,7 +166,7 @@ def value_multiset(model: onnx.ModelProto) -> list[tuple[int, tuple[int, ...], s
 
 def run_model(model: onnx.ModelProto, feeds: list[dict[str, np.ndarray]]) -> list[np.ndarray]:
     """Outputs of ``model`` on each feed, in order (OpenVINO for FakeQuantize models)."""
-    from onnxq.zoo import openvino_runner, runner_for
+    from onnxq.tools.zoo import openvino_runner, runner_for
 
     if any(n.domain == "org.openvinotoolkit" for n in model.graph.node):
         try:

@@ -8,7 +8,7 @@ from helpers import make_model, rng, run
 from onnx import helper as h
 
 import onnxq
-from onnxq.qparams import INT32_MAX, accumulation_bound
+from onnxq.solve.qparams import INT32_MAX, accumulation_bound
 
 
 def _conv_bn(gamma_dead: float = 1e-6):
@@ -39,7 +39,7 @@ def test_dead_channel_after_batchnorm_stays_exact(fmt, bits):
     q, report = onnxq.quantize(model, data, format=fmt, weight_bits=bits, progress=False)
     x = {"x": data["x"][:4]}
     ref = run(model, x)[0]
-    got = run(q, x, exact=bits == 8)[0]  # 8-bit: the exact U8S8 path (onnxq.hostcheck)
+    got = run(q, x, exact=bits == 8)[0]  # 8-bit: the exact U8S8 path (onnxq.io.hostcheck)
     step = report.values["y_scale"]
     # the dead channel is 1.0 everywhere; before the fix it came out anywhere in [-1, 1]
     assert np.abs(got[:, 1] - 1.0).max() <= step

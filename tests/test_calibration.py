@@ -9,18 +9,18 @@ from helpers import make_model, rng, run
 from onnx import helper as h
 
 import onnxq
-from onnxq.calibration import CalibrationCallback, Calibrator
-from onnxq.calibrators import AverageMaxObserver, MinMaxCallback, MinMaxObserver
-from onnxq.dataset import (
+from onnxq.annotate.quantizer import Quantizer
+from onnxq.calibrate.calibration import CalibrationCallback, Calibrator
+from onnxq.calibrate.dataset import (
     ArrayDataset,
     FolderDataset,
     IterableDataset,
     as_dataset,
     model_inputs,
 )
+from onnxq.calibrators import AverageMaxObserver, MinMaxCallback, MinMaxObserver
 from onnxq.errors import CalibrationError, DataError
-from onnxq.qparams import QParams, dequantize, params_from_range, quantize, weight_params
-from onnxq.quantizer import Quantizer
+from onnxq.solve.qparams import QParams, dequantize, params_from_range, quantize, weight_params
 
 R = rng(1)
 
@@ -210,7 +210,7 @@ def test_quantized_layer_values_track_calibration():
         quantizer, as_dataset(data, model_inputs(quantizer.float_model)), progress=False
     )
     cal.calibrate()
-    from onnxq.calibration import CalibrationInfo
+    from onnxq.calibrate.calibration import CalibrationInfo
 
     info = CalibrationInfo(cal, quantizer.records[0])
     feeds = {"x": data["x"][:1]}
@@ -363,7 +363,7 @@ def test_runtime_failure_on_calibration_data_is_a_clear_error():
 
 def test_scalar_input_stays_a_scalar():
     # np.ascontiguousarray makes 0-d arrays 1-d; a rank-0 input (silero-vad's sr) must stay 0-d
-    from onnxq.dataset import as_dataset, model_inputs
+    from onnxq.calibrate.dataset import as_dataset, model_inputs
 
     model = make_model(
         [onnx.helper.make_node("Mul", ["x", "k"], ["y"])],
@@ -393,7 +393,7 @@ def _gate(op: str, gain: float, **attrs) -> onnx.ModelProto:
 
 
 def test_saturation_bounds_cover_only_tensors_read_by_saturating_ops():
-    from onnxq.calibration import saturation_bounds
+    from onnxq.calibrate.calibration import saturation_bounds
 
     six = h.make_node("Constant", [], ["six"], value=h.make_tensor("v", 1, [], [6.0]))
     then = h.make_graph(

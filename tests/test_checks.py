@@ -9,9 +9,9 @@ from helpers import MODELS, make_model, rng
 from onnx import helper as h
 
 import onnxq
-from onnxq import checks
-from onnxq.checks import Latency
 from onnxq.cli import main
+from onnxq.tools import checks
+from onnxq.tools.checks import Latency
 
 CNN = MODELS / "digits_cnn.onnx"
 
@@ -79,7 +79,7 @@ def test_latency_is_measured_for_real():
 
 def test_the_layer_search_runs_on_one_sample_where_the_batch_is_free():
     # it exposes every tensor of both models: a batch of 8 OCR lines was 1.3 GB of outputs
-    from onnxq.dataset import InputSpec
+    from onnxq.calibrate.dataset import InputSpec
 
     x = np.zeros((8, 3, 4, 4), np.float32)
     free = [InputSpec("x", np.dtype(np.float32), (None, 3, 4, 4))]

@@ -250,9 +250,9 @@ def test_console_script_demo_and_exit_codes(tmp_path):
 def test_large_models_are_saved_with_external_data(tmp_path, calib, monkeypatch):
     """Over the 2 GB protobuf limit the output goes to external data (limit lowered here)."""
     import onnxq
-    import onnxq.graph
+    import onnxq.io.graph
 
-    monkeypatch.setattr(onnxq.graph, "TWO_GIB", 10_000)  # sessions load from files too
+    monkeypatch.setattr(onnxq.io.graph, "TWO_GIB", 10_000)  # sessions load from files too
     out = tmp_path / "big.int8.onnx"
     model, _ = onnxq.quantize(str(CNN), str(calib), output=str(out), progress=False)
     assert (tmp_path / "big.int8.onnx.data").is_file()

@@ -146,8 +146,8 @@ def test_image_folder_with_preprocess(tmp_path):
 
 
 def test_image_preprocess_values_and_layouts(tmp_path):
-    from onnxq.dataset import InputSpec
-    from onnxq.images import ImageFolderDataset
+    from onnxq.calibrate.dataset import InputSpec
+    from onnxq.calibrate.images import ImageFolderDataset
 
     images = _images(tmp_path / "rgb", n=1, size=(8, 6), mode="RGB")
     ds = ImageFolderDataset(images, "color=bgr,layout=nhwc,mean=0.5,std=0.25,scale=255")
@@ -197,7 +197,7 @@ def broken():
 
 class Fixed(onnxq.CalibrationCallback):
     def calibrate_pattern(self, info):
-        from onnxq.qparams import params_from_range, weight_params
+        from onnxq.solve.qparams import params_from_range, weight_params
         values = {}
         for qt in info.inputs + info.outputs:
             qp = (weight_params(info.constant(qt.tensor), qt.axis) if qt.role == "weight"

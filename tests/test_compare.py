@@ -11,9 +11,9 @@ import pytest
 from helpers import MODELS
 
 import onnxq
+from onnxq.calibrate.dataset import as_dataset, model_inputs
 from onnxq.cli import main
-from onnxq.compare import compare
-from onnxq.dataset import as_dataset, model_inputs
+from onnxq.tools.compare import compare
 
 X = np.random.default_rng(4).uniform(0, 1, (32, 1, 28, 28)).astype(np.float32)
 CNN = MODELS / "digits_cnn.onnx"

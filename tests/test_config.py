@@ -10,8 +10,8 @@ import pytest
 from helpers import MODELS
 
 import onnxq
+from onnxq.annotate.config import UserConfig
 from onnxq.cli import main
-from onnxq.config import UserConfig
 from onnxq.errors import ConfigError
 
 CNN = str(MODELS / "digits_cnn.onnx")

@@ -8,8 +8,8 @@ import pytest
 from helpers import make_model, run
 
 import onnxq
+from onnxq.annotate.targets import Target
 from onnxq.errors import ConfigError
-from onnxq.targets import Target
 
 H = onnx.helper
 
@@ -155,7 +155,7 @@ def test_unknown_shared_scale_op_is_refused(tmp_path):
         Target("bad", format="qdq", shared_scale_ops=("Add",))
     f = tmp_path / "t.toml"
     f.write_text('[target.cat]\nformat = "qdq"\nshared_scale_ops = ["Concat"]\n')
-    from onnxq.targets import load_targets
+    from onnxq.annotate.targets import load_targets
 
     (t,) = load_targets(f)
     assert t.shared_scale_ops == ("Concat",)

@@ -32,8 +32,8 @@ from onnx import numpy_helper as nh
 
 import onnxq
 from onnxq.errors import OnnxqError
-from onnxq.graph import serialize
-from onnxq.session import make_session
+from onnxq.io.graph import serialize
+from onnxq.io.session import make_session
 
 FLOAT = onnx.TensorProto.FLOAT
 DATA = Path(onnx.__file__).parent / "backend" / "test" / "data"

@@ -161,7 +161,7 @@ def run_ov(model, x):
 
 
 def test_fq_bounds_follow_the_formula():
-    from onnxq.openvino import fq_bounds
+    from onnxq.lower.fakequantize import fq_bounds
 
     low, high, levels = fq_bounds(np.float32(0.1), np.uint8(0), "uint8")
     assert levels == 256 and low == 0 and np.isclose(high, 25.5)
@@ -192,7 +192,7 @@ def test_three_formats_agree_within_one_step(name):
     fp32 = onnx.load(path)
     inp = fp32.graph.input[0].name
     models = {
-        # 7-bit weights: exact in onnxruntime and OpenVINO on any CPU (see onnxq.hostcheck)
+        # 7-bit weights: exact in onnxruntime and OpenVINO on any CPU (see onnxq.io.hostcheck)
         f: onnxq.quantize(path, {inp: calib}, format=f, weight_bits=7, progress=False)[0]
         for f in ("qoperator", "qdq", "openvino")
     }

@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 from helpers import MODELS
 
-import onnxq.dataset as dataset
-import onnxq.graph as graph
+import onnxq.calibrate.dataset as dataset
+import onnxq.io.graph as graph
 from onnxq.cli import main
 
 CNN = MODELS / "digits_cnn.onnx"
@@ -74,7 +74,7 @@ import os, signal, sys, time
 # a shell starts background jobs with SIGINT ignored, and Python then installs no handler:
 # give the child the handler an interactive onnxq has (the suite itself may run in background)
 signal.signal(signal.SIGINT, signal.default_int_handler)
-import onnxq.graph as graph
+import onnxq.io.graph as graph
 from onnxq.cli import main
 stage, ready = sys.argv[1], sys.argv[2]
 
@@ -86,7 +86,7 @@ if stage == "save":
     real = graph.os.fsync
     graph.os.fsync = lambda fd: (block(), real(fd))
 else:
-    import onnxq.calibration as calibration
+    import onnxq.calibrate.calibration as calibration
     real_run = calibration.run_checked
     def slow(*args, **kwargs):
         block()

@@ -135,7 +135,7 @@ def test_the_npz_example_is_python_for_names_that_are_not_identifiers(tmp_path):
     # 'gpu_0/data_0' (the onnx light models) once gave "**{'gpu_0/data_0': ...}=samples_0"
     import ast
 
-    from onnxq.dataset import InputSpec, inputs_hint
+    from onnxq.calibrate.dataset import InputSpec, inputs_hint
 
     specs = [
         InputSpec("gpu_0/data_0", np.dtype(np.float32), (1, 3, 4, 4)),

@@ -10,7 +10,7 @@ import pytest
 from helpers import make_model, run
 
 import onnxq
-from onnxq.fusions import fuse_gelu
+from onnxq.prepare.fusions import fuse_gelu
 
 H = onnx.helper
 
@@ -130,8 +130,8 @@ def _hardswish_model(form: str, opset: int = 12):
 
 @pytest.mark.parametrize("form", ["div", "mul-sixth", "gate"])
 def test_written_out_hardswish_becomes_the_op(form):
-    from onnxq.fusions import fuse_hardswish
-    from onnxq.preprocess import default_opset
+    from onnxq.prepare.fusions import fuse_hardswish
+    from onnxq.prepare.preprocess import default_opset
 
     model, data = _hardswish_model(form)
     fused, groups = fuse_hardswish(model)
@@ -148,7 +148,7 @@ def test_written_out_hardswish_becomes_the_op(form):
 
 
 def test_hardswish_with_other_constants_is_left_alone():
-    from onnxq.fusions import fuse_hardswish
+    from onnxq.prepare.fusions import fuse_hardswish
 
     model, _ = _hardswish_model("div")
     for init in model.graph.initializer:

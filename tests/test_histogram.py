@@ -13,7 +13,7 @@ from onnxq.calibrators import (
     PercentileObserver,
 )
 from onnxq.errors import ConfigError
-from onnxq.qparams import dequantize, params_from_range, quantize
+from onnxq.solve.qparams import dequantize, params_from_range, quantize
 
 R = np.random.default_rng(7)
 

@@ -9,7 +9,7 @@ from onnx import helper as h
 from onnx import numpy_helper as nh
 
 import onnxq
-from onnxq import hostcheck
+from onnxq.io import hostcheck
 
 
 def _conv():

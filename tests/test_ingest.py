@@ -12,7 +12,7 @@ from test_patterns import weights
 import onnxq
 from onnxq.cli import main
 from onnxq.errors import ModelError
-from onnxq.ingest import convert, quantized_form
+from onnxq.lower.convert import convert, quantized_form
 
 R = rng(11)
 ds = zoo_datasets()

@@ -91,7 +91,7 @@ def test_qoperator_keeps_them_float_and_says_why(decoder):
 def test_openvino_islands_agree_with_qdq(decoder):
     ov = pytest.importorskip("openvino")
     model, data = decoder
-    # 7-bit weights in both: exact in onnxruntime and OpenVINO on any CPU (onnxq.hostcheck)
+    # 7-bit weights in both: exact in onnxruntime and OpenVINO on any CPU (onnxq.io.hostcheck)
     qdq, report = onnxq.quantize(model, data, format="qdq", weight_bits=7, progress=False)
     fq, _ = onnxq.quantize(model, data, format="openvino", weight_bits=7, progress=False)
     kinds = [n.op_type for n in fq.graph.node]

@@ -12,10 +12,10 @@ import pytest
 from helpers import make_model, rng
 from onnx import helper as h
 
-import onnxq.qparams as qparams
-import onnxq.session as session
-from onnxq.graph import serialize, skeleton
-from onnxq.qparams import QParams, quantize
+import onnxq.io.session as session
+import onnxq.solve.qparams as qparams
+from onnxq.io.graph import serialize, skeleton
+from onnxq.solve.qparams import QParams, quantize
 
 
 @pytest.mark.parametrize(

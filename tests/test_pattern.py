@@ -9,7 +9,7 @@ from helpers import make_model
 from onnx import helper as h
 
 from onnxq.errors import PatternError
-from onnxq.graph import import_graph
+from onnxq.io.graph import import_graph
 from onnxq.pattern import (
     DFPatternCallback,
     find_all,
@@ -317,7 +317,7 @@ class ReluToClip(DFPatternCallback):
 def test_rewrite_callback_fixed_point_and_numerics():
     from helpers import run
 
-    from onnxq.graph import export_model
+    from onnxq.io.graph import export_model
 
     model = make_model(
         [

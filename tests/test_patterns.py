@@ -9,7 +9,7 @@ from helpers import dq_q_pairs_between_quantized, make_model, ops, rng, run
 from onnx import helper as h
 
 import onnxq
-from onnxq.quantizer import Quantizer
+from onnxq.annotate.quantizer import Quantizer
 
 R = rng(0)
 

@@ -9,7 +9,7 @@ from helpers import make_model, ops, rng, run
 from onnx import helper as h
 
 import onnxq
-from onnxq.preprocess import preprocess
+from onnxq.prepare.preprocess import preprocess
 
 R = rng(21)
 
@@ -156,7 +156,7 @@ def test_symbolic_shape_inference_leaves_no_file_in_the_working_directory(tmp_pa
     # in the working directory when it gives up (it did on ddddocr's int8 model)
     from onnxruntime.tools import symbolic_shape_infer
 
-    from onnxq.preprocess import _symbolic_shapes
+    from onnxq.prepare.preprocess import _symbolic_shapes
 
     def gives_up(model, **kwargs):
         onnx.save_model(model, "sym_shape_infer_temp.onnx")

@@ -10,7 +10,7 @@ from onnx import TensorProto
 from onnx import helper as h
 from onnx import numpy_helper as nh
 
-from onnxq.requantize import Requantizer
+from onnxq.post.requantize import Requantizer
 
 
 def qdq_model(nodes, inits, out_shape=(1, 4, 4, 4), opset=13):

@@ -10,8 +10,8 @@ from onnx import helper as h
 from onnx import numpy_helper as nh
 
 import onnxq
-from onnxq.graph import hoist_nested_initializers
-from onnxq.subgraphs import free_variables
+from onnxq.io.graph import hoist_nested_initializers
+from onnxq.post.subgraphs import free_variables
 
 R = rng(3)
 

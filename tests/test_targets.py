@@ -8,9 +8,9 @@ import pytest
 from helpers import MODELS, ops, run, zoo_datasets
 
 import onnxq
+from onnxq.annotate.targets import Target, get_target, register_target
 from onnxq.cli import main
 from onnxq.errors import ConfigError
-from onnxq.targets import Target, get_target, register_target
 
 ds = zoo_datasets()
 CNN = str(MODELS / "digits_cnn.onnx")

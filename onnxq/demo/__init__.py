@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import onnx
 
-from onnxq.graph import serialize
+from onnxq.io.graph import serialize
 
 
 def demo_files() -> tuple[Path, dict[str, np.ndarray]]:
@@ -68,7 +68,7 @@ def latency_ms(model: onnx.ModelProto, x: np.ndarray, runs: int) -> float:
 def run_demo(output: str | None = None, runs: int = 300) -> int:
     """Quantize the bundled model, print the comparison; optionally write the int8 model."""
     from onnxq.api import quantize
-    from onnxq.graph import load_model
+    from onnxq.io.graph import load_model
 
     path, data = demo_files()
     fp32 = load_model(path)

@@ -12,8 +12,8 @@ import onnx
 import pytest
 
 from onnxq.cli import main
-from onnxq.graph import check_model
-from onnxq.zoo import (
+from onnxq.io.graph import check_model
+from onnxq.tools.zoo import (
     SYSTEM_PACKAGES,
     MissingPackage,
     ZooError,
@@ -138,7 +138,7 @@ def test_fetch_checks_sha256_and_caches(tmp_path, monkeypatch, good):
 
 @pytest.mark.slow
 def test_symbolic_shapes_fill_what_onnx_inference_leaves():
-    from onnxq.preprocess import _unshaped, preprocess
+    from onnxq.prepare.preprocess import _unshaped, preprocess
 
     model = MANIFEST.models["rapidocr_v4_rec"]
     proto = onnx.load(str(fetch(MANIFEST, model, log=lambda _: None)["model"]))
@@ -147,7 +147,7 @@ def test_symbolic_shapes_fill_what_onnx_inference_leaves():
 
 
 def test_manifest_input_spec_is_checked_against_the_model(tmp_path):
-    from onnxq.zoo import check_inputs
+    from onnxq.tools.zoo import check_inputs
 
     model = MANIFEST.models["digits_cnn"]
     path = fetch(MANIFEST, model, log=lambda _: None)["model"]
@@ -170,7 +170,7 @@ def test_manifest_input_spec_is_checked_against_the_model(tmp_path):
 def test_explain_names_every_node_of_a_zoo_model(target, capsys):
     import json
 
-    from onnxq.preprocess import preprocess
+    from onnxq.prepare.preprocess import preprocess
 
     path = fetch(MANIFEST, MANIFEST.models["ppocrv6_tiny_rec"], lambda _: None)["model"]
     assert main(["inspect", str(path), "--explain", "--json", "--target", target]) == 0
@@ -211,7 +211,9 @@ def test_missing_system_package_is_named_and_the_run_goes_on(tmp_path, monkeypat
     path.write_text(body)
     for name in ("recipes.py", "datasets.py", "digits_cnn.onnx"):
         (tmp_path / name).write_bytes((MANIFEST.path.parent / name).read_bytes())
-    monkeypatch.setattr("onnxq.zoo.SYSTEM_PACKAGES", {**SYSTEM_PACKAGES, "espeak-ng": "/nope"})
+    monkeypatch.setattr(
+        "onnxq.tools.zoo.SYSTEM_PACKAGES", {**SYSTEM_PACKAGES, "espeak-ng": "/nope"}
+    )
     manifest = load_manifest(path)
     with pytest.raises(MissingPackage, match="apt-get install espeak-ng"):
         run_model(manifest, manifest.models["silero_vad"], log=lambda _: None)

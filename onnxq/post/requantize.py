@@ -21,9 +21,9 @@ import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
 
-from onnxq.graph import GraphEditor, constant_value, export_model, import_graph, producer
-from onnxq.preprocess import default_opset
-from onnxq.qparams import INT32_MAX, accumulation_bound, qrange
+from onnxq.io.graph import GraphEditor, constant_value, export_model, import_graph, producer
+from onnxq.prepare.preprocess import default_opset
+from onnxq.solve.qparams import INT32_MAX, accumulation_bound, qrange
 
 #: quantized ops and the input positions of their (tensor, scale, zero point) operand triples
 QLINEAR_INPUTS: dict[str, tuple[int, ...]] = {
@@ -342,7 +342,7 @@ def rescales(model: onnx.ModelProto) -> list[str]:
 
     Each costs one requantize the pass cannot fold: a boundary between regions quantized in
     different activation dtypes (``--config activation_dtype``), an input rescaled to a
-    Concat's shared scale (onnxq.constraints), or a pair whose fold would overflow a bias.
+    Concat's shared scale (onnxq.solve.constraints), or a pair whose fold would overflow a bias.
     """
     producers = {o: n for n in model.graph.node for o in n.output}
     out = []

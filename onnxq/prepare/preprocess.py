@@ -19,7 +19,7 @@ import onnx
 import onnx_graphsurgeon as gs
 
 from onnxq.errors import ModelError
-from onnxq.graph import (
+from onnxq.io.graph import (
     GraphEditor,
     constant_value,
     copy_fields,
@@ -65,7 +65,7 @@ def raise_opset(model: onnx.ModelProto, opset: int, why: str) -> onnx.ModelProto
 
 def preprocess(model: onnx.ModelProto) -> onnx.ModelProto:
     """Run every preprocessing pass and return a new model (the argument is not modified)."""
-    from onnxq.fusions import fuse_hardswish
+    from onnxq.prepare.fusions import fuse_hardswish
 
     if default_opset(model) < MIN_OPSET:
         model = raise_opset(model, TARGET_OPSET, f"QLinear ops (opset >= {MIN_OPSET})")
@@ -90,7 +90,7 @@ def preprocess(model: onnx.ModelProto) -> onnx.ModelProto:
 def _with_weights(inferred: onnx.ModelProto, full: onnx.ModelProto) -> onnx.ModelProto:
     """``full``, changed in place, with everything of ``inferred`` but the initializers.
 
-    ``inferred`` is :func:`~onnxq.graph.skeleton` of ``full`` after shape inference.
+    ``inferred`` is :func:`~onnxq.io.graph.skeleton` of ``full`` after shape inference.
     Copying the weights back into ``inferred`` instead took 2 s on VGG19.
     """
     for field, _ in full.graph.ListFields():

@@ -25,9 +25,9 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
-from onnxq.calibration import run_checked
-from onnxq.dataset import DatasetManager
-from onnxq.session import make_session, output_types
+from onnxq.calibrate.calibration import run_checked
+from onnxq.calibrate.dataset import DatasetManager
+from onnxq.io.session import make_session, output_types
 
 FLOAT_TYPES = {onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.DOUBLE}
 CLEAN_DB = 60.0

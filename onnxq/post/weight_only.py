@@ -21,9 +21,9 @@ import onnx_graphsurgeon as gs
 from onnx import numpy_helper
 
 from onnxq.errors import ConfigError
-from onnxq.graph import GraphEditor, export_model, import_graph
+from onnxq.io.graph import GraphEditor, export_model, import_graph
 from onnxq.pattern import node_attr
-from onnxq.preprocess import preprocess, raise_opset
+from onnxq.prepare.preprocess import preprocess, raise_opset
 
 INT4_OPSET = 21
 

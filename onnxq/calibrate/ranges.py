@@ -15,7 +15,7 @@ import os
 from collections.abc import Mapping
 
 from onnxq.errors import ConfigError
-from onnxq.graph import write_text_atomic
+from onnxq.io.graph import write_text_atomic
 
 FORMAT = "onnxq-ranges"
 

@@ -19,7 +19,7 @@ import onnx
 import onnx_graphsurgeon as gs
 
 from onnxq.errors import PatternError
-from onnxq.graph import constant_value, is_absent, node_label, present_inputs, producer
+from onnxq.io.graph import constant_value, is_absent, node_label, present_inputs, producer
 
 COMMUTATIVE_OPS = frozenset({"Add", "Mul", "Max", "Min", "Sum", "And", "Or", "Xor", "Equal"})
 

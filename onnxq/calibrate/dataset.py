@@ -508,7 +508,7 @@ class FolderDataset(DatasetManager):
         self.path = Path(path)
         self.files = sorted(f for f in self.path.iterdir() if f.suffix in (".npy", ".npz"))
         if not self.files:
-            from onnxq.images import image_files
+            from onnxq.calibrate.images import image_files
 
             hint = (
                 "; it holds images: give --preprocess (e.g. 'resize=256,crop=224')"
@@ -636,7 +636,7 @@ def as_dataset(
             "no calibration data given; pass --data FILE.npz, a folder of .npy/.npz "
             "files, or an iterable of feed dicts"
         )
-    from onnxq.loader import is_reference, load_object
+    from onnxq.io.loader import is_reference, load_object
 
     if isinstance(data, str) and is_reference(data):
         fn = load_object(data, "--data")
@@ -654,7 +654,7 @@ def as_dataset(
     elif isinstance(data, str | os.PathLike):
         p = Path(data)
         if p.is_dir() and preprocess is not None:
-            from onnxq.images import ImageFolderDataset
+            from onnxq.calibrate.images import ImageFolderDataset
 
             ds = ImageFolderDataset(p, preprocess, limit=limit)
         elif p.is_dir():

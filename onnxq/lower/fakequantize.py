@@ -24,12 +24,12 @@ import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
 
-from onnxq.graph import GraphEditor, export_model, import_graph, producer
-from onnxq.qparams import qrange
-from onnxq.requantize import carried_source
+from onnxq.io.graph import GraphEditor, export_model, import_graph, producer
+from onnxq.post.requantize import carried_source
+from onnxq.solve.qparams import qrange
 
 if TYPE_CHECKING:
-    from onnxq.quantizer import QTensor, Quantizer
+    from onnxq.annotate.quantizer import QTensor, Quantizer
 
 OV_DOMAIN = "org.openvinotoolkit"
 
@@ -165,7 +165,7 @@ def qdq_to_fakequantize(model: onnx.ModelProto) -> tuple[onnx.ModelProto, list[s
     DequantizeLinear of a graph input, an integer graph output) is a clear error.
     """
     from onnxq.errors import ModelError
-    from onnxq.graph import constant_value
+    from onnxq.io.graph import constant_value
 
     graph = import_graph(model)
     editor = GraphEditor(graph)
@@ -230,7 +230,7 @@ def qdq_to_fakequantize(model: onnx.ModelProto) -> tuple[onnx.ModelProto, list[s
 
 def _carried_from_quantize(x: gs.Tensor) -> tuple[list[gs.Node], gs.Node | None]:
     """The carrier nodes (first to last) between a QuantizeLinear and ``x``, and that Q."""
-    from onnxq.requantize import CARRIERS
+    from onnxq.post.requantize import CARRIERS
 
     chain: list[gs.Node] = []
     node = producer(x)
@@ -255,7 +255,7 @@ def _float_chain(
     cascaded MaxPools): the carriers past that chain still declare integers and hold
     zero-point padding, and are converted here.
     """
-    from onnxq.graph import constant_value
+    from onnxq.io.graph import constant_value
 
     if q.op == "FakeQuantize":
         scale, zp = params[q.outputs[0].name]

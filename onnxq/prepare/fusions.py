@@ -25,8 +25,8 @@ import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
 
-from onnxq._rewrite import DFPatternCallback, rewrite
-from onnxq.graph import MS_DOMAIN, constant_value, export_model, import_graph
+from onnxq.io.graph import MS_DOMAIN, constant_value, export_model, import_graph
+from onnxq.match.rewrite import DFPatternCallback, rewrite
 from onnxq.pattern import DFPattern, is_constant, is_op, wildcard
 
 
@@ -124,7 +124,7 @@ def fuse_hardswish(
     imported again.
     """
     from onnxq.errors import ModelError
-    from onnxq.preprocess import default_opset, raise_opset
+    from onnxq.prepare.preprocess import default_opset, raise_opset
 
     fusion = HardSwishFusion()
     graph = graph if graph is not None else import_graph(model)

@@ -23,15 +23,15 @@ from typing import TYPE_CHECKING, Any, Protocol
 import numpy as np
 import onnx
 
-from onnxq.dataset import feed_samples
+from onnxq.calibrate.dataset import feed_samples
 from onnxq.errors import CalibrationError
-from onnxq.graph import graphs_of
-from onnxq.qparams import params_from_range, weight_params
-from onnxq.session import make_session
+from onnxq.io.graph import graphs_of
+from onnxq.io.session import make_session
+from onnxq.solve.qparams import params_from_range, weight_params
 
 if TYPE_CHECKING:
-    from onnxq.dataset import DatasetManager
-    from onnxq.quantizer import PatternRecord, QTensor, Quantizer
+    from onnxq.annotate.quantizer import PatternRecord, QTensor, Quantizer
+    from onnxq.calibrate.dataset import DatasetManager
 
 
 class Observer(Protocol):

@@ -18,10 +18,10 @@ from typing import Any
 import numpy as np
 import onnx
 
-from onnxq.calibration import run_checked
-from onnxq.compare import TensorStats, compare
-from onnxq.dataset import Feed, IterableDataset, model_inputs
-from onnxq.session import make_session
+from onnxq.calibrate.calibration import run_checked
+from onnxq.calibrate.dataset import Feed, IterableDataset, model_inputs
+from onnxq.io.session import make_session
+from onnxq.tools.compare import TensorStats, compare
 
 #: an output below this SQNR against fp32 (on the check's samples) is warned about
 SQNR_FLOOR_DB = 15.0

@@ -175,7 +175,7 @@ def default_manifest() -> Path:
     env = os.environ.get("ONNXQ_ZOO")
     if env:
         return Path(env)
-    for root in (Path.cwd(), Path(__file__).resolve().parents[1]):
+    for root in (Path.cwd(), Path(__file__).resolve().parents[2]):
         candidate = root / "models" / "manifest.toml"
         if candidate.is_file():
             return candidate
@@ -470,7 +470,7 @@ def openvino_runner(model: onnx.ModelProto) -> Callable[[dict[str, np.ndarray]],
 
 def runner_for(model: onnx.ModelProto) -> Callable[[dict[str, np.ndarray]], list[np.ndarray]]:
     """The runtime ``model`` is meant for: OpenVINO for FakeQuantize models, else onnxruntime."""
-    from onnxq.openvino import OV_DOMAIN
+    from onnxq.lower.fakequantize import OV_DOMAIN
 
     if any(n.domain == OV_DOMAIN for n in model.graph.node):
         return openvino_runner(model)
@@ -536,7 +536,7 @@ def _run_quantized(
 ) -> ZooResult:
     """An already-int8 model: ``quantize`` must refuse it, ``convert`` must keep its outputs."""
     from onnxq.api import quantize
-    from onnxq.ingest import convert
+    from onnxq.lower.convert import convert
 
     try:
         quantize(str(path), recipe.calibration(1), progress=False)
@@ -577,7 +577,7 @@ def _result(
     """Score ``qmodel``, save it to ``output`` (if given) and gather the result."""
     int8 = recipe.evaluate(runner_for(qmodel), model.evaluation)
     if output is not None:
-        from onnxq.graph import save_model
+        from onnxq.io.graph import save_model
 
         save_model(qmodel, output)
     return ZooResult(

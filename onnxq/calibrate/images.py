@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from onnxq.dataset import DatasetManager
+from onnxq.calibrate.dataset import DatasetManager
 from onnxq.errors import ConfigError, DataError
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".ppm", ".pgm", ".tif", ".tiff", ".webp")

@@ -11,9 +11,9 @@ from typing import Any
 
 import onnx
 
-from onnxq import graph
 from onnxq.errors import ModelError
-from onnxq.graph import serialize
+from onnxq.io import graph
+from onnxq.io.graph import serialize
 
 
 def make_session(
@@ -28,13 +28,13 @@ def make_session(
     ``expose`` names inner tensors to add as outputs of the session. They are appended to the
     model only while the session is built, then removed: no second copy of the weights is made.
 
-    ``exact`` selects onnxruntime's exact U8S8 path on CPUs without VNNI (see onnxq.hostcheck):
+    ``exact`` selects onnxruntime's exact U8S8 path on CPUs without VNNI (see onnxq.io.hostcheck):
     for onnxq's own layer-by-layer measurements, which must see the quantization error, not the
     host's int16 clipping. What users run (verify, compare, the zoo) uses the default session.
     """
     import onnxruntime as ort
 
-    from onnxq.hostcheck import PRECISE_OPTION, u8s8_saturates
+    from onnxq.io.hostcheck import PRECISE_OPTION, u8s8_saturates
 
     def options(precise: bool) -> Any:
         opts = ort.SessionOptions()

@@ -23,7 +23,7 @@ import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
 
-from onnxq.graph import MS_DOMAIN, GraphEditor, constant_value, export_model, import_graph
+from onnxq.io.graph import MS_DOMAIN, GraphEditor, constant_value, export_model, import_graph
 from onnxq.pattern import (
     DFPattern,
     DFPatternCallback,
@@ -35,8 +35,8 @@ from onnxq.pattern import (
     rewrite,
     wildcard,
 )
-from onnxq.preprocess import preprocess
-from onnxq.qparams import qrange
+from onnxq.prepare.preprocess import preprocess
+from onnxq.solve.qparams import qrange
 
 QDQ_OPS = frozenset({"QuantizeLinear", "DequantizeLinear"})
 QOPERATOR_OPS = frozenset(
@@ -295,7 +295,7 @@ class ConvertReport:
 
 def qdq_to_qoperator(model: onnx.ModelProto) -> tuple[onnx.ModelProto, ConvertReport]:
     """QOperator form of a QDQ model; unmatched float ops keep their Q/DQ."""
-    from onnxq.requantize import Requantizer
+    from onnxq.post.requantize import Requantizer
 
     model = preprocess(model)
     graph = import_graph(model)
@@ -330,7 +330,7 @@ def qdq_to_qoperator(model: onnx.ModelProto) -> tuple[onnx.ModelProto, ConvertRe
 def convert(model: onnx.ModelProto, target: str) -> tuple[onnx.ModelProto, ConvertReport]:
     """Retarget a quantized model to ``target`` (qoperator, qdq, openvino) without calibration."""
     from onnxq.errors import ConfigError, ModelError
-    from onnxq.export import to_qdq
+    from onnxq.lower.qdq import to_qdq
 
     if target not in ("qoperator", "qdq", "openvino"):
         raise ConfigError(
@@ -344,7 +344,7 @@ def convert(model: onnx.ModelProto, target: str) -> tuple[onnx.ModelProto, Conve
             "is a float model; use `onnxq quantize` with calibration data"
         )
     if target == "openvino":
-        from onnxq.openvino import qdq_to_fakequantize
+        from onnxq.lower.fakequantize import qdq_to_fakequantize
 
         qdq = to_qdq(model) if source == "qoperator" else model
         fq, converted = qdq_to_fakequantize(qdq)

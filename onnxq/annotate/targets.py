@@ -21,7 +21,7 @@ from dataclasses import dataclass, fields
 
 from onnxq.errors import ConfigError
 
-#: ops whose scale sharing onnxq.constraints can enforce
+#: ops whose scale sharing onnxq.solve.constraints can enforce
 SHAREABLE_OPS = frozenset({"Concat"})
 RUNTIMES = ("onnxruntime", "tensorrt", "openvino", "other")
 
@@ -42,14 +42,14 @@ class Target:
     unsigned_after_relu: bool = False
     #: QDQ output: a Q/DQ pair per consumer (TensorRT fuses each pair into its layer)
     dedicated_qdq_pairs: bool = False
-    #: ops whose inputs and output share one scale and zero point (onnxq.constraints)
+    #: ops whose inputs and output share one scale and zero point (onnxq.solve.constraints)
     shared_scale_ops: tuple[str, ...] = ()
     #: what runs the model: "onnxruntime" (weight_bits auto then measures its CPU kernels),
     #: "tensorrt", "openvino" or "other"
     runtime: str = "onnxruntime"
 
     def __post_init__(self) -> None:
-        from onnxq.export import FORMATS
+        from onnxq.lower.qdq import FORMATS
 
         if self.format not in FORMATS:
             raise ConfigError(
@@ -132,7 +132,7 @@ def targets() -> list[Target]:
 
 def load_targets(path: str | os.PathLike[str]) -> list[Target]:
     """Register the ``[target.NAME]`` tables of a TOML file and return them."""
-    from onnxq.config import load_toml
+    from onnxq.annotate.config import load_toml
 
     doc = load_toml(path, "--target-file")
     known = {f.name for f in fields(Target)} - {"name"}

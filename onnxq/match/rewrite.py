@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 
 import onnx_graphsurgeon as gs
 
-from onnxq._dfpattern import DFPattern, Match, MatchResult, match_explain
-from onnxq.graph import GraphEditor, node_label, nodes_in_order
+from onnxq.io.graph import GraphEditor, node_label, nodes_in_order
+from onnxq.match.dfpattern import DFPattern, Match, MatchResult, match_explain
 
 
 class DFPatternCallback:
@@ -25,7 +25,7 @@ class DFPatternCallback:
     ``callback`` returns the tensor that replaces the match's root, or None for "no rewrite".
     Because ONNX graphs are edited in place, ``pre`` and ``post`` are the same root tensor; the
     signature is kept so rules read like TVM's. While a rewrite runs, ``self.editor`` is the
-    :class:`~onnxq.graph.GraphEditor` to build new nodes with and ``self.match`` the current
+    :class:`~onnxq.io.graph.GraphEditor` to build new nodes with and ``self.match`` the current
     :class:`Match`.
     """
 

@@ -32,12 +32,12 @@ import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
 
-from onnxq.graph import GraphEditor, constant_value, export_model, import_graph
-from onnxq.qparams import params_from_range, qrange
-from onnxq.requantize import carried_source
+from onnxq.io.graph import GraphEditor, constant_value, export_model, import_graph
+from onnxq.post.requantize import carried_source
+from onnxq.solve.qparams import params_from_range, qrange
 
 if TYPE_CHECKING:
-    from onnxq.quantizer import PatternRecord, QTensor, Quantizer
+    from onnxq.annotate.quantizer import PatternRecord, QTensor, Quantizer
 
 
 @dataclass

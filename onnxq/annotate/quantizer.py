@@ -23,10 +23,8 @@ import onnx
 import onnx_graphsurgeon as gs
 from onnx import numpy_helper
 
-from onnxq._dfpattern import Match, MatchResult, tensor_dtype
-from onnxq._rewrite import DFPatternCallback, Partition, rewrite
 from onnxq.errors import CalibrationError, ConfigError, QuantizationError
-from onnxq.graph import (
+from onnxq.io.graph import (
     GraphEditor,
     constant_value,
     export_model,
@@ -37,8 +35,10 @@ from onnxq.graph import (
     nodes_in_order,
     producer,
 )
-from onnxq.preprocess import preprocess
-from onnxq.qparams import (
+from onnxq.match.dfpattern import Match, MatchResult, tensor_dtype
+from onnxq.match.rewrite import DFPatternCallback, Partition, rewrite
+from onnxq.prepare.preprocess import preprocess
+from onnxq.solve.qparams import (
     INT32_MAX,
     QParams,
     accumulation_bound,
@@ -49,7 +49,7 @@ from onnxq.qparams import (
 )
 
 if TYPE_CHECKING:
-    from onnxq.calibration import CalibrationCallback, CalibrationInfo
+    from onnxq.calibrate.calibration import CalibrationCallback, CalibrationInfo
 
 ACTIVATION_DTYPES = ("uint8", "int8", "int16")
 _WRONG_OP = re.compile(r" is [\w.]+, expected [\w.]+$")
@@ -68,7 +68,7 @@ class QuantizerConfig:
     #: symmetric int8 activations, except tensors a Relu makes non-negative: uint8, zero point 0
     #: (twice the resolution there; OpenVINO's convention)
     unsigned_after_relu: bool = False
-    #: per-node settings (onnxq.config.UserConfig) from --config
+    #: per-node settings (onnxq.annotate.config.UserConfig) from --config
     user: Any = None
     #: the output format (QDQ islands need qdq or openvino)
     format: str = "qoperator"
@@ -578,7 +578,7 @@ class Quantizer:
 
     def _inside_reason(self, node: gs.Node, part: Partition) -> str:
         """Why a node that no pattern was rooted at stays float."""
-        from onnxq.requantize import CARRIERS
+        from onnxq.post.requantize import CARRIERS
 
         # a rejected pattern rooted at a consumer may name this node (an escaping value, …)
         for out in node.outputs:

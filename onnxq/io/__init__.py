@@ -1,0 +1,1 @@
+"""Graph I/O: loading, saving, the one graph editor, onnxruntime sessions and the host probe."""

@@ -1,0 +1,1 @@
+"""Lowerings into each output format: QDQ, OpenVINO FakeQuantize, and convert between formats."""

@@ -1,0 +1,1 @@
+"""The pattern language: DFPattern matching and the rewriter that applies rules."""

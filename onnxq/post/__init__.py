@@ -1,0 +1,1 @@
+"""Passes on the quantized graph: requantize, If branches, int4 weights."""

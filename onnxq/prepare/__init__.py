@@ -1,0 +1,1 @@
+"""Float-graph passes before annotation: opset, shape inference, folding, fusions."""

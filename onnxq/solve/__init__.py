@@ -1,0 +1,1 @@
+"""Solving: constraint propagation and quantization parameters."""

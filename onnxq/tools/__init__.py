@@ -1,0 +1,1 @@
+"""Tools around quantization: compare, the model zoo, accuracy and latency checks."""
