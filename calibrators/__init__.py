@@ -13,7 +13,7 @@
 
 from __future__ import annotations
 
-from onnxq.calibrate.calibration import CalibrationCallback, RangeTableCallback
+from onnxq.calibrate.callbacks import CalibrationCallback, RangeTableCallback
 from onnxq.calibrators.average_max import AverageMaxCallback, AverageMaxObserver
 from onnxq.calibrators.histogram import (
     DEFAULT_BINS,

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from onnxq.calibrate.calibration import ObserverCallback
+from onnxq.calibrate.callbacks import ObserverCallback
 from onnxq.errors import ConfigError
 from onnxq.solve.qparams import params_from_range, qrange
 

@@ -5,19 +5,16 @@
 ``Requantizer`` are the building blocks for advanced use.
 """
 
-__version__ = "0.1.0"
-
-from onnxq.annotate.quantizer import Quantizer, QuantizerConfig, QuantizerPattern  # noqa: E402
-from onnxq.api import QuantizeReport, quantize  # noqa: E402
-from onnxq.calibrate.calibration import (  # noqa: E402
-    CalibrationCallback,
-    CalibrationInfo,
-    Calibrator,
-    ObserverCallback,
-)
-from onnxq.calibrate.dataset import DatasetManager, as_dataset  # noqa: E402
-from onnxq.errors import OnnxqError  # noqa: E402
-from onnxq.post.requantize import Requantizer  # noqa: E402
+from onnxq._version import __version__
+from onnxq.annotate.quantizer import Quantizer, QuantizerConfig
+from onnxq.annotate.rule import QuantizerPattern
+from onnxq.api import QuantizeReport, quantize
+from onnxq.calibrate.calibration import Calibrator
+from onnxq.calibrate.callbacks import CalibrationCallback, CalibrationInfo, ObserverCallback
+from onnxq.calibrate.dataset import DatasetManager
+from onnxq.calibrate.sources import as_dataset
+from onnxq.errors import OnnxqError
+from onnxq.post.requantize import Requantizer
 
 __all__ = [
     "CalibrationCallback",

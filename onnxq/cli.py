@@ -13,8 +13,26 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from onnxq import __version__
+from onnxq.annotate.quantizer import Quantizer
+from onnxq.annotate.targets import load_targets, targets
+from onnxq.api import quantize_with, resolve_call
+from onnxq.calibrate.dataset import inputs_hint, model_inputs
+from onnxq.calibrate.sources import as_dataset
 from onnxq.calibrators import DEFAULT_METHOD, METHODS
+from onnxq.demo import run_demo
 from onnxq.errors import ConfigError, OnnxqError
+from onnxq.io.graph import load_model, save_model, write_text_atomic
+from onnxq.io.loader import load_object
+from onnxq.lower.convert import convert
+from onnxq.lower.formats import get_format
+from onnxq.options import resolve
+from onnxq.passes.load import refuse_quantized
+from onnxq.passes.manager import op_histogram
+from onnxq.passes.verify import verify
+from onnxq.report import mark_carried
+from onnxq.tools import zoo
+from onnxq.tools.compare import compare
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -239,8 +257,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         if args.version:
-            from onnxq import __version__
-
             print(f"onnxq {__version__}")
             return 0
         if args.command == "quantize":
@@ -256,8 +272,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "zoo":
             return _zoo(args)
         if args.command == "demo":
-            from onnxq.demo import run_demo
-
             return run_demo(output=args.output, runs=args.runs)
         parser.print_help()
         return 2
@@ -283,8 +297,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _zoo(args: argparse.Namespace) -> int:
-    from onnxq.tools import zoo
-
     manifest = zoo.load_manifest(args.manifest)
     models = manifest.select(args.models)
     if args.action == "list":
@@ -336,19 +348,13 @@ def _zoo(args: argparse.Namespace) -> int:
 
 
 def _quantize(args: argparse.Namespace) -> int:
-    from onnxq.api import quantize
-
     src, dst = Path(args.model), _output_path(args.model, args.output)
     if args.target_file:
-        from onnxq.annotate.targets import load_targets
-
         load_targets(args.target_file)
     if args.data is None and args.load_ranges is None and args.weight_dtype != "int4":
         raise ConfigError("quantize needs calibration data: --data PATH (or --load-ranges FILE)")
     callback = None
     if args.callback is not None:
-        from onnxq.io.loader import load_object
-
         cls = load_object(args.callback, "--callback")
         callback = cls() if isinstance(cls, type) else cls
         if not callable(getattr(callback, "calibrate_pattern", None)):
@@ -360,36 +366,36 @@ def _quantize(args: argparse.Namespace) -> int:
         raise ConfigError(f"--batch-size {args.batch_size} must be >= 1")
     if args.samples is not None and args.samples < 1:
         raise ConfigError(f"--samples {args.samples} must be >= 1")
-    _, report = quantize(
-        str(src),
-        args.data,
-        method=args.method,
-        per_channel=args.per_channel,
-        activation_dtype=args.activation_dtype,
-        symmetric_activations=args.symmetric_activations,
-        unsigned_after_relu=args.unsigned_after_relu,
-        config=args.config,
-        target=args.target,
-        weight_dtype=args.weight_dtype,
-        block_size=args.block_size,
-        exclude=args.exclude,
-        batch_size=args.batch_size,
-        samples=args.samples,
-        percentile=args.percentile,
-        bins=args.bins,
-        preprocess=args.preprocess,
-        callback=callback,
-        save_ranges=args.save_ranges,
-        load_ranges=args.load_ranges,
-        format=args.format,
-        weight_bits=args.weight_bits,
-        progress=None if not args.quiet else False,
-        output=str(dst),
-        latency_check=not args.no_latency_check,
+    options = resolve_call(
+        dict(
+            method=args.method,
+            per_channel=args.per_channel,
+            activation_dtype=args.activation_dtype,
+            symmetric_activations=args.symmetric_activations,
+            unsigned_after_relu=args.unsigned_after_relu,
+            config=args.config,
+            target=args.target,
+            weight_dtype=args.weight_dtype,
+            block_size=args.block_size,
+            exclude=args.exclude,
+            batch_size=args.batch_size,
+            samples=args.samples,
+            percentile=args.percentile,
+            bins=args.bins,
+            preprocess=args.preprocess,
+            callback=callback,
+            save_ranges=args.save_ranges,
+            load_ranges=args.load_ranges,
+            format=args.format,
+            weight_bits=args.weight_bits,
+            progress=None if not args.quiet else False,
+            output=str(dst),
+            latency_check=not args.no_latency_check,
+        ),
+        cli=True,
     )
+    _, report = quantize_with(str(src), args.data, options)
     if args.report:
-        from onnxq.io.graph import write_text_atomic
-
         write_text_atomic(args.report, json.dumps(report.to_dict(), indent=2))
     if not args.quiet:
         print(report.summary())
@@ -415,13 +421,10 @@ def _output_path(model: str, output: str) -> Path:
 
 
 def _convert(args: argparse.Namespace) -> int:
-    from onnxq.api import verify
-    from onnxq.io.graph import load_model, save_model
-    from onnxq.lower.convert import convert
 
     dst = _output_path(args.model, args.output)
     model, report = convert(load_model(args.model), args.format)
-    verify(model, runtime="openvino" if args.format == "openvino" else "onnxruntime")
+    verify(model, runtime=get_format(args.format).runtime)
     save_model(model, dst)
     if not args.quiet:
         print(report.summary())
@@ -430,8 +433,6 @@ def _convert(args: argparse.Namespace) -> int:
 
 
 def _targets(args: argparse.Namespace) -> int:
-    from onnxq.annotate.targets import load_targets, targets
-
     if args.target_file:
         load_targets(args.target_file)
     for t in targets():
@@ -447,9 +448,6 @@ def _targets(args: argparse.Namespace) -> int:
 
 
 def _compare(args: argparse.Namespace) -> int:
-    from onnxq.calibrate.dataset import as_dataset, model_inputs
-    from onnxq.io.graph import load_model, write_text_atomic
-    from onnxq.tools.compare import compare
 
     float_model = load_model(args.float_model)
     quant_model = load_model(args.quant_model)
@@ -465,31 +463,13 @@ def _compare(args: argparse.Namespace) -> int:
 
 
 def _inspect(args: argparse.Namespace) -> int:
-    from onnxq.annotate.config import UserConfig
-    from onnxq.annotate.quantizer import Quantizer, QuantizerConfig
-    from onnxq.annotate.targets import get_target, load_targets
-    from onnxq.api import _target_patterns, mark_carried, op_histogram, refuse_quantized
-    from onnxq.calibrate.dataset import inputs_hint, model_inputs
-    from onnxq.io.graph import load_model
 
     if args.target_file:
         load_targets(args.target_file)
-    tgt = get_target(args.target or "ort-cpu")
-    user = UserConfig.load(args.config) if args.config else None
-    config = QuantizerConfig(
-        exclude=tuple(args.exclude),
-        user=user,
-        activation_dtype=tgt.activation_dtype,
-        activation_symmetric=tgt.symmetric_activations,
-        per_channel=tgt.per_channel,
-        weight_bits=tgt.weight_bits or 8,
-        format=tgt.format,
-        target=tgt.name,
-    )
-    patterns = _target_patterns(tgt) if tgt.patterns is not None else None
+    options = resolve(target=args.target, config=args.config, exclude=args.exclude, cli=True)
     float_model = load_model(args.model)
     refuse_quantized(float_model, f"'{args.model}'", "inspect")
-    quantizer = Quantizer(float_model, patterns, config)
+    quantizer = Quantizer(float_model, options.patterns, options.quantizer_config())
     for w in quantizer.warnings:
         print(f"warning: {w}", file=sys.stderr)
     hist = op_histogram(quantizer.float_model)

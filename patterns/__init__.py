@@ -8,8 +8,9 @@ Conv → HardSwish) for QDQ and OpenVINO output; GELU kept whole for QOperator o
 
 from __future__ import annotations
 
-from onnxq.annotate.quantizer import QuantizerPattern
-from onnxq.calibrate.calibration import CalibrationCallback
+from onnxq.annotate.rule import QuantizerPattern
+from onnxq.calibrate.callbacks import CalibrationCallback
+from onnxq.patterns import activation, binary, concat, conv, dense, gather, gelu, island, pool
 from onnxq.patterns.activation import (
     LeakyReluPattern,
     MatMulActivationsPattern,
@@ -59,8 +60,6 @@ __all__ = [
 
 def default_patterns(callback: CalibrationCallback | None = None) -> list[QuantizerPattern]:
     """One instance of every rule, each calibrated by ``callback`` (None: the Calibrator's)."""
-    from onnxq.patterns import activation, binary, concat, conv, dense, gather, gelu, island, pool
-
     rules = [
         *gelu.RULES,
         *island.RULES,

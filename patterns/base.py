@@ -12,8 +12,9 @@ from typing import Any
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from onnxq.annotate.quantizer import QTensor, QuantizerPattern
-from onnxq.calibrate.calibration import CalibrationCallback
+from onnxq.annotate.rule import QuantizerPattern
+from onnxq.annotate.specs import QTensor
+from onnxq.calibrate.callbacks import CalibrationCallback
 from onnxq.io.graph import MS_DOMAIN, constant_value, producer
 from onnxq.pattern import (
     DFPattern,
@@ -25,6 +26,7 @@ from onnxq.pattern import (
     tensor_shape,
     wildcard,
 )
+from onnxq.post.requantize import CARRIERS
 
 
 def _is_zero(t: gs.Tensor) -> bool:
@@ -135,8 +137,6 @@ class WeightedPattern(QuantizerPattern):
 
 
 def _carries(node: gs.Node | None) -> bool:
-    from onnxq.post.requantize import CARRIERS
-
     return node is not None and node.op in CARRIERS
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from onnxq.annotate.quantizer import QTensor
+from onnxq.annotate.specs import QTensor
 from onnxq.pattern import Match
 from onnxq.patterns.base import WeightedPattern
 

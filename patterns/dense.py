@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from onnxq.annotate.quantizer import QTensor
-from onnxq.io.graph import MS_DOMAIN
+from onnxq.annotate.specs import QTensor
+from onnxq.io.graph import MS_DOMAIN, constant_value
 from onnxq.pattern import (
     DFPattern,
     Match,
@@ -91,8 +91,6 @@ class _DenseBase(WeightedPattern):
 
 
 def _value(t: gs.Tensor) -> np.ndarray:
-    from onnxq.io.graph import constant_value
-
     value = constant_value(t)
     assert value is not None
     return value

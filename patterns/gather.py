@@ -13,9 +13,10 @@ from typing import Any
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from onnxq.annotate.quantizer import PatternRecord, QuantizerPattern
+from onnxq.annotate.rule import QuantizerPattern
+from onnxq.annotate.specs import PatternRecord
 from onnxq.pattern import Match, MatchResult, is_constant, is_op, node_attr, wildcard
-from onnxq.prepare.preprocess import default_opset
+from onnxq.prepare.opset import default_opset
 
 
 class GatherPattern(QuantizerPattern):

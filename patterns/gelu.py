@@ -13,7 +13,7 @@ from typing import Any
 
 import onnx_graphsurgeon as gs
 
-from onnxq.annotate.quantizer import QuantizerPattern
+from onnxq.annotate.rule import QuantizerPattern
 from onnxq.pattern import Match, MatchResult
 from onnxq.prepare.fusions import GeluFusion
 
@@ -29,7 +29,7 @@ class GeluPattern(QuantizerPattern):
 
     def check(self, m: Match) -> MatchResult:
         """QOperator output only."""
-        if self.quantizer.config.format != "qoperator":
+        if not self.quantizer.config.output.whole_gelu:
             return MatchResult.fail(
                 "GELU is kept whole for QOperator output only; QDQ and OpenVINO runtimes fuse it "
                 "themselves"

@@ -25,7 +25,6 @@ from onnxq.pattern import DFPattern, Match, MatchResult, is_op
 from onnxq.patterns.base import WeightedPattern, _const, with_relu
 
 #: output formats whose runtimes consume a QDQ island
-ISLAND_FORMATS = ("qdq", "openvino")
 #: activations fused into the convolution before the output is quantized
 FUSED = ("HardSwish", "HardSigmoid", "LeakyRelu")
 
@@ -57,8 +56,7 @@ class IslandPattern(WeightedPattern):
 
     def check(self, m: Match) -> MatchResult:
         """QDQ or OpenVINO output, float32 weights."""
-        fmt = self.quantizer.config.format
-        if fmt not in ISLAND_FORMATS:
+        if not self.quantizer.config.output.islands:
             return MatchResult.fail(
                 f"onnxruntime CPU has no int8 kernel for {self._what(m)}; it is quantized as a "
                 "QDQ island for --format qdq or openvino (runtimes that fuse it)"

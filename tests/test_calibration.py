@@ -10,14 +10,10 @@ from onnx import helper as h
 
 import onnxq
 from onnxq.annotate.quantizer import Quantizer
-from onnxq.calibrate.calibration import CalibrationCallback, Calibrator
-from onnxq.calibrate.dataset import (
-    ArrayDataset,
-    FolderDataset,
-    IterableDataset,
-    as_dataset,
-    model_inputs,
-)
+from onnxq.calibrate.calibration import Calibrator
+from onnxq.calibrate.callbacks import CalibrationCallback
+from onnxq.calibrate.dataset import ArrayDataset, FolderDataset, IterableDataset, model_inputs
+from onnxq.calibrate.sources import as_dataset
 from onnxq.calibrators import AverageMaxObserver, MinMaxCallback, MinMaxObserver
 from onnxq.errors import CalibrationError, DataError
 from onnxq.solve.qparams import QParams, dequantize, params_from_range, quantize, weight_params
@@ -210,7 +206,7 @@ def test_quantized_layer_values_track_calibration():
         quantizer, as_dataset(data, model_inputs(quantizer.float_model)), progress=False
     )
     cal.calibrate()
-    from onnxq.calibrate.calibration import CalibrationInfo
+    from onnxq.calibrate.callbacks import CalibrationInfo
 
     info = CalibrationInfo(cal, quantizer.records[0])
     feeds = {"x": data["x"][:1]}
@@ -363,7 +359,8 @@ def test_runtime_failure_on_calibration_data_is_a_clear_error():
 
 def test_scalar_input_stays_a_scalar():
     # np.ascontiguousarray makes 0-d arrays 1-d; a rank-0 input (silero-vad's sr) must stay 0-d
-    from onnxq.calibrate.dataset import as_dataset, model_inputs
+    from onnxq.calibrate.dataset import model_inputs
+    from onnxq.calibrate.sources import as_dataset
 
     model = make_model(
         [onnx.helper.make_node("Mul", ["x", "k"], ["y"])],

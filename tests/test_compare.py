@@ -11,7 +11,8 @@ import pytest
 from helpers import MODELS
 
 import onnxq
-from onnxq.calibrate.dataset import as_dataset, model_inputs
+from onnxq.calibrate.dataset import model_inputs
+from onnxq.calibrate.sources import as_dataset
 from onnxq.cli import main
 from onnxq.tools.compare import compare
 

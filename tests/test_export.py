@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import pytest
-from helpers import MODELS, make_model, ops, rng, run, zoo_datasets
+from helpers import DIGITS_CNN, MODELS, make_model, ops, rng, run, zoo_datasets
 from onnx import helper as h
 from test_patterns import ACT_CASES, BINARY_CASES, CONV_CASES, DENSE_CASES, POOL_CASES, weights
 
@@ -126,7 +126,7 @@ def test_cli_format_qdq_on_zoo_model(tmp_path):
             main(
                 [
                     "quantize",
-                    str(MODELS / "digits_cnn.onnx"),
+                    str(DIGITS_CNN),
                     "-o",
                     str(tmp_path / f"{fmt}.onnx"),
                     "--data",
@@ -217,7 +217,7 @@ def test_three_formats_agree_within_one_step(name):
 
 def test_weight_bits_7(tmp_path):
     xtr, _, xte, yte = ds.digits()
-    path = str(MODELS / "digits_cnn.onnx")
+    path = str(DIGITS_CNN)
     q, _ = onnxq.quantize(path, {"input": xtr[:100]}, weight_bits=7, progress=False)
     ints = [onnx.numpy_helper.to_array(i) for i in q.graph.initializer if i.data_type == 3]
     assert ints and all(np.abs(w.astype(int)).max() <= 63 for w in ints)
@@ -256,7 +256,7 @@ def test_qdq_concat():
 @pytest.mark.parametrize("fmt", ["qoperator", "qdq"])
 def test_symmetric_int8_activations(fmt, tmp_path):
     xtr, _, xte, yte = ds.digits()
-    path = str(MODELS / "digits_cnn.onnx")
+    path = str(DIGITS_CNN)
     q, _ = onnxq.quantize(
         path,
         {"input": xtr[:100]},
@@ -302,7 +302,7 @@ def test_symmetric_int8_activations(fmt, tmp_path):
 
 def test_int16_activations_a16w8_qdq():
     xtr, _, xte, yte = ds.digits()
-    path = str(MODELS / "digits_cnn.onnx")
+    path = str(DIGITS_CNN)
     q, _ = onnxq.quantize(
         path, {"input": xtr[:100]}, activation_dtype="int16", format="qdq", progress=False
     )
@@ -331,7 +331,7 @@ def _relu_outputs(path):
 @pytest.mark.parametrize("fmt", ["qdq", "openvino"])
 def test_unsigned_after_relu(fmt):
     xtr, _, xte, yte = ds.digits()
-    path = str(MODELS / "digits_cnn.onnx")
+    path = str(DIGITS_CNN)
     relu_outputs = _relu_outputs(path)
     kw = dict(activation_dtype="int8", symmetric_activations=True, format=fmt, progress=False)
     q, rep = onnxq.quantize(path, {"input": xtr[:100]}, unsigned_after_relu=True, **kw)
@@ -374,16 +374,34 @@ def test_unsigned_after_relu(fmt):
 @pytest.mark.parametrize(
     "kw, message",
     [
-        (dict(activation_dtype="int8", symmetric_activations=True), "use --format qdq"),
-        (dict(format="qdq"), "applies to symmetric int8 activations"),
+        (dict(activation_dtype="int8", symmetric_activations=True), "use format='qdq'"),
+        (
+            dict(format="qdq"),
+            "unsigned_after_relu applies to symmetric int8 activations: add "
+            "activation_dtype='int8' symmetric_activations=True",
+        ),
     ],
 )
 def test_unsigned_after_relu_refused_where_it_cannot_work(kw, message):
     with pytest.raises(ConfigError, match=message):
         onnxq.quantize(
-            str(MODELS / "digits_cnn.onnx"),
+            str(DIGITS_CNN),
             {"input": np.zeros((1, 1, 28, 28), np.float32)},
             unsigned_after_relu=True,
             progress=False,
             **kw,
         )
+
+
+def test_option_errors_name_cli_flags_from_the_cli(tmp_path, capsys):
+    """The same refusal names Python parameters from Python (above) and flags from the CLI."""
+    calib = tmp_path / "c.npz"
+    np.savez(calib, input=np.zeros((2, 1, 28, 28), np.float32))
+    argv = ["quantize", str(DIGITS_CNN), "-o", str(tmp_path / "q.onnx")]
+    argv += ["--data", str(calib), "--unsigned-after-relu", "--activation-dtype", "int8"]
+    assert main([*argv, "--symmetric-activations"]) == 2
+    err = capsys.readouterr().err
+    assert "--unsigned-after-relu mixes uint8 and int8" in err and "use --format qdq" in err
+    assert main(argv) == 2
+    assert "add --activation-dtype int8 --symmetric-activations" in capsys.readouterr().err
+    assert not (tmp_path / "q.onnx").exists()

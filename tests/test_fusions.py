@@ -131,7 +131,7 @@ def _hardswish_model(form: str, opset: int = 12):
 @pytest.mark.parametrize("form", ["div", "mul-sixth", "gate"])
 def test_written_out_hardswish_becomes_the_op(form):
     from onnxq.prepare.fusions import fuse_hardswish
-    from onnxq.prepare.preprocess import default_opset
+    from onnxq.prepare.opset import default_opset
 
     model, data = _hardswish_model(form)
     fused, groups = fuse_hardswish(model)

@@ -36,6 +36,7 @@ import re
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from onnxq.calibrators import METHODS
 from onnxq.errors import ConfigError
 
 KEYS = {"keep_float", "method", "activation_dtype", "weight_dtype", "per_channel"}
@@ -88,8 +89,6 @@ class UserConfig:
     @staticmethod
     def from_dict(doc: dict[str, Any], path: str = "the configuration") -> UserConfig:
         """Validate a parsed document."""
-        from onnxq.calibrators import METHODS
-
         cfg = UserConfig(path=f"'{path}'")
 
         def settings(where: str, table: Any, extra: frozenset[str] = frozenset()) -> dict[str, Any]:

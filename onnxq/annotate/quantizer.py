@@ -16,13 +16,22 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
 from onnx import numpy_helper
 
+from onnxq.annotate.rule import QuantizerPattern
+from onnxq.annotate.specs import (
+    BiasDerivation,
+    Decision,
+    PatternRecord,
+    Placeholder,
+    QTensor,
+    WeightDerivation,
+)
 from onnxq.errors import CalibrationError, ConfigError, QuantizationError
 from onnxq.io.graph import (
     GraphEditor,
@@ -35,8 +44,11 @@ from onnxq.io.graph import (
     nodes_in_order,
     producer,
 )
-from onnxq.match.dfpattern import Match, MatchResult, tensor_dtype
-from onnxq.match.rewrite import DFPatternCallback, Partition, rewrite
+from onnxq.lower.formats import Format, get_format
+from onnxq.match.dfpattern import Match, tensor_dtype
+from onnxq.match.rewrite import Partition, rewrite
+from onnxq.patterns import default_patterns
+from onnxq.post.requantize import CARRIERS
 from onnxq.prepare.preprocess import preprocess
 from onnxq.solve.qparams import (
     INT32_MAX,
@@ -47,9 +59,6 @@ from onnxq.solve.qparams import (
     quantize,
     widen_for_bias,
 )
-
-if TYPE_CHECKING:
-    from onnxq.calibrate.calibration import CalibrationCallback, CalibrationInfo
 
 ACTIVATION_DTYPES = ("uint8", "int8", "int16")
 _WRONG_OP = re.compile(r" is [\w.]+, expected [\w.]+$")
@@ -88,7 +97,7 @@ class QuantizerConfig:
 
     def refused_dtype(self, dtype: str) -> str:
         """Why a per-node request for activations of ``dtype`` cannot run here ('' if it can)."""
-        if dtype == "int16" and self.format != "qdq":
+        if dtype == "int16" and not get_format(self.format).int16:
             return (
                 f"--format {self.format} has no int16 kernels (int16 activations need --format qdq)"
             )
@@ -97,162 +106,14 @@ class QuantizerConfig:
         return ""
 
     @property
+    def output(self) -> Format:
+        """The output format: what it can hold (onnxq.lower.formats)."""
+        return get_format(self.format)
+
+    @property
     def int4_refused(self) -> str:
         """Why per-node int4 weights cannot be written in this format ('' when they can)."""
-        return "FakeQuantize output has 8-bit weights only" if self.format == "openvino" else ""
-
-
-@dataclass(frozen=True)
-class QTensor:
-    """One quantized edge of a pattern: the float tensor, its quantized twin, its placeholders."""
-
-    tensor: str
-    quantized: str
-    scale: str
-    zero_point: str
-    role: str  # "activation" | "weight"
-    dtype: str
-    axis: int | None = None
-    symmetric: bool = False
-    bits: int = 8
-
-
-@dataclass
-class PatternRecord:
-    """What one rewritten group became; the Calibrator builds a CalibrationInfo from it."""
-
-    pattern: QuantizerPattern
-    label: str
-    nodes: list[str]
-    inputs: list[QTensor]
-    outputs: list[QTensor]
-    qop: str
-    relu_folded: bool = False
-    bias: str | None = None
-
-    @property
-    def input_scale_zps(self) -> list[tuple[str, str]]:
-        """(scale, zero point) placeholder names of every quantized input."""
-        return [(q.scale, q.zero_point) for q in self.inputs]
-
-    @property
-    def output_scale_zps(self) -> list[tuple[str, str]]:
-        """(scale, zero point) placeholder names of every quantized output."""
-        return [(q.scale, q.zero_point) for q in self.outputs]
-
-
-@dataclass(frozen=True)
-class Placeholder:
-    """An initializer of the template whose value calibration (or derivation) decides."""
-
-    name: str
-    kind: str  # "scale" | "zero_point" | "weight" | "bias"
-    tensor: str
-    dtype: str
-    shape: tuple[int, ...]
-
-
-@dataclass(frozen=True)
-class _WeightDerivation:
-    weight: str
-    scale: str
-    zero_point: str
-    axis: int | None
-
-
-@dataclass(frozen=True)
-class _BiasDerivation:
-    bias: str
-    input_scale: str
-    weight_scale: str
-    weight_axis: int | None
-    weight: str = ""  # the float weight (its size gives the products per output)
-    input_zero_point: str = ""
-    input_dtype: str = "uint8"
-
-
-@dataclass
-class Decision:
-    """Why one node of the float model is or is not quantized."""
-
-    node: str
-    op: str
-    quantized: bool
-    pattern: str = ""
-    reason: str = ""
-
-
-class QuantizerPattern(DFPatternCallback):
-    """A DFPatternCallback that rewrites its match into Q → QLinear op → DQ.
-
-    Subclasses set ``self.pattern`` and implement :meth:`quantize_match`, which builds the
-    quantized op with the helpers of :class:`Quantizer` and returns the float tensor replacing
-    the match's root (normally a DequantizeLinear output). ``calibrate_pattern`` delegates to the
-    CalibrationCallback given at construction (or the Calibrator's default).
-    """
-
-    quantizer: Quantizer
-
-    def __init__(self, calibration_callback: CalibrationCallback | None = None):
-        super().__init__()
-        self.calibration_callback = calibration_callback
-
-    def calibrate_pattern(self, calibration_info: CalibrationInfo) -> dict[str, np.ndarray]:
-        """Values for this pattern's placeholders: the callback's choice."""
-        return calibration_info.callback.calibrate_pattern(calibration_info)
-
-    def in_group(self, node: gs.Node | None) -> bool:
-        """``node`` is in a group that is (or will be) quantized: matched, not left float."""
-        return super().in_group(node) and (
-            node is None or node.name not in self.quantizer._left_float
-        )
-
-    def callback(self, pre: gs.Tensor, post: gs.Tensor, node_map: dict) -> gs.Tensor | None:
-        """Rewrite the current match (``self.match``) through :meth:`quantize_match`."""
-        q = self.quantizer
-        names = [n.name for n in self.match.nodes]
-        q._group_dtype = next((q.node_dtypes[n] for n in names if n in q.node_dtypes), None)
-        q._group_per_channel = next(
-            (q.node_per_channel[n] for n in names if n in q.node_per_channel), None
-        )
-        try:
-            return self.quantize_match(self.match)
-        finally:
-            q._group_dtype = q._group_per_channel = None
-
-    def quantize_match(self, m: Match) -> gs.Tensor | None:
-        """Build the quantized replacement of ``m``; None leaves it float."""
-        raise NotImplementedError
-
-    def record_match(
-        self,
-        m: Match,
-        inputs: list[QTensor],
-        outputs: list[QTensor],
-        qnode: gs.Node,
-        relu_folded: bool = False,
-        bias: str | None = None,
-    ) -> None:
-        """Register the rewritten group of ``m`` with the Quantizer (calibration, reports)."""
-        self.quantizer.record(
-            PatternRecord(
-                self,
-                self.label(),
-                [n.name for n in m.nodes],
-                inputs,
-                outputs,
-                qnode.name,
-                relu_folded=relu_folded,
-                bias=bias,
-            )
-        )
-
-    def float_output_check(self, m: Match) -> MatchResult:
-        """Shared check: the root must be float32 (or of unknown type)."""
-        dt = tensor_dtype(m.root)
-        if dt is not None and dt != np.float32:
-            return MatchResult.fail(f"output '{m.root.name}' is {dt}; onnxq quantizes float32 ops")
-        return MatchResult(m)
+        return "" if get_format(self.format).int4 else "FakeQuantize output has 8-bit weights only"
 
 
 class Quantizer:
@@ -268,16 +129,14 @@ class Quantizer:
         patterns: Sequence[QuantizerPattern] | None = None,
         config: QuantizerConfig | None = None,
     ):
-        from onnxq.patterns import default_patterns
-
         self.config = config or QuantizerConfig()
         self.float_model: onnx.ModelProto = preprocess(load_model(model))
         self.patterns = list(patterns) if patterns is not None else default_patterns()
         self.records: list[PatternRecord] = []
         self.placeholders: dict[str, Placeholder] = {}
         self.decisions: dict[str, Decision] = {}
-        self._weights: dict[str, _WeightDerivation] = {}
-        self._biases: dict[str, _BiasDerivation] = {}
+        self._weights: dict[str, WeightDerivation] = {}
+        self._biases: dict[str, BiasDerivation] = {}
         self._qtensors: dict[str, QTensor] = {}
         self._consts: dict[str, gs.Constant] = {}
         self._qvars: dict[str, gs.Variable] = {}
@@ -442,7 +301,7 @@ class Quantizer:
         q = self._placeholder(f"{base}_quantized", "weight", base, wdt, tuple(value.shape))
         self._keep_float(base, value)
         qt = QTensor(base, q, scale, zp, "weight", wdt, axis, True, self.config.weight_bits)
-        self._weights[q] = _WeightDerivation(base, scale, zp, axis)
+        self._weights[q] = WeightDerivation(base, scale, zp, axis)
         self._qtensors[key] = qt
         return qt
 
@@ -451,7 +310,7 @@ class Quantizer:
         name = f"{node.name or node.outputs[0].name}.bias"
         self._float_values[name] = np.asarray(bias, np.float32).reshape(-1)
         q = self._placeholder(f"{name}_quantized", "bias", name, "int32", (int(bias.size),))
-        self._biases[q] = _BiasDerivation(
+        self._biases[q] = BiasDerivation(
             name, x.scale, w.scale, w.axis, w.tensor, x.zero_point, x.dtype
         )
         return self._consts[q]
@@ -578,8 +437,6 @@ class Quantizer:
 
     def _inside_reason(self, node: gs.Node, part: Partition) -> str:
         """Why a node that no pattern was rooted at stays float."""
-        from onnxq.post.requantize import CARRIERS
-
         # a rejected pattern rooted at a consumer may name this node (an escaping value, …)
         for out in node.outputs:
             for user in out.outputs:

@@ -19,7 +19,9 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, fields
 
+from onnxq.annotate.config import load_toml
 from onnxq.errors import ConfigError
+from onnxq.lower.formats import FORMATS
 
 #: ops whose scale sharing onnxq.solve.constraints can enforce
 SHAREABLE_OPS = frozenset({"Concat"})
@@ -49,8 +51,6 @@ class Target:
     runtime: str = "onnxruntime"
 
     def __post_init__(self) -> None:
-        from onnxq.lower.qdq import FORMATS
-
         if self.format not in FORMATS:
             raise ConfigError(
                 f"target {self.name!r}: format {self.format!r} is not one of {', '.join(FORMATS)}"
@@ -132,8 +132,6 @@ def targets() -> list[Target]:
 
 def load_targets(path: str | os.PathLike[str]) -> list[Target]:
     """Register the ``[target.NAME]`` tables of a TOML file and return them."""
-    from onnxq.annotate.config import load_toml
-
     doc = load_toml(path, "--target-file")
     known = {f.name for f in fields(Target)} - {"name"}
     loaded = []

@@ -24,10 +24,9 @@ from typing import Any
 
 import numpy as np
 
-from onnxq.calibrate.dataset import DatasetManager
+from onnxq.calibrate.dataset import IMAGE_SUFFIXES, DatasetManager, image_files
 from onnxq.errors import ConfigError, DataError
 
-IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".ppm", ".pgm", ".tif", ".tiff", ".webp")
 KEYS = ("resize", "crop", "scale", "mean", "std", "color", "layout")
 
 
@@ -127,11 +126,6 @@ def _value(key: str, value: str) -> Any:
     if key == "layout" and value in ("nchw", "nhwc"):
         return value
     raise ValueError(value)
-
-
-def image_files(folder: Path) -> list[Path]:
-    """Images below ``folder``, sorted by path."""
-    return sorted(p for p in folder.rglob("*") if p.suffix.lower() in IMAGE_SUFFIXES)
 
 
 class ImageFolderDataset(DatasetManager):

@@ -16,7 +16,8 @@ from typing import Any
 import numpy as np
 import onnx
 
-from onnxq.io.graph import serialize
+from onnxq.api import quantize
+from onnxq.io.graph import load_model, serialize
 
 
 def demo_files() -> tuple[Path, dict[str, np.ndarray]]:
@@ -67,9 +68,6 @@ def latency_ms(model: onnx.ModelProto, x: np.ndarray, runs: int) -> float:
 
 def run_demo(output: str | None = None, runs: int = 300) -> int:
     """Quantize the bundled model, print the comparison; optionally write the int8 model."""
-    from onnxq.api import quantize
-    from onnxq.io.graph import load_model
-
     path, data = demo_files()
     fp32 = load_model(path)
     print(

@@ -17,6 +17,7 @@ import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
 
+from onnxq._version import __version__
 from onnxq.errors import ModelError, OutputError
 
 MS_DOMAIN = "com.microsoft"
@@ -265,8 +266,6 @@ def export_model(graph: gs.Graph, template: onnx.ModelProto | None = None) -> on
         del model.metadata_props[:]
         model.metadata_props.extend(template.metadata_props)
     model.producer_name = "onnxq"
-    from onnxq import __version__
-
     model.producer_version = __version__
     return model
 

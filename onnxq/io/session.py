@@ -14,6 +14,7 @@ import onnx
 from onnxq.errors import ModelError
 from onnxq.io import graph
 from onnxq.io.graph import serialize
+from onnxq.io.hostcheck import PRECISE_OPTION, u8s8_saturates
 
 
 def make_session(
@@ -33,8 +34,6 @@ def make_session(
     host's int16 clipping. What users run (verify, compare, the zoo) uses the default session.
     """
     import onnxruntime as ort
-
-    from onnxq.io.hostcheck import PRECISE_OPTION, u8s8_saturates
 
     def options(precise: bool) -> Any:
         opts = ort.SessionOptions()

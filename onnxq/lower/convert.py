@@ -23,7 +23,10 @@ import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
 
+from onnxq.errors import ConfigError, ModelError
 from onnxq.io.graph import MS_DOMAIN, GraphEditor, constant_value, export_model, import_graph
+from onnxq.lower.fakequantize import qdq_to_fakequantize
+from onnxq.lower.qdq import to_qdq
 from onnxq.pattern import (
     DFPattern,
     DFPatternCallback,
@@ -35,6 +38,7 @@ from onnxq.pattern import (
     rewrite,
     wildcard,
 )
+from onnxq.post.requantize import Requantizer
 from onnxq.prepare.preprocess import preprocess
 from onnxq.solve.qparams import qrange
 
@@ -295,8 +299,6 @@ class ConvertReport:
 
 def qdq_to_qoperator(model: onnx.ModelProto) -> tuple[onnx.ModelProto, ConvertReport]:
     """QOperator form of a QDQ model; unmatched float ops keep their Q/DQ."""
-    from onnxq.post.requantize import Requantizer
-
     model = preprocess(model)
     graph = import_graph(model)
     _dedicated_dq(graph)
@@ -329,9 +331,6 @@ def qdq_to_qoperator(model: onnx.ModelProto) -> tuple[onnx.ModelProto, ConvertRe
 
 def convert(model: onnx.ModelProto, target: str) -> tuple[onnx.ModelProto, ConvertReport]:
     """Retarget a quantized model to ``target`` (qoperator, qdq, openvino) without calibration."""
-    from onnxq.errors import ConfigError, ModelError
-    from onnxq.lower.qdq import to_qdq
-
     if target not in ("qoperator", "qdq", "openvino"):
         raise ConfigError(
             f"convert --format {target!r} is not supported; convert retargets to "
@@ -344,8 +343,6 @@ def convert(model: onnx.ModelProto, target: str) -> tuple[onnx.ModelProto, Conve
             "is a float model; use `onnxq quantize` with calibration data"
         )
     if target == "openvino":
-        from onnxq.lower.fakequantize import qdq_to_fakequantize
-
         qdq = to_qdq(model) if source == "qoperator" else model
         fq, converted = qdq_to_fakequantize(qdq)
         return fq, ConvertReport(source, target, converted)

@@ -18,18 +18,17 @@ OpenVINO keeps them in its accumulators. Run the model with the OpenVINO runtime
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any
 
 import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
 
-from onnxq.io.graph import GraphEditor, export_model, import_graph, producer
-from onnxq.post.requantize import carried_source
+from onnxq.annotate.specs import QTensor
+from onnxq.errors import ModelError
+from onnxq.io.graph import GraphEditor, constant_value, export_model, import_graph, producer
+from onnxq.post.requantize import CARRIERS, carried_source
 from onnxq.solve.qparams import qrange
-
-if TYPE_CHECKING:
-    from onnxq.annotate.quantizer import QTensor, Quantizer
 
 OV_DOMAIN = "org.openvinotoolkit"
 
@@ -54,9 +53,12 @@ def fq_bounds(
 
 
 def to_fakequantize(
-    quantizer: Quantizer, weight_qrange: tuple[int, int] | None = None
+    quantizer: Any, weight_qrange: tuple[int, int] | None = None
 ) -> onnx.ModelProto:
-    """The FakeQuantize model of ``quantizer``'s last materialized parameters."""
+    """The FakeQuantize model of ``quantizer``'s last materialized parameters.
+
+    ``quantizer``: the onnxq.annotate.quantizer.Quantizer that annotated the float model.
+    """
     values = quantizer.final_values
     graph = import_graph(quantizer.float_model)
     editor = GraphEditor(graph)
@@ -164,9 +166,6 @@ def qdq_to_fakequantize(model: onnx.ModelProto) -> tuple[onnx.ModelProto, list[s
     names of the converted DequantizeLinear nodes. Anything else holding integers (a
     DequantizeLinear of a graph input, an integer graph output) is a clear error.
     """
-    from onnxq.errors import ModelError
-    from onnxq.io.graph import constant_value
-
     graph = import_graph(model)
     editor = GraphEditor(graph)
     converted = []
@@ -230,8 +229,6 @@ def qdq_to_fakequantize(model: onnx.ModelProto) -> tuple[onnx.ModelProto, list[s
 
 def _carried_from_quantize(x: gs.Tensor) -> tuple[list[gs.Node], gs.Node | None]:
     """The carrier nodes (first to last) between a QuantizeLinear and ``x``, and that Q."""
-    from onnxq.post.requantize import CARRIERS
-
     chain: list[gs.Node] = []
     node = producer(x)
     while node is not None and node.op in CARRIERS and node.inputs:
@@ -255,8 +252,6 @@ def _float_chain(
     cascaded MaxPools): the carriers past that chain still declare integers and hold
     zero-point padding, and are converted here.
     """
-    from onnxq.io.graph import constant_value
-
     if q.op == "FakeQuantize":
         scale, zp = params[q.outputs[0].name]
     else:

@@ -18,9 +18,8 @@ import onnx
 from onnx import helper, numpy_helper
 
 from onnxq.errors import QuantizationError
-from onnxq.prepare.preprocess import default_opset
+from onnxq.prepare.opset import default_opset
 
-FORMATS = ("qoperator", "qdq", "openvino")
 PER_CHANNEL_OPSET = 13
 
 

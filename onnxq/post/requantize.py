@@ -22,7 +22,7 @@ import onnx
 import onnx_graphsurgeon as gs
 
 from onnxq.io.graph import GraphEditor, constant_value, export_model, import_graph, producer
-from onnxq.prepare.preprocess import default_opset
+from onnxq.prepare.opset import default_opset
 from onnxq.solve.qparams import INT32_MAX, accumulation_bound, qrange
 
 #: quantized ops and the input positions of their (tensor, scale, zero point) operand triples

@@ -31,6 +31,7 @@ from onnx import helper
 
 from onnxq.errors import OnnxqError
 from onnxq.io.graph import graphs_of
+from onnxq.io.session import make_session
 
 
 @dataclass
@@ -103,8 +104,6 @@ def branch_model(
     model.ir_version = parent.ir_version
     untyped = [o for o in model.graph.output if not o.type.tensor_type.HasField("shape")]
     if untyped:  # onnx.checker wants a shape on graph outputs: take the rank from one run
-        from onnxq.io.session import make_session
-
         values = make_session(model, optimize=False).run([o.name for o in untyped], sample)
         for out, value in zip(untyped, values, strict=True):
             value = np.asarray(value)
@@ -121,8 +120,6 @@ def outer_values(
     model: onnx.ModelProto, names: list[str], feeds: Iterable[dict[str, np.ndarray]]
 ) -> list[dict[str, np.ndarray]]:
     """``names`` computed by the float ``model`` on every feed (graph inputs read from it)."""
-    from onnxq.io.session import make_session
-
     inputs = {i.name for i in model.graph.input}
     wanted = [n for n in names if n not in inputs]
     session = make_session(model, optimize=False, expose=wanted)

@@ -23,7 +23,8 @@ from onnx import numpy_helper
 from onnxq.errors import ConfigError
 from onnxq.io.graph import GraphEditor, export_model, import_graph
 from onnxq.pattern import node_attr
-from onnxq.prepare.preprocess import preprocess, raise_opset
+from onnxq.prepare.opset import raise_opset
+from onnxq.prepare.preprocess import preprocess
 
 INT4_OPSET = 21
 

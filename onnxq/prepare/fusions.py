@@ -25,9 +25,11 @@ import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
 
+from onnxq.errors import ModelError
 from onnxq.io.graph import MS_DOMAIN, constant_value, export_model, import_graph
 from onnxq.match.rewrite import DFPatternCallback, rewrite
 from onnxq.pattern import DFPattern, is_constant, is_op, wildcard
+from onnxq.prepare.opset import default_opset, raise_opset
 
 
 def _scalar(value: float) -> Callable[[gs.Tensor], bool]:
@@ -123,9 +125,6 @@ def fuse_hardswish(
     gives up (preprocessing passes the graph it exported ``model`` from), so it is not
     imported again.
     """
-    from onnxq.errors import ModelError
-    from onnxq.prepare.preprocess import default_opset, raise_opset
-
     fusion = HardSwishFusion()
     graph = graph if graph is not None else import_graph(model)
     if not any(fusion.pattern.match(n.outputs[0]) for n in graph.nodes if n.outputs):

@@ -18,7 +18,6 @@ import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
 
-from onnxq.errors import ModelError
 from onnxq.io.graph import (
     GraphEditor,
     constant_value,
@@ -29,44 +28,15 @@ from onnxq.io.graph import (
     iter_subgraph_nodes,
     skeleton,
 )
+from onnxq.prepare.fusions import fuse_hardswish
+from onnxq.prepare.opset import default_opset, raise_opset
 
 MIN_OPSET = 10
 TARGET_OPSET = 13
 
 
-def default_opset(model: onnx.ModelProto) -> int:
-    """The model's ai.onnx opset version."""
-    for imp in model.opset_import:
-        if imp.domain in ("", "ai.onnx"):
-            return int(imp.version)
-    return 1
-
-
-def raise_opset(model: onnx.ModelProto, opset: int, why: str) -> onnx.ModelProto:
-    """``model`` converted to at least ``opset`` with onnx's version converter (or unchanged)."""
-    have = default_opset(model)
-    if have >= opset:
-        return model
-    try:
-        out = onnx.version_converter.convert_version(model, opset)
-    except Exception as exc:  # the converter raises RuntimeError and others
-        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        raise ModelError(
-            f"{why} needs opset {opset}; the model has opset {have} and converting "
-            f"it failed ({first}); re-export with opset >= {opset} or use "
-            "--per-tensor"
-        ) from None
-    # the converter keeps the IR version: an IR 3 export (initializers listed as graph inputs)
-    # raised to opset 13 without them is invalid until it declares the IR that opset needs
-    needed = onnx.helper.find_min_ir_version_for(list(out.opset_import), ignore_unknown=True)
-    out.ir_version = max(out.ir_version, needed)
-    return out
-
-
 def preprocess(model: onnx.ModelProto) -> onnx.ModelProto:
     """Run every preprocessing pass and return a new model (the argument is not modified)."""
-    from onnxq.prepare.fusions import fuse_hardswish
-
     if default_opset(model) < MIN_OPSET:
         model = raise_opset(model, TARGET_OPSET, f"QLinear ops (opset >= {MIN_OPSET})")
     graph = import_graph(model)

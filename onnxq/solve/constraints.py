@@ -26,18 +26,16 @@ from __future__ import annotations
 import re
 from collections import deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
 
+from onnxq.annotate.quantizer import Quantizer
+from onnxq.annotate.specs import PatternRecord, QTensor
 from onnxq.io.graph import GraphEditor, constant_value, export_model, import_graph
 from onnxq.post.requantize import carried_source
 from onnxq.solve.qparams import params_from_range, qrange
-
-if TYPE_CHECKING:
-    from onnxq.annotate.quantizer import PatternRecord, QTensor, Quantizer
 
 
 @dataclass

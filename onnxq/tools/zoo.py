@@ -33,7 +33,11 @@ from typing import Any
 import numpy as np
 import onnx
 
+from onnxq.api import quantize
 from onnxq.errors import ModelError, OnnxqError
+from onnxq.io.graph import save_model
+from onnxq.lower.convert import convert
+from onnxq.lower.fakequantize import OV_DOMAIN
 
 MODEL_KEYS = {
     "description",
@@ -470,8 +474,6 @@ def openvino_runner(model: onnx.ModelProto) -> Callable[[dict[str, np.ndarray]],
 
 def runner_for(model: onnx.ModelProto) -> Callable[[dict[str, np.ndarray]], list[np.ndarray]]:
     """The runtime ``model`` is meant for: OpenVINO for FakeQuantize models, else onnxruntime."""
-    from onnxq.lower.fakequantize import OV_DOMAIN
-
     if any(n.domain == OV_DOMAIN for n in model.graph.node):
         return openvino_runner(model)
     return runner(model)
@@ -502,8 +504,6 @@ def run_model(
     Quantization uses the defaults of ``target``, then the manifest's per-model options,
     then ``overrides``.
     """
-    from onnxq.api import quantize
-
     require_packages(model)
     files = fetch(manifest, model, log)
     check_inputs(model, files["model"])
@@ -535,9 +535,6 @@ def _run_quantized(
     model: ZooModel, recipe: Any, path: Path, reference: float, output: Any
 ) -> ZooResult:
     """An already-int8 model: ``quantize`` must refuse it, ``convert`` must keep its outputs."""
-    from onnxq.api import quantize
-    from onnxq.lower.convert import convert
-
     try:
         quantize(str(path), recipe.calibration(1), progress=False)
     except ModelError as exc:
@@ -577,8 +574,6 @@ def _result(
     """Score ``qmodel``, save it to ``output`` (if given) and gather the result."""
     int8 = recipe.evaluate(runner_for(qmodel), model.evaluation)
     if output is not None:
-        from onnxq.io.graph import save_model
-
         save_model(qmodel, output)
     return ZooResult(
         model=model.name,

@@ -1,0 +1,110 @@
+"""The output formats as data: what each can hold, which runtime runs it, how it is lowered.
+
+Every question the rest of onnxq asks about an output format ("does it have int16 kernels?",
+"which runtime checks it?") is a field here, so no other module branches on a format's name.
+The lowering itself is :meth:`Format.lower`: the QOperator model that requantize produced,
+turned into this format.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import onnx
+
+from onnxq.errors import ConfigError
+from onnxq.lower.fakequantize import to_fakequantize
+from onnxq.lower.qdq import PER_CHANNEL_OPSET, dedicated_qdq_pairs, to_qdq
+from onnxq.prepare.fusions import fuse_gelu
+
+#: a lowering: (requantized QOperator model, quantizer, options) -> the output model
+Lowering = Callable[[onnx.ModelProto, Any, Any], onnx.ModelProto]
+
+
+def _qoperator(model: onnx.ModelProto, quantizer: Any, options: Any) -> onnx.ModelProto:
+    """QLinear ops as they are; GELUs left whole become one com.microsoft.Gelu kernel."""
+    out, _ = fuse_gelu(model)
+    return out
+
+
+def _qdq(model: onnx.ModelProto, quantizer: Any, options: Any) -> onnx.ModelProto:
+    """Each QLinear op un-fused into DequantizeLinear → float op → QuantizeLinear."""
+    out = to_qdq(model)
+    return dedicated_qdq_pairs(out) if options.target.dedicated_qdq_pairs else out
+
+
+def _openvino(model: onnx.ModelProto, quantizer: Any, options: Any) -> onnx.ModelProto:
+    """The float graph with FakeQuantize on every quantized edge (from the annotation)."""
+    return to_fakequantize(quantizer, (-64, 63) if options.weight_bits == 7 else None)
+
+
+@dataclass(frozen=True)
+class Format:
+    """One output format."""
+
+    name: str
+    #: what runs it: "onnxruntime" or "openvino" (the checks after quantizing need onnxruntime)
+    runtime: str
+    lower: Lowering
+    #: int16 activations (standard Q/DQ from opset 21)
+    int16: bool = False
+    #: uint8 and int8 activations meeting in one op (--unsigned-after-relu)
+    mixed_activation_dtypes: bool = True
+    #: its int8-activation kernels are exact where U8S8 products clip (onnxq.io.hostcheck)
+    exact_int8_activations: bool = False
+    #: per-node block-wise int4 weights
+    int4: bool = True
+    #: QDQ islands (Q/DQ around ops with no QLinear form)
+    islands: bool = True
+    #: a written-out GELU is kept whole (and fused into one kernel by the lowering)
+    whole_gelu: bool = False
+    #: If branches are quantized as graphs of their own
+    branches: bool = True
+    #: the lowering rewrites the requantized model (False: rebuilt from the float model)
+    from_requantized: bool = True
+    #: opset its per-channel weights need
+    per_channel_opset: int = 0
+
+    def refuse(self, option: str, why: str) -> ConfigError:
+        """The error for an option this format cannot honour."""
+        return ConfigError(f"{option} {why} in --format {self.name}")
+
+
+FORMATS: dict[str, Format] = {
+    f.name: f
+    for f in (
+        Format(
+            "qoperator",
+            "onnxruntime",
+            _qoperator,
+            mixed_activation_dtypes=False,
+            exact_int8_activations=True,
+            islands=False,
+            whole_gelu=True,
+        ),
+        Format("qdq", "onnxruntime", _qdq, int16=True, per_channel_opset=PER_CHANNEL_OPSET),
+        Format(
+            "openvino",
+            "openvino",
+            _openvino,
+            int4=False,
+            branches=False,
+            from_requantized=False,
+        ),
+    )
+}
+
+
+def get_format(name: str, flag: str = "--format") -> Format:
+    """The format called ``name``; an unknown name is a ConfigError naming ``flag``.
+
+    ``flag``: the option as the caller wrote it (``--format`` or ``format``).
+    """
+    try:
+        return FORMATS[name]
+    except KeyError:
+        raise ConfigError(
+            f"{flag} {name!r} is unknown; choose one of {', '.join(FORMATS)}"
+        ) from None

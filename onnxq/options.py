@@ -1,0 +1,235 @@
+"""One frozen options object per call: the target's defaults merged with explicit arguments.
+
+:func:`resolve` is the only place where ``quantize()``'s keyword arguments, the CLI's flags and
+``inspect`` meet a target: each option the caller left as None takes the target's value, the
+combination is validated once, and automatic choices (7-bit weights on CPUs whose onnxruntime
+kernels would clip) are made and explained once. Errors name the option the way the caller
+wrote it: ``weight_bits=`` from Python, ``--weight-bits`` from the CLI.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from onnxq.annotate.config import UserConfig
+from onnxq.annotate.quantizer import QuantizerConfig
+from onnxq.annotate.rule import QuantizerPattern
+from onnxq.annotate.targets import Target, get_target
+from onnxq.calibrate.callbacks import CalibrationCallback
+from onnxq.calibrators import DEFAULT_METHOD, method_callback
+from onnxq.errors import ConfigError
+from onnxq.io.hostcheck import auto_weight_bits, saturation_warning
+from onnxq.lower.formats import Format, get_format
+from onnxq.patterns import default_patterns
+
+_FLAG = object()
+
+
+def spell(option: str, cli: bool, value: Any = _FLAG) -> str:
+    """``option`` (with ``value``) as the caller writes it.
+
+    From the CLI ``--weight-bits 8`` (a True flag is the bare ``--per-tensor``); from Python
+    ``weight_bits=8``. Without a value: ``--weight-bits`` or ``weight_bits``.
+    """
+    if cli:
+        flag = "--" + option.replace("_", "-")
+        return flag if value is _FLAG or value is True else f"{flag} {value}"
+    return option if value is _FLAG else f"{option}={value!r}"
+
+
+@dataclass(frozen=True)
+class QuantizeOptions:
+    """Everything one ``quantize`` call was asked, resolved against its target."""
+
+    target: Target
+    format: str
+    per_channel: bool
+    activation_dtype: str
+    symmetric_activations: bool
+    unsigned_after_relu: bool
+    weight_bits: int
+    weight_dtype: str = "int8"
+    block_size: int = 32
+    exclude: tuple[str, ...] = ()
+    patterns: tuple[QuantizerPattern, ...] | None = None
+    method: str = DEFAULT_METHOD
+    callback: CalibrationCallback | None = None
+    percentile: float = 99.999
+    bins: int = 2048
+    batch_size: int | None = None
+    samples: int | None = None
+    preprocess: str | None = None
+    save_ranges: str | os.PathLike[str] | None = None
+    load_ranges: str | os.PathLike[str] | None = None
+    user: UserConfig | None = None
+    progress: bool | None = None
+    output: str | os.PathLike[str] | None = None
+    latency_check: bool = False
+    #: choices onnxq made on its own (e.g. 7-bit weights), for the report
+    notes: tuple[str, ...] = ()
+    #: explicit choices this machine's runtime will not run exactly
+    warnings: tuple[str, ...] = ()
+    #: errors name CLI flags (True) or Python parameters (False)
+    cli: bool = field(default=False, compare=False)
+
+    @property
+    def output_format(self) -> Format:
+        """What the output format can hold and how it is lowered."""
+        return get_format(self.format)
+
+    def flag(self, option: str, value: Any = _FLAG) -> str:
+        """``option`` spelled for this caller (see :func:`spell`)."""
+        return spell(option, self.cli, value)
+
+    def quantizer_config(self) -> QuantizerConfig:
+        """The annotation's part of the options."""
+        return QuantizerConfig(
+            user=self.user,
+            activation_dtype=self.activation_dtype,
+            activation_symmetric=self.symmetric_activations,
+            unsigned_after_relu=self.unsigned_after_relu,
+            per_channel=self.per_channel,
+            exclude=self.exclude,
+            weight_bits=self.weight_bits,
+            format=self.format,
+            target=self.target.name,
+        )
+
+    def asks(self, option: str, value: Any) -> bool:
+        """The call or any node of its ``--config`` asks ``option`` = ``value``."""
+        if getattr(self, option, None) == value:
+            return True
+        return self.user is not None and self.user.asks(option, value)
+
+    def for_branches(self) -> QuantizeOptions:
+        """The options an If branch is quantized with: the same choices, nothing written."""
+        return replace(self, output=None, save_ranges=None, progress=False, latency_check=False)
+
+
+def resolve(
+    *,
+    target: Any = None,
+    format: str | None = None,
+    per_channel: bool | None = None,
+    activation_dtype: str | None = None,
+    symmetric_activations: bool | None = None,
+    unsigned_after_relu: bool | None = None,
+    weight_bits: int | None = None,
+    config: Any = None,
+    patterns: Sequence[QuantizerPattern] | None = None,
+    exclude: Sequence[str] = (),
+    cli: bool = False,
+    **rest: Any,
+) -> QuantizeOptions:
+    """Merge explicit options (not None) over ``target``'s defaults and validate them once.
+
+    ``rest``: the options no target sets (method, callback, percentile, bins, batch_size,
+    samples, preprocess, save_ranges, load_ranges, progress, output, latency_check,
+    weight_dtype, block_size).
+    """
+    tgt = target if isinstance(target, Target) else get_target(target or "ort-cpu")
+    fmt = get_format(tgt.format if format is None else format, spell("format", cli))
+    activation_dtype = tgt.activation_dtype if activation_dtype is None else activation_dtype
+    symmetric = (
+        tgt.symmetric_activations if symmetric_activations is None else symmetric_activations
+    )
+    unsigned = tgt.unsigned_after_relu if unsigned_after_relu is None else unsigned_after_relu
+    user = config if isinstance(config, UserConfig) or config is None else UserConfig.load(config)
+    _check(fmt, activation_dtype, symmetric, unsigned, cli)
+    bits, notes, warnings = _weight_bits(weight_bits, tgt, fmt, activation_dtype, unsigned, user)
+    if rest.get("callback") is None and rest.get("load_ranges") is None:
+        # an unknown method is refused before any model is read
+        method_callback(
+            rest.get("method", DEFAULT_METHOD),
+            rest.get("percentile", 99.999),
+            rest.get("bins", 2048),
+        )
+    if patterns is None and tgt.patterns is not None:
+        patterns = target_patterns(tgt)
+    return QuantizeOptions(
+        target=tgt,
+        format=fmt.name,
+        per_channel=tgt.per_channel if per_channel is None else per_channel,
+        activation_dtype=activation_dtype,
+        symmetric_activations=symmetric,
+        unsigned_after_relu=unsigned,
+        weight_bits=bits,
+        exclude=tuple(exclude),
+        patterns=None if patterns is None else tuple(patterns),
+        user=user,
+        notes=tuple(notes),
+        warnings=tuple(warnings),
+        cli=cli,
+        **rest,
+    )
+
+
+def _check(fmt: Format, activation_dtype: str, symmetric: bool, unsigned: bool, cli: bool) -> None:
+    """Combinations no output can hold."""
+
+    def f(option: str, value: Any = _FLAG) -> str:
+        return spell(option, cli, value)
+
+    if unsigned:
+        if not (symmetric and activation_dtype == "int8"):
+            raise ConfigError(
+                f"{f('unsigned_after_relu')} applies to symmetric int8 activations: add "
+                f"{f('activation_dtype', 'int8')} {f('symmetric_activations', True)} (asymmetric "
+                "uint8 already gives a Relu output the range [0, max])"
+            )
+        if not fmt.mixed_activation_dtypes:
+            raise ConfigError(
+                f"{f('unsigned_after_relu')} mixes uint8 and int8 activations, which "
+                f"onnxruntime's QLinear kernels do not take in one op; use {f('format', 'qdq')} "
+                f"or {f('format', 'openvino')}"
+            )
+    if activation_dtype == "int16" and not fmt.int16:
+        raise ConfigError(
+            f"int16 activations are written as QDQ (opset 21); {f('format', fmt.name)} has no "
+            f"int16 kernels — add {f('format', 'qdq')}"
+        )
+
+
+def _weight_bits(
+    requested: int | None,
+    tgt: Target,
+    fmt: Format,
+    activation_dtype: str,
+    unsigned_after_relu: bool,
+    user: UserConfig | None,
+) -> tuple[int, list[str], list[str]]:
+    """Resolve the weight bits: explicit, the target's, or ``auto`` (see onnxq.io.hostcheck).
+
+    Returns the bits, the notes explaining an automatic choice and the warnings for an explicit
+    8-bit choice that this machine's runtime would clip.
+    """
+    # onnxruntime runs QDQ through its U8S8 kernels whatever the activation dtype (it turns
+    # int8 QDQ into uint8 on x86), OpenVINO its FakeQuantize models alike; only the int8
+    # QLinear ops of QOperator output are exact
+    runtime = fmt.runtime if fmt.runtime != "onnxruntime" else tgt.runtime
+    clipping_path = not fmt.exact_int8_activations or (
+        activation_dtype == "uint8"
+        or unsigned_after_relu
+        or (user is not None and user.asks("activation_dtype", "uint8"))
+    )
+    bits = requested if requested is not None else tgt.weight_bits
+    if bits is None:
+        bits, why = auto_weight_bits(runtime, clipping_path)
+        return bits, [why] if why else [], []
+    warning = saturation_warning(runtime, clipping_path, bits) if requested is not None else ""
+    return bits, [], [warning] if warning else []
+
+
+def target_patterns(tgt: Target) -> list[QuantizerPattern]:
+    """The rules ``tgt`` names, one instance each, from the library (onnxq.patterns)."""
+    library = {p.label(): p for p in default_patterns()}
+    unknown = [n for n in tgt.patterns or () if n not in library]
+    if unknown:
+        raise ConfigError(
+            f"target {tgt.name!r} names pattern(s) {unknown} that onnxq does not "
+            f"have; known patterns: {', '.join(sorted(library))}"
+        )
+    return [library[n] for n in tgt.patterns or ()]

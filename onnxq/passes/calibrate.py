@@ -1,0 +1,54 @@
+"""Calibrate: values for every placeholder, from data (or a saved range table).
+
+Needs ``state.quantizer`` and ``state.data``. Leaves ``state.values``, ``state.dataset`` and
+``state.calibrator`` (its report, ranges and the fp32 reference outputs the checks reuse).
+"""
+
+from __future__ import annotations
+
+from onnxq.calibrate.calibration import Calibrator
+from onnxq.calibrate.callbacks import CalibrationCallback, RangeTableCallback
+from onnxq.calibrate.dataset import model_inputs
+from onnxq.calibrate.ranges import read_ranges
+from onnxq.calibrate.sources import as_dataset
+from onnxq.calibrators import method_callback
+from onnxq.io.session import free_memory
+from onnxq.passes.manager import PassResult, State
+
+#: calibration batches the accuracy check after quantizing runs (their fp32 outputs are kept)
+CHECK_BATCHES = 4
+
+
+class Calibrate:
+    """Stream the data through the float model and ask every rule's callback for values."""
+
+    name = "calibrate"
+
+    def run(self, state: State) -> PassResult:
+        """Choose the placeholder values."""
+        o, q = state.options, state.quantizer
+        if o.load_ranges is not None:
+            cb: CalibrationCallback = RangeTableCallback(
+                read_ranges(o.load_ranges), f"'{o.load_ranges}'"
+            )
+            node_callbacks = {}
+        else:
+            cb = o.callback or method_callback(o.method, o.percentile, o.bins)
+            node_callbacks = {
+                n: method_callback(m, o.percentile, o.bins) for n, m in q.node_methods.items()
+            }
+        inputs = model_inputs(q.float_model)
+        state.dataset = (
+            None
+            if o.load_ranges is not None and state.data is None
+            else as_dataset(state.data, inputs, o.batch_size, o.samples, o.preprocess)
+        )
+        calibrator = Calibrator(q, state.dataset, cb, o.progress, node_callbacks)
+        checked = o.output_format.runtime == "onnxruntime"
+        calibrator.reference_batches = CHECK_BATCHES if checked else 0
+        state.values = calibrator.calibrate()
+        calibrator.release()
+        free_memory()
+        state.calibrator = calibrator
+        rep = calibrator.report
+        return PassResult(f"{len(state.values)} values from {rep.samples} samples")

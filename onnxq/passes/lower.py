@@ -1,0 +1,25 @@
+"""Lower: the requantized QOperator model written in the chosen output format.
+
+Needs ``state.model`` and ``state.quantizer``. Leaves ``state.model`` in the output format
+(onnxq.lower.formats: QOperator, QDQ or OpenVINO FakeQuantize).
+"""
+
+from __future__ import annotations
+
+from onnxq.io.session import free_memory
+from onnxq.passes.manager import PassResult, State, op_changes, op_histogram
+
+
+class Lower:
+    """Apply the output format's lowering."""
+
+    name = "lower"
+
+    def run(self, state: State) -> PassResult:
+        """Lower to ``state.options.format``."""
+        before = op_histogram(state.model)
+        fmt = state.options.output_format
+        state.model = fmt.lower(state.model, state.quantizer, state.options)
+        free_memory()
+        changed = op_changes(before, op_histogram(state.model))
+        return PassResult(f"{fmt.name}: {changed}" if changed else fmt.name)

@@ -1,0 +1,106 @@
+"""The pass manager: one state, a list of named passes, a record of what each did.
+
+A pass is a small object with a ``name`` and a ``run(state) -> PassResult``; it reads what
+earlier passes left on the :class:`State` and leaves what it guarantees (its docstring says
+both). :func:`run_passes` runs them in order, times each and keeps a :class:`PassRecord`, which
+the report lists (``--report`` JSON and the summary).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import onnx
+
+from onnxq.options import QuantizeOptions
+
+
+@dataclass(frozen=True)
+class PassResult:
+    """What a pass did, in a few words for the report ("" when it changed nothing)."""
+
+    changed: str = ""
+
+
+@dataclass(frozen=True)
+class PassRecord:
+    """One pass as it ran: its name, its wall time and what it changed."""
+
+    name: str
+    seconds: float
+    changed: str
+
+
+class Pass(Protocol):
+    """A named step over the :class:`State`."""
+
+    name: str
+
+    def run(self, state: State) -> PassResult:
+        """Do the step; leave its results on ``state``."""
+        ...
+
+
+@dataclass
+class State:
+    """What the passes of one ``quantize`` call share.
+
+    Fields start empty and are filled in pipeline order: ``float_model`` by loading, the
+    ``quantizer`` (the annotated template) by annotation, ``values`` by calibration and solving,
+    ``model`` by materialisation and then each post pass and the lowering.
+    """
+
+    options: QuantizeOptions
+    #: the model as the caller gave it (a path or a ModelProto; never modified)
+    source: Any
+    #: the calibration data as the caller gave it
+    data: Any = None
+    #: the float model to annotate (opset raised where the output needs it); empty until loaded
+    float_model: onnx.ModelProto = field(default_factory=onnx.ModelProto)
+    quantizer: Any = None
+    dataset: Any = None
+    calibrator: Any = None
+    #: placeholder name -> value (scales, zero points), after solving
+    values: dict[str, Any] = field(default_factory=dict)
+    solution: Any = None
+    #: the model being produced; empty until materialized
+    model: onnx.ModelProto = field(default_factory=onnx.ModelProto)
+    requantize_stats: Any = None
+    #: the If branches' results (onnxq.post.subgraphs.BranchResult)
+    branches: list[Any] = field(default_factory=list)
+    #: onnxruntime session of the output built by verification (reused by the checks)
+    session: Any = None
+    #: warnings of the checks after quantizing, and the latency figures
+    check_warnings: list[str] = field(default_factory=list)
+    latency: dict[str, float] = field(default_factory=dict)
+    #: what whole-model int4 weight-only quantization did (onnxq.post.weight_only)
+    weight_only: Any = None
+    records: list[PassRecord] = field(default_factory=list)
+
+
+def op_histogram(model: onnx.ModelProto) -> dict[str, int]:
+    """Count of each op type in the main graph."""
+    return dict(sorted(Counter(n.op_type for n in model.graph.node).items()))
+
+
+def op_changes(before: dict[str, int], after: dict[str, int]) -> str:
+    """``+3 QLinearConv, -3 Conv`` between two op histograms ('' when equal)."""
+    parts = []
+    for op in sorted(set(before) | set(after)):
+        d = after.get(op, 0) - before.get(op, 0)
+        if d:
+            parts.append(f"{d:+d} {op}")
+    return ", ".join(parts)
+
+
+def run_passes(state: State, passes: Sequence[Pass]) -> State:
+    """Run ``passes`` in order over ``state``; each leaves a PassRecord in ``state.records``."""
+    for p in passes:
+        start = time.perf_counter()
+        result = p.run(state)
+        state.records.append(PassRecord(p.name, time.perf_counter() - start, result.changed))
+    return state

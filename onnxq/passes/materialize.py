@@ -1,0 +1,21 @@
+"""Materialize: the template with its placeholders set to the solved values.
+
+Needs ``state.quantizer`` and ``state.values``. Leaves ``state.model``: a QOperator model
+(quantized weights and int32 biases derived from the float constants).
+"""
+
+from __future__ import annotations
+
+from onnxq.passes.manager import PassResult, State, op_changes, op_histogram
+
+
+class Materialize:
+    """Write the values into the template."""
+
+    name = "materialize"
+
+    def run(self, state: State) -> PassResult:
+        """Materialize the model."""
+        q = state.quantizer
+        state.model = q.materialize(state.values)
+        return PassResult(op_changes(op_histogram(q.float_model), op_histogram(state.model)))

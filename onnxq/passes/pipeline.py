@@ -1,0 +1,31 @@
+"""The pass list of one ``quantize`` call, built from its options.
+
+Adding an algorithm is one pass module and one line here.
+"""
+
+from __future__ import annotations
+
+from onnxq.options import QuantizeOptions
+from onnxq.passes.annotate import Annotate
+from onnxq.passes.branches import Branches, BranchQuantizer
+from onnxq.passes.calibrate import Calibrate
+from onnxq.passes.check import Check
+from onnxq.passes.int4 import Int4Weights
+from onnxq.passes.load import Load
+from onnxq.passes.lower import Lower
+from onnxq.passes.manager import Pass
+from onnxq.passes.materialize import Materialize
+from onnxq.passes.requantize import Requantize, ShareConcatScales
+from onnxq.passes.save import Save
+from onnxq.passes.solve import Solve
+from onnxq.passes.verify import Verify
+
+
+def build(options: QuantizeOptions, quantize_branch: BranchQuantizer) -> list[Pass]:
+    """The passes, in order, for ``options``; ``quantize_branch`` quantizes an If branch."""
+    fmt = options.output_format
+    passes: list[Pass] = [Load(), Annotate(), Calibrate(), Solve(), Materialize(), Requantize()]
+    if "Concat" in options.target.shared_scale_ops and fmt.from_requantized:
+        passes.append(ShareConcatScales())
+    passes += [Lower(), Int4Weights(), Branches(quantize_branch), Verify(), Check(), Save()]
+    return passes

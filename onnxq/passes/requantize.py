@@ -1,0 +1,40 @@
+"""Requantize: fold DQ→Q pairs so int8 stays int8 between ops.
+
+Needs ``state.model`` (materialized). Leaves the folded ``state.model`` and
+``state.requantize_stats`` (which ops now carry int8, for the decisions).
+"""
+
+from __future__ import annotations
+
+from onnxq.io.session import free_memory
+from onnxq.passes.manager import PassResult, State
+from onnxq.post.requantize import Requantizer
+from onnxq.solve.constraints import share_concat_scales
+
+
+class Requantize:
+    """Run the Requantizer to its fixed point."""
+
+    name = "requantize"
+
+    def run(self, state: State) -> PassResult:
+        """Fold and carry."""
+        requantizer = Requantizer()
+        state.model = requantizer.requantize(state.model)
+        state.requantize_stats = s = requantizer.stats
+        free_memory()
+        return PassResult(
+            f"{s.folded_pairs} DQ→Q pairs folded, {s.rescaled_pairs} rescaled, "
+            f"{len(s.crossed_ops)} ops carried, {len(s.relus_removed)} Relus removed"
+        )
+
+
+class ShareConcatScales:
+    """Every QLinearConcat reads its inputs at its output's scale (targets that need it)."""
+
+    name = "share-concat-scales"
+
+    def run(self, state: State) -> PassResult:
+        """Requantize the Concat inputs that solving left on other scales."""
+        state.model, changed = share_concat_scales(state.model)
+        return PassResult(f"{len(changed)} Concat inputs requantized" if changed else "")

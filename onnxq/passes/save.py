@@ -1,0 +1,29 @@
+"""Save: the output model (atomically) and the range table, where asked.
+
+Needs ``state.model`` and, for ``save_ranges``, the calibrator's ranges.
+"""
+
+from __future__ import annotations
+
+from onnxq.calibrate.ranges import write_ranges
+from onnxq.io.graph import save_model
+from onnxq.passes.manager import PassResult, State
+
+
+class Save:
+    """Write what the options ask to be written."""
+
+    name = "save"
+
+    def run(self, state: State) -> PassResult:
+        """Write the model and the ranges."""
+        o = state.options
+        wrote = []
+        if o.output is not None:
+            save_model(state.model, o.output)
+            wrote.append(str(o.output))
+        if o.save_ranges is not None:
+            method = o.method if o.callback is None else "callback"
+            write_ranges(o.save_ranges, state.calibrator.ranges, method)
+            wrote.append(str(o.save_ranges))
+        return PassResult(f"wrote {', '.join(wrote)}" if wrote else "")

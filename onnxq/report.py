@@ -1,0 +1,208 @@
+"""The report of one ``quantize`` call: what was quantized and why the rest was not.
+
+:func:`build_report` gathers it from the pipeline's final state: every node's decision (ops
+that requantize carries int8 through count as quantized, If branches say what became of them),
+the calibration statistics, every pass with its time and what it changed, and the notes and
+warnings of every stage.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any
+
+import numpy as np
+
+from onnxq.annotate.quantizer import Quantizer
+from onnxq.annotate.specs import Decision
+from onnxq.calibrate.calibration import CalibrationReport
+from onnxq.passes.manager import PassRecord, State, op_histogram
+from onnxq.post.requantize import Requantizer, RequantizeStats, rescales
+from onnxq.solve.qparams import qrange
+
+
+@dataclass
+class QuantizeReport:
+    """What quantization did, node by node, with timings and calibration statistics."""
+
+    decisions: list[Decision]
+    calibration: CalibrationReport
+    requantize: RequantizeStats
+    #: every pass in the order it ran, with its wall time and what it changed
+    passes: list[PassRecord] = field(default_factory=list)
+    ops_before: dict[str, int] = field(default_factory=dict)
+    ops_after: dict[str, int] = field(default_factory=dict)
+    values: dict[str, Any] = field(default_factory=dict)
+    #: tensors where a DQ→Q pair changes the activation dtype (--config activation_dtype)
+    rescales: list[str] = field(default_factory=list)
+    #: what constraint propagation decided: shared-scale groups and conflicting edges rescaled
+    constraints: list[str] = field(default_factory=list)
+    #: per-node requests the target cannot run (ignored for that node), and other warnings
+    warnings: list[str] = field(default_factory=list)
+    #: choices onnxq made on its own that the user should know about (e.g. 7-bit weights)
+    notes: list[str] = field(default_factory=list)
+    #: fp32 and int8 milliseconds per batch and their ratio (with latency_check)
+    latency: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def quantized_nodes(self) -> list[str]:
+        """Names of float nodes now computed in int8."""
+        return [d.node for d in self.decisions if d.quantized]
+
+    @property
+    def seconds(self) -> dict[str, float]:
+        """Wall time per pass."""
+        return {p.name: p.seconds for p in self.passes}
+
+    def summary(self) -> str:
+        """A few lines for a terminal."""
+        q = sum(d.quantized for d in self.decisions)
+        cal = self.calibration
+        lines = [
+            f"quantized {q} of {len(self.decisions)} nodes; calibrated on {cal.samples} samples "
+            f"({cal.batches} batches, {cal.tensors_observed} tensors, "
+            f"{cal.observer_bytes} bytes of statistics)",
+            f"requantize: {self.requantize.folded_pairs} DQ→Q pairs folded, "
+            f"{self.requantize.rescaled_pairs} rescaled into QLinear ops, "
+            f"{len(self.requantize.crossed_ops)} ops carried int8, "
+            f"{len(self.requantize.relus_removed)} Relus removed",
+            "passes: "
+            + "; ".join(
+                f"{p.name} {p.seconds:.2f}s" + (f" ({p.changed})" if p.changed else "")
+                for p in self.passes
+            ),
+        ]
+        if self.latency:
+            lines.append(
+                f"latency: fp32 {self.latency['fp32_ms']:.3f} ms, int8 "
+                f"{self.latency['int8_ms']:.3f} ms per batch ({self.latency['ratio']:.2f}× "
+                "fp32, 1 thread)"
+            )
+        if self.rescales:
+            lines.append(
+                f"{len(self.rescales)} rescale(s) (DQ→Q) kept, where the activation dtype "
+                "changes or a shared scale meets a conflicting constraint: "
+                + ", ".join(self.rescales)
+            )
+        lines.extend(f"note: {n}" for n in self.notes)
+        lines.extend(f"constraint: {c}" for c in self.constraints)
+        for name, count in cal.nonfinite.items():
+            lines.append(
+                f"warning: tensor '{name}' held {count} NaN/Inf values during "
+                "calibration; they were ignored"
+            )
+        lines.extend(f"warning: {c}" for c in cal.conflicts)
+        lines.extend(f"warning: {w}" for w in self.warnings)
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict."""
+        return {
+            "decisions": [asdict(d) for d in self.decisions],
+            "calibration": asdict(self.calibration),
+            "requantize": asdict(self.requantize),
+            "passes": [asdict(p) for p in self.passes],
+            "seconds": self.seconds,
+            "ops_before": self.ops_before,
+            "ops_after": self.ops_after,
+            "rescales": self.rescales,
+            "constraints": self.constraints,
+            "warnings": self.warnings,
+            "notes": self.notes,
+            "latency": self.latency,
+        }
+
+
+def build_report(state: State) -> QuantizeReport:
+    """The report of a finished quantize pipeline."""
+    q, o, sol = state.quantizer, state.options, state.solution
+    stats = state.requantize_stats
+    decisions = mark_carried(q, stats.crossed_ops)
+    decisions += branch_decisions(q, state.branches)
+    dataset_warnings = state.dataset.warnings if state.dataset is not None else []
+    report = QuantizeReport(
+        decisions=decisions,
+        calibration=state.calibrator.report,
+        requantize=stats,
+        passes=list(state.records),
+        ops_before=op_histogram(state.float_model),
+        ops_after=op_histogram(state.model),
+        values={k: v.tolist() for k, v in q.final_values.items()},
+        rescales=rescales(state.model) if o.output_format.from_requantized else [],
+        constraints=sol.shared + [str(r) for r in sol.rescales],
+        warnings=list(q.warnings) + list(o.warnings) + dataset_warnings + state.check_warnings,
+        notes=list(o.notes) + widened_notes(q.widened_biases),
+        latency=state.latency,
+    )
+    explain_constraints(report.decisions, sol)
+    return report
+
+
+def mark_carried(quantizer: Quantizer, crossed: Sequence[str] | None = None) -> list[Decision]:
+    """The quantizer's decisions with the ops requantize carries int8 through marked quantized.
+
+    ``crossed``: the ops requantize crossed; None runs requantize on the model materialized
+    with default scales (what it crosses depends on the graph and opset, not on the values),
+    for ``inspect``, which then counts what ``quantize`` will.
+    """
+    if crossed is None:
+        # default values, but a Relu-folded output's zero point at its type's minimum (an int16
+        # one is -32768; the default 0 was refused as a broken fold)
+        folds = {
+            qt.zero_point: np.asarray(qrange(qt.dtype)[0])
+            for rec in quantizer.records
+            if rec.relu_folded
+            for qt in rec.outputs
+        }
+        probe = Requantizer()
+        probe.requantize(quantizer.materialize(folds))
+        crossed = probe.stats.crossed_ops
+    decisions = list(quantizer.decisions.values())
+    carried = set(crossed)
+    for d in decisions:
+        if d.node in carried:
+            d.quantized, d.pattern = True, "requantize"
+            d.reason = "carries int8 through (commutes with the affine map)"
+    return decisions
+
+
+def widened_notes(widened: dict[str, int]) -> list[str]:
+    """One note per bias whose weight scale was widened to keep the int32 accumulator exact."""
+    return [
+        f"bias '{bias}': the weight scale of {n} channel(s) was widened so that bias plus the "
+        "worst-case sum of products fits the int32 accumulator (those channels are nearly "
+        "constant, e.g. a BatchNormalization with gamma ≈ 0)"
+        for bias, n in sorted(widened.items())
+    ]
+
+
+def explain_constraints(decisions: list[Decision], solution: Any) -> None:
+    """A Concat whose input is rescaled says so in its decision."""
+    by_node = {d.node: d for d in decisions}
+    for r in solution.rescales:
+        d = by_node.get(r.node)
+        if d is not None:
+            extra = f"input '{r.tensor}' is rescaled (DQ→Q) to the shared scale: {r.reason}"
+            d.reason = f"{d.reason}; {extra}" if d.reason else extra
+
+
+def branch_decisions(quantizer: Quantizer, branches: list[Any]) -> list[Decision]:
+    """The If nodes' decisions say what became of each branch; branch nodes are listed too."""
+    out: list[Decision] = []
+    by_if: dict[str, list[str]] = {}
+    for b in branches:
+        if b.quantized:
+            line = f"{b.branch}: {b.quantized} of {b.nodes} nodes int8 ({b.samples} samples)"
+        else:
+            line = f"{b.branch}: {b.reason}"
+        by_if.setdefault(b.node, []).append(line)
+        for d in b.decisions:
+            out.append(replace(d, node=f"{b.node}/{b.branch}/{d.node}"))
+    for name, lines in by_if.items():
+        d = quantizer.decisions.get(name)
+        if d is not None:
+            d.quantized = any(b.quantized for b in branches if b.node == name)
+            d.pattern = "branches" if d.quantized else d.pattern
+            d.reason = "each branch quantized as its own graph; " + "; ".join(lines)
+    return out
