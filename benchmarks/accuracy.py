@@ -17,14 +17,13 @@ from pathlib import Path
 import numpy as np
 import onnx
 import onnxruntime as ort
-from latency import ort_qoperator
 
 import onnxq
+from benchmarks.latency import ort_qoperator
+from models import datasets
 from onnxq.calibrators import METHODS
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "models"))
-import datasets  # noqa: E402
 
 
 def accuracy(path_or_model, x: np.ndarray, y: np.ndarray) -> float:

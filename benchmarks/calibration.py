@@ -1,6 +1,6 @@
 """Calibration cost and quality: onnxq vs onnxruntime.quantize_static, one run, same data.
 
-    python benchmarks/calibration.py [--samples 64 256 1024] [--methods minmax entropy percentile]
+    python -m benchmarks.calibration [--samples 64 256 1024] [--methods minmax entropy percentile]
                                      [--models residual_cnn fashion_cnn] [--markdown FILE]
 
 Every (tool, method, sample count, model) runs in its own process, so peak RSS
@@ -34,10 +34,9 @@ HERE = Path(__file__).resolve().parent
 
 def _source(model: str):
     """(model path, sample generator factory, evaluation function)."""
-    sys.path.insert(0, str(HERE))
-    sys.path.insert(0, str(ROOT / "models"))
     import onnx
-    from latency import residual_cnn
+
+    from benchmarks.latency import residual_cnn
 
     if model == "residual_cnn":
         path = Path(tempfile.gettempdir()) / "onnxq_bench_residual_cnn.onnx"
@@ -57,7 +56,7 @@ def _source(model: str):
             return float((f.argmax(1) == q.argmax(1)).mean())
 
         return path, samples, evaluate
-    import datasets
+    from models import datasets
 
     path = ROOT / "models" / "fashion_cnn.onnx"
 

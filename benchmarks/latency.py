@@ -1,6 +1,6 @@
 """Latency of fp32 vs onnxq int8 vs onnxruntime.quantization int8 (QOperator) in one run.
 
-    python benchmarks/latency.py [--runs 300] [--size 64] [--channels 32] [--model PATH]
+    python -m benchmarks.latency [--runs 300] [--size 64] [--channels 32] [--model PATH]
 
 Without ``--model`` it builds a 5-conv residual CNN (1×3×S×S input, Conv-BN-Relu stem, two
 residual blocks, global average pool, dense head) with seeded random weights, plus the bundled
@@ -190,11 +190,16 @@ def main() -> int:
         onnx.save(residual_cnn(args.size, args.channels), str(cnn))
         calib = rng.uniform(0, 1, (args.calib, 3, args.size, args.size)).astype(np.float32)
         bench(f"residual_cnn_{args.size}x{args.channels}", cnn, calib, args.runs, tmp)
-        sys.path.insert(0, str(ROOT / "models"))
-        import datasets
+        from models import datasets
 
         xtr, _, _, _ = datasets.digits()
-        bench("digits_cnn", ROOT / "models" / "digits_cnn.onnx", xtr[: args.calib], args.runs, tmp)
+        bench(
+            "digits_cnn",
+            ROOT / "onnxq" / "demo" / "digits_cnn.onnx",
+            xtr[: args.calib],
+            args.runs,
+            tmp,
+        )
         bench(
             "digits_mlp",
             ROOT / "models" / "digits_mlp.onnx",

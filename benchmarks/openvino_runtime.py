@@ -1,6 +1,6 @@
 """The same quantized models in two runtimes: onnxruntime CPU and the OpenVINO runtime.
 
-    python benchmarks/openvino_runtime.py [MODEL ...]        # default: nudenet_320n
+    python -m benchmarks.openvino_runtime [MODEL ...]        # default: nudenet_320n
 
 For each zoo model, the metric of:
 
@@ -25,9 +25,7 @@ from typing import Any
 
 import onnx
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from zoo import _nncf, _ort, _setup  # noqa: E402
+from benchmarks.zoo import _nncf, _ort, _setup
 
 
 def _ov(model: onnx.ModelProto | Path) -> Any:

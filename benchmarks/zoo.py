@@ -1,7 +1,7 @@
 """The scoreboard: every zoo model, fp32 against onnxq, onnxruntime.quantization and NNCF.
 
     pip install -e ".[bench]"          # nncf, matplotlib
-    python benchmarks/zoo.py [MODEL ...] [--runs 200] [--out docs]
+    python -m benchmarks.zoo [MODEL ...] [--runs 200] [--out docs]
 
 For each model of ``models/manifest.toml`` (the same calibration samples, evaluation set and
 machine for every variant):

@@ -15,6 +15,7 @@ A recipe is a class taking ``(model_path, files, options)`` with
 from __future__ import annotations
 
 import functools
+import importlib.util
 import json
 import math
 import shutil
@@ -30,10 +31,20 @@ from typing import Any
 import numpy as np
 
 HERE = Path(__file__).resolve().parent
-if str(HERE) not in sys.path:
-    sys.path.insert(0, str(HERE))
 
-import datasets  # noqa: E402  (models/datasets.py, next to this file)
+
+def _sibling(name: str) -> Any:
+    """A module next to this file (onnxq loads this file by path, not as a package member)."""
+    spec = importlib.util.spec_from_file_location(f"onnxq_zoo_{name}", HERE / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = sys.modules.get(spec.name) or importlib.util.module_from_spec(spec)
+    if spec.name not in sys.modules:
+        sys.modules[spec.name] = module
+        spec.loader.exec_module(module)
+    return module
+
+
+datasets = _sibling("datasets")
 
 Feeds = dict[str, np.ndarray]
 Runner = Callable[[Feeds], list[np.ndarray]]

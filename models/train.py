@@ -1,7 +1,7 @@
 """Train the zoo's small models with PyTorch and write them as ONNX built with onnx.helper.
 
     pip install torch==2.13.0 scikit-learn onnx
-    python models/train.py all          # or digits-mlp | digits-cnn | fashion-cnn
+    python -m models.train all          # or digits-mlp | digits-cnn | fashion-cnn
 
 The graphs are written node by node (no exporter), so the files are reproducible from the
 trained weights and use opset 13. Seeds are fixed; results vary only with the torch build.
@@ -9,7 +9,6 @@ trained weights and use opset 13. Seeds are fixed; results vary only with the to
 
 from __future__ import annotations
 
-import shutil
 import sys
 from pathlib import Path
 
@@ -21,10 +20,11 @@ from onnx import helper as h
 from onnx import numpy_helper as nh
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import datasets  # noqa: E402
+from models import datasets
 
 HERE = Path(__file__).resolve().parent
+#: the digits CNN is the demo model: its one copy ships inside the package
+DEMO = HERE.parent / "onnxq" / "demo"
 OPSET = 13
 
 
@@ -168,7 +168,7 @@ def digits_cnn(path: Path | None = None) -> None:
         inits,
         h.make_tensor_value_info("input", TensorProto.FLOAT, ["N", 1, 28, 28]),
         h.make_tensor_value_info("logits", TensorProto.FLOAT, ["N", 10]),
-        path or HERE / "digits_cnn.onnx",
+        path or DEMO / "digits_cnn.onnx",
         "digits_cnn",
         (net, xte[:16]),
     )
@@ -261,12 +261,7 @@ if __name__ == "__main__":
         "digits-mlp": digits_mlp,
         "digits-cnn": digits_cnn,
         "fashion-cnn": fashion_cnn,
-        "demo": lambda: (
-            shutil.copyfile(
-                HERE / "digits_cnn.onnx", HERE.parent / "onnxq" / "demo" / "digits_cnn.onnx"
-            ),
-            demo_data(),
-        ),
+        "demo": demo_data,
     }
     for name, job in jobs.items():
         if which in (name, "all"):

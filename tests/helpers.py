@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -14,6 +13,8 @@ from onnx import numpy_helper as nh
 
 ROOT = Path(__file__).resolve().parents[1]
 MODELS = ROOT / "models"
+#: the demo model, which the zoo lists too (one committed copy, inside the package)
+DIGITS_CNN = ROOT / "onnxq" / "demo" / "digits_cnn.onnx"
 QUANTIZED_OPS = {"QLinearConv", "QLinearMatMul", "QGemm", "QLinearAdd", "QLinearMul"}
 
 
@@ -74,8 +75,6 @@ def rng(seed: int = 0) -> np.random.Generator:
 
 def zoo_datasets():
     """The models/datasets.py module (digits and Fashion-MNIST loaders)."""
-    if str(MODELS) not in sys.path:
-        sys.path.insert(0, str(MODELS))
-    import datasets
+    from models import datasets
 
     return datasets

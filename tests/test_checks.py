@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 import numpy as np
-from helpers import MODELS, make_model, rng
+from helpers import DIGITS_CNN, make_model, rng
 from onnx import helper as h
 
 import onnxq
@@ -13,7 +13,7 @@ from onnxq.cli import main
 from onnxq.tools import checks
 from onnxq.tools.checks import Latency
 
-CNN = MODELS / "digits_cnn.onnx"
+CNN = DIGITS_CNN
 
 
 def _chain():

@@ -10,12 +10,12 @@ import sys
 import numpy as np
 import onnx
 import pytest
-from helpers import MODELS, make_model
+from helpers import DIGITS_CNN, make_model
 from onnx import helper as h
 
 from onnxq.cli import main
 
-CNN = MODELS / "digits_cnn.onnx"
+CNN = DIGITS_CNN
 
 
 @pytest.fixture()

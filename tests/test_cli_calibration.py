@@ -7,12 +7,12 @@ import json
 import numpy as np
 import onnx
 import pytest
-from helpers import MODELS, make_model, run
+from helpers import DIGITS_CNN, make_model, run
 from onnx import helper as h
 
 from onnxq.cli import main
 
-CNN = MODELS / "digits_cnn.onnx"
+CNN = DIGITS_CNN
 X = np.random.default_rng(3).uniform(0, 1, (24, 1, 28, 28)).astype(np.float32)
 
 

@@ -8,7 +8,7 @@ import math
 import numpy as np
 import onnx
 import pytest
-from helpers import MODELS
+from helpers import DIGITS_CNN
 
 import onnxq
 from onnxq.calibrate.dataset import model_inputs
@@ -17,7 +17,7 @@ from onnxq.cli import main
 from onnxq.tools.compare import compare
 
 X = np.random.default_rng(4).uniform(0, 1, (32, 1, 28, 28)).astype(np.float32)
-CNN = MODELS / "digits_cnn.onnx"
+CNN = DIGITS_CNN
 
 
 def test_identical_models_compare_perfectly():

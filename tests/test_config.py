@@ -7,14 +7,14 @@ import json
 import numpy as np
 import onnx
 import pytest
-from helpers import MODELS
+from helpers import DIGITS_CNN
 
 import onnxq
 from onnxq.annotate.config import UserConfig
 from onnxq.cli import main
 from onnxq.errors import ConfigError
 
-CNN = str(MODELS / "digits_cnn.onnx")
+CNN = str(DIGITS_CNN)
 X = np.random.default_rng(8).uniform(0, 1, (40, 1, 28, 28)).astype(np.float32)
 
 DOC = {
@@ -254,7 +254,7 @@ def test_inspect_explains_per_node_precision_and_ignored_requests(tmp_path, caps
     cfg.write_text(
         '[op_type.Gemm]\nweight_dtype = "int4"\n[node.conv1]\nactivation_dtype = "int16"\n'
     )
-    model = str(MODELS / "digits_cnn.onnx")
+    model = str(DIGITS_CNN)
     assert main(["inspect", model, "--explain", "--config", str(cfg)]) == 0
     out = capsys.readouterr()
     assert "int4-weights: fc" in out.out

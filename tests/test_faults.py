@@ -16,13 +16,13 @@ import zipfile
 
 import numpy as np
 import pytest
-from helpers import MODELS
+from helpers import DIGITS_CNN
 
 import onnxq.calibrate.dataset as dataset
 import onnxq.io.graph as graph
 from onnxq.cli import main
 
-CNN = MODELS / "digits_cnn.onnx"
+CNN = DIGITS_CNN
 X = np.random.default_rng(0).uniform(0, 1, (16, 1, 28, 28)).astype(np.float32)
 
 

@@ -11,12 +11,12 @@ import stat
 import numpy as np
 import onnx
 import pytest
-from helpers import MODELS, make_model, run
+from helpers import DIGITS_CNN, MODELS, make_model, run
 from onnx import helper as h
 
 from onnxq.cli import main
 
-CNN = MODELS / "digits_cnn.onnx"
+CNN = DIGITS_CNN
 
 
 def _quantize(tmp_path, data, *extra):

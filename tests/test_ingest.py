@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import pytest
-from helpers import MODELS, make_model, ops, rng, run, zoo_datasets
+from helpers import DIGITS_CNN, MODELS, make_model, ops, rng, run, zoo_datasets
 from onnx import helper as h
 from test_patterns import weights
 
@@ -26,10 +26,8 @@ def digits():
 
 def test_onnxq_qdq_round_trips_to_the_same_qoperator_model(digits):
     xtr, xte, _ = digits
-    qop, _ = onnxq.quantize(str(MODELS / "digits_cnn.onnx"), {"input": xtr[:64]}, progress=False)
-    qdq, _ = onnxq.quantize(
-        str(MODELS / "digits_cnn.onnx"), {"input": xtr[:64]}, progress=False, format="qdq"
-    )
+    qop, _ = onnxq.quantize(str(DIGITS_CNN), {"input": xtr[:64]}, progress=False)
+    qdq, _ = onnxq.quantize(str(DIGITS_CNN), {"input": xtr[:64]}, progress=False, format="qdq")
     back, report = convert(qdq, "qoperator")
     assert quantized_form(back) == "qoperator" and report.left == {}
     assert ops(back) == ops(qop)
@@ -89,11 +87,11 @@ def test_qoperator_to_qdq_and_same_format(digits):
 
 def test_float_model_and_bad_format_are_refused(tmp_path, capsys):
     with pytest.raises(ModelError, match="float model"):
-        convert(onnx.load(str(MODELS / "digits_cnn.onnx")), "qdq")
+        convert(onnx.load(str(DIGITS_CNN)), "qdq")
     rc = main(
         [
             "convert",
-            str(MODELS / "digits_cnn.onnx"),
+            str(DIGITS_CNN),
             "-o",
             str(tmp_path / "o.onnx"),
             "--format",
@@ -115,7 +113,7 @@ def _ort_qdq(path, xtr):
             return next(self.it, None)
 
     quantize_static(
-        str(MODELS / "digits_cnn.onnx"),
+        str(DIGITS_CNN),
         str(path),
         Reader(),
         quant_format=QuantFormat.QDQ,
@@ -132,9 +130,7 @@ def test_convert_to_fakequantize_runs_in_openvino(source, tmp_path, digits):
         q = _ort_qdq(tmp_path / "ort.onnx", xtr)
     else:
         fmt = "qdq" if source == "onnxq-qdq" else "qoperator"
-        q, _ = onnxq.quantize(
-            str(MODELS / "digits_cnn.onnx"), {"input": xtr[:64]}, format=fmt, progress=False
-        )
+        q, _ = onnxq.quantize(str(DIGITS_CNN), {"input": xtr[:64]}, format=fmt, progress=False)
     src = tmp_path / "q.onnx"
     onnx.save(q, str(src))
     out = tmp_path / "fq.onnx"

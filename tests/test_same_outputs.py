@@ -7,16 +7,14 @@ from pathlib import Path
 
 import pytest
 
+from scripts import same_outputs
+from scripts.same_outputs import REFERENCE
+
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "scripts" / "same_outputs.py"
 
 
 def _has_history() -> bool:
-    sys.path.insert(0, str(SCRIPT.parent))
-    try:
-        from same_outputs import REFERENCE
-    finally:
-        sys.path.pop(0)
     probe = ["git", "-C", str(ROOT), "cat-file", "-e", f"{REFERENCE}^{{commit}}"]
     return subprocess.run(probe, capture_output=True).returncode == 0
 
@@ -32,11 +30,6 @@ def test_committed_models_give_the_reference_values_and_outputs():
 
 
 def test_the_check_fails_on_a_changed_scale(tmp_path):
-    sys.path.insert(0, str(SCRIPT.parent))
-    try:
-        import same_outputs
-    finally:
-        sys.path.pop(0)
     import numpy as np
     import onnx
     from onnx import helper, numpy_helper

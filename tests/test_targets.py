@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import pytest
-from helpers import MODELS, ops, run, zoo_datasets
+from helpers import DIGITS_CNN, ops, run, zoo_datasets
 
 import onnxq
 from onnxq.annotate.targets import Target, get_target, register_target
@@ -13,7 +13,7 @@ from onnxq.cli import main
 from onnxq.errors import ConfigError
 
 ds = zoo_datasets()
-CNN = str(MODELS / "digits_cnn.onnx")
+CNN = str(DIGITS_CNN)
 
 
 @pytest.fixture(scope="module")

@@ -25,6 +25,7 @@ from onnxq.tools.zoo import (
 
 ROOT = Path(__file__).resolve().parents[2]
 MANIFEST = load_manifest(ROOT / "models" / "manifest.toml")
+DIGITS_CNN_FILE = MANIFEST.models["digits_cnn"].model.path
 WEIGHTED = {"Conv", "ConvTranspose", "MatMul", "Gemm"}
 
 
@@ -209,8 +210,13 @@ def test_missing_system_package_is_named_and_the_run_goes_on(tmp_path, monkeypat
     )
     path = tmp_path / "manifest.toml"
     path.write_text(body)
-    for name in ("recipes.py", "datasets.py", "digits_cnn.onnx"):
+    for name in ("recipes.py", "datasets.py"):
         (tmp_path / name).write_bytes((MANIFEST.path.parent / name).read_bytes())
+    demo = tmp_path / "demo"
+    demo.mkdir()
+    (demo / "digits_cnn.onnx").write_bytes((MANIFEST.path.parent / DIGITS_CNN_FILE).read_bytes())
+    body = body.replace(f'file = "{DIGITS_CNN_FILE}"', 'file = "demo/digits_cnn.onnx"')
+    path.write_text(body)
     monkeypatch.setattr(
         "onnxq.tools.zoo.SYSTEM_PACKAGES", {**SYSTEM_PACKAGES, "espeak-ng": "/nope"}
     )
