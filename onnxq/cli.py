@@ -43,6 +43,66 @@ def _parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command")
 
     q = sub.add_parser("quantize", help="quantize a float model with calibration data")
+    _quantize_io(q)
+    _quantize_calibration(q)
+    _quantize_precision(q)
+    _quantize_run(q)
+
+    i = sub.add_parser("inspect", help="op histogram and what each pattern matches, and why not")
+    i.add_argument("model")
+    i.add_argument("--explain", action="store_true", help="list every node with its reason")
+    i.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    i.add_argument("--exclude", nargs="+", default=[], metavar="NODE")
+    i.add_argument("--config", default=None, metavar="FILE.toml", help="per-node settings")
+    i.add_argument("--target", default=None, help="explain for this target's patterns")
+    i.add_argument("--target-file", default=None, metavar="FILE.toml")
+
+    c = sub.add_parser("convert", help="retarget an already-quantized model (no calibration)")
+    c.add_argument("model", help="a quantized .onnx model (QDQ or QOperator; never modified)")
+    c.add_argument("-o", "--output", required=True, help="where to write the converted model")
+    c.add_argument(
+        "--format",
+        required=True,
+        choices=["qoperator", "qdq", "openvino"],
+        help="qoperator: QLinear ops (onnxruntime CPU); qdq: standard Q/DQ; openvino: "
+        "FakeQuantize on the float graph (run by the OpenVINO runtime)",
+    )
+    c.add_argument("--quiet", action="store_true", help="no summary")
+
+    k = sub.add_parser("compare", help="per output and per layer SQNR/cosine, float vs quantized")
+    k.add_argument("float_model", help="the float .onnx model")
+    k.add_argument("quant_model", help="its quantized form (QOperator or QDQ)")
+    k.add_argument(
+        "--data", required=True, help="samples, as for quantize (.npz, folder, module:function)"
+    )
+    k.add_argument("--samples", type=int, default=None, help="use at most N samples")
+    k.add_argument("--batch-size", type=int, default=None)
+    k.add_argument(
+        "--report",
+        default=None,
+        metavar="FILE.html",
+        help="write an HTML report with a per-layer chart",
+    )
+    k.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+    t = sub.add_parser("targets", help="list the targets and their conventions")
+    t.add_argument("--target-file", default=None, metavar="FILE.toml")
+
+    z = sub.add_parser("zoo", help="the model zoo: list, fetch or run its models")
+    z.add_argument("action", choices=["list", "fetch", "run"])
+    z.add_argument("models", nargs="*", help="model names (default: all)")
+    z.add_argument("--manifest", default=None, help="manifest.toml (default models/manifest.toml)")
+    z.add_argument("--target", default="ort-cpu", help="target for run (default ort-cpu)")
+    z.add_argument("--json", action="store_true", help="run: print the results as JSON")
+    z.add_argument("--output-dir", default=None, help="run: also save each int8 model here")
+    d = sub.add_parser("demo", help="quantize the bundled digits CNN and compare fp32 vs int8")
+    d.add_argument("-o", "--output", default=None, help="also write the int8 demo model here")
+    d.add_argument("--runs", type=int, default=300, help="latency runs per model (default 300)")
+    return p
+
+
+def _quantize_io(q: argparse.ArgumentParser) -> None:
+    """quantize: the model, the output, the data, the target and the output format."""
     q.add_argument("model", help="float .onnx model (never modified)")
     q.add_argument("-o", "--output", required=True, help="where to write the int8 model")
     q.add_argument(
@@ -99,6 +159,10 @@ def _parser() -> argparse.ArgumentParser:
         help="7: weights in [-63, 63] to avoid int16 accumulator overflow on "
         "AVX2/AVX-512 CPUs without VNNI",
     )
+
+
+def _quantize_calibration(q: argparse.ArgumentParser) -> None:
+    """quantize: how ranges are chosen (or loaded)."""
     q.add_argument(
         "--percentile",
         type=float,
@@ -135,6 +199,10 @@ def _parser() -> argparse.ArgumentParser:
         metavar="FILE",
         help="use a saved range table instead of calibration data",
     )
+
+
+def _quantize_precision(q: argparse.ArgumentParser) -> None:
+    """quantize: per-channel, activation dtypes and per-node settings."""
     pc = q.add_mutually_exclusive_group()
     pc.add_argument(
         "--per-channel",
@@ -182,6 +250,10 @@ def _parser() -> argparse.ArgumentParser:
         metavar="FILE.toml",
         help="per-node settings (keep_float, method) by op type, node-name regex and node name",
     )
+
+
+def _quantize_run(q: argparse.ArgumentParser) -> None:
+    """quantize: batching, reports and checks."""
     q.add_argument(
         "--batch-size",
         type=int,
@@ -197,58 +269,6 @@ def _parser() -> argparse.ArgumentParser:
         help="skip timing fp32 against int8 (by default a model that runs slower in int8 is "
         "flagged with the measured ratio)",
     )
-
-    i = sub.add_parser("inspect", help="op histogram and what each pattern matches, and why not")
-    i.add_argument("model")
-    i.add_argument("--explain", action="store_true", help="list every node with its reason")
-    i.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    i.add_argument("--exclude", nargs="+", default=[], metavar="NODE")
-    i.add_argument("--config", default=None, metavar="FILE.toml", help="per-node settings")
-    i.add_argument("--target", default=None, help="explain for this target's patterns")
-    i.add_argument("--target-file", default=None, metavar="FILE.toml")
-
-    c = sub.add_parser("convert", help="retarget an already-quantized model (no calibration)")
-    c.add_argument("model", help="a quantized .onnx model (QDQ or QOperator; never modified)")
-    c.add_argument("-o", "--output", required=True, help="where to write the converted model")
-    c.add_argument(
-        "--format",
-        required=True,
-        choices=["qoperator", "qdq", "openvino"],
-        help="qoperator: QLinear ops (onnxruntime CPU); qdq: standard Q/DQ; openvino: "
-        "FakeQuantize on the float graph (run by the OpenVINO runtime)",
-    )
-    c.add_argument("--quiet", action="store_true", help="no summary")
-
-    k = sub.add_parser("compare", help="per output and per layer SQNR/cosine, float vs quantized")
-    k.add_argument("float_model", help="the float .onnx model")
-    k.add_argument("quant_model", help="its quantized form (QOperator or QDQ)")
-    k.add_argument(
-        "--data", required=True, help="samples, as for quantize (.npz, folder, module:function)"
-    )
-    k.add_argument("--samples", type=int, default=None, help="use at most N samples")
-    k.add_argument("--batch-size", type=int, default=None)
-    k.add_argument(
-        "--report",
-        default=None,
-        metavar="FILE.html",
-        help="write an HTML report with a per-layer chart",
-    )
-    k.add_argument("--json", action="store_true", help="print JSON instead of a table")
-
-    t = sub.add_parser("targets", help="list the targets and their conventions")
-    t.add_argument("--target-file", default=None, metavar="FILE.toml")
-
-    z = sub.add_parser("zoo", help="the model zoo: list, fetch or run its models")
-    z.add_argument("action", choices=["list", "fetch", "run"])
-    z.add_argument("models", nargs="*", help="model names (default: all)")
-    z.add_argument("--manifest", default=None, help="manifest.toml (default models/manifest.toml)")
-    z.add_argument("--target", default="ort-cpu", help="target for run (default ort-cpu)")
-    z.add_argument("--json", action="store_true", help="run: print the results as JSON")
-    z.add_argument("--output-dir", default=None, help="run: also save each int8 model here")
-    d = sub.add_parser("demo", help="quantize the bundled digits CNN and compare fp32 vs int8")
-    d.add_argument("-o", "--output", default=None, help="also write the int8 demo model here")
-    d.add_argument("--runs", type=int, default=300, help="latency runs per model (default 300)")
-    return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:
