@@ -23,6 +23,7 @@ class ConcatPattern(QuantizerPattern):
     """Concat(a₁, …, aₙ) of activations between quantized ops."""
 
     name = "concat"
+    shares_scale = "Concat"
 
     def __init__(self, calibration_callback: Any = None):
         super().__init__(calibration_callback)

@@ -353,3 +353,23 @@ def test_rewrite_is_bounded():
     g = graph_of([h.make_node("Relu", ["x"], ["y"], name="r")])
     res = rewrite(Flip(), g, max_iterations=3)
     assert res.iterations == 3 and not res.converged
+
+
+def test_failures_are_structured_with_kind_and_source():
+    """explain reads the kind and the node of a near miss, not its wording."""
+    from onnxq.pattern import is_op, partition, wildcard
+
+    nodes = [
+        h.make_node("Conv", ["x", "W"], ["c"], name="conv"),
+        h.make_node("Sigmoid", ["c"], ["s"], name="sig"),
+        h.make_node("Add", ["c", "s"], ["y"], name="add"),
+    ]
+    model = make_model(
+        nodes, [("x", [1, 2, 4, 4])], [("y", None)], {"W": np.ones((2, 2, 1, 1), np.float32)}
+    )
+    graph = import_graph(model)
+    sig_relu = is_op("Sigmoid")(is_op("Relu")(wildcard()))  # the input is a Conv: wrong op
+    sig_conv = is_op("Sigmoid")(is_op("Conv")(wildcard(), wildcard()))  # conv's c escapes
+    part = partition([sig_relu, sig_conv], graph)
+    got = {(a.kind, a.source) for a in part.reasons_for("sig") if not a.accepted}
+    assert got == {("op", "conv"), ("escape", "add")}

@@ -13,7 +13,6 @@ the same one the next pattern's input uses, so the Requantizer can fold the DQâ†
 
 from __future__ import annotations
 
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -61,7 +60,6 @@ from onnxq.solve.qparams import (
 )
 
 ACTIVATION_DTYPES = ("uint8", "int8", "int16")
-_WRONG_OP = re.compile(r" is [\w.]+, expected [\w.]+$")
 
 
 @dataclass(frozen=True)
@@ -416,7 +414,7 @@ class Quantizer:
                 self.decisions[name] = Decision(name, node.op, False, pattern, reason)
             elif attempts:
                 # the near misses that got past the op type say the most
-                specific = [a for a in attempts if not _WRONG_OP.search(a.reason)]
+                specific = [a for a in attempts if a.kind != "op"]
                 chosen = (specific or attempts)[:3]
                 reason = "; ".join(f"{a.pattern}: {a.reason}" for a in chosen)
                 self.decisions[name] = Decision(name, node.op, False, attempts[0].pattern, reason)
@@ -441,7 +439,7 @@ class Quantizer:
         for out in node.outputs:
             for user in out.outputs:
                 for a in part.reasons_for(user.name):
-                    if not a.accepted and f"'{node.name}'" in a.reason:
+                    if not a.accepted and a.source == node.name:
                         return f"{a.pattern} (rooted at '{a.node}'): {a.reason}"
         bodies = [v for v in node.attrs.values() if isinstance(v, gs.Graph)]
         if bodies:

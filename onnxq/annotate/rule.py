@@ -27,6 +27,10 @@ class QuantizerPattern(DFPatternCallback):
     CalibrationCallback given at construction (or the Calibrator's default).
     """
 
+    #: the op whose inputs and output this rule's group may keep on one scale, when a target
+    #: asks for it (``shared_scale_ops``); None: the rule's tensors are calibrated apart
+    shares_scale: str | None = None
+
     #: the Quantizer running this rule (onnxq.annotate.quantizer), set before matching
     quantizer: Any
 

@@ -421,6 +421,12 @@ def _is_op_like(p: DFPattern) -> bool:
     return False
 
 
+def _op_kind(p: DFPattern, node: gs.Node) -> str:
+    """Kind "op" when ``node``'s op type is not one ``p`` can match, else "structure"."""
+    ops = p.root_ops()
+    return "op" if ops is not None and node.op not in ops else "structure"
+
+
 def _op_accepts(p: DFPattern, node: gs.Node) -> str | None:
     """None when op pattern ``p`` accepts ``node``, else the reason."""
     if isinstance(p, OpPattern):
@@ -488,7 +494,12 @@ class MatchResult:
 
     match: Match | None
     reason: str = ""
+    #: the node the failure is about (the source), when there is one
     node: gs.Node | None = None
+    #: what failed: "op" (the node is another op type: the weakest near miss), "structure"
+    #: (inputs, attributes, dtypes, shapes), "check" (a rule's own condition), "claimed"
+    #: (another group owns a node), "filter" (--exclude, --config), "escape" (a value escapes)
+    kind: str = "check"
 
     @property
     def ok(self) -> bool:
@@ -496,9 +507,9 @@ class MatchResult:
         return self.match is not None
 
     @staticmethod
-    def fail(reason: str, node: gs.Node | None = None) -> MatchResult:
-        """A failed result with a readable reason."""
-        return MatchResult(None, reason, node)
+    def fail(reason: str, node: gs.Node | None = None, kind: str = "check") -> MatchResult:
+        """A failed result: a readable reason, the node it is about, and its kind."""
+        return MatchResult(None, reason, node, kind)
 
 
 @dataclass
@@ -517,13 +528,17 @@ class _Matcher:
     def __init__(self, graph_inputs: Iterable[gs.Tensor] | None = None):
         self.best_reason = ""
         self.best_node: gs.Node | None = None
+        self.best_kind = "structure"
         self.best_depth = -1
         self.graph_inputs = {id(t) for t in graph_inputs} if graph_inputs is not None else None
 
-    def fail(self, state: _State, reason: str, node: gs.Node | None = None) -> _State | None:
+    def fail(
+        self, state: _State, reason: str, node: gs.Node | None = None, kind: str = "structure"
+    ) -> _State | None:
         depth = len(state.bindings) + len(state.nodes)
         if depth >= self.best_depth:
             self.best_depth, self.best_reason, self.best_node = depth, reason, node
+            self.best_kind = kind
         return None
 
     def run(self, p: DFPattern, t: gs.Tensor, s: _State) -> _State | None:
@@ -572,7 +587,7 @@ class _Matcher:
                 return self.fail(s, f"'{t.name}' is not produced by a node, expected {p.op_type}")
             reason = _op_accepts(p, node)
             if reason is not None:
-                return self.fail(s, reason, node)
+                return self.fail(s, reason, node, _op_kind(p, node))
             return s.bind(p, t, node)
         if isinstance(p, CallPattern):
             return self.run_call(p, t, s)
@@ -584,7 +599,7 @@ class _Matcher:
             return self.fail(s, f"'{t.name}' is not produced by a node, expected {p.describe()}")
         reason = _op_accepts(p.op, node)
         if reason is not None:
-            return self.fail(s, reason, node)
+            return self.fail(s, reason, node, _op_kind(p.op, node))
         if node.outputs.index(t) != p.output_index:
             return self.fail(
                 s,
@@ -642,7 +657,8 @@ def match_explain(
     matcher = _Matcher(graph_inputs)
     state = matcher.run(pattern, tensor, _State())
     if state is None:
-        return MatchResult.fail(matcher.best_reason or "no match", matcher.best_node)
+        reason = matcher.best_reason or "no match"
+        return MatchResult.fail(reason, matcher.best_node, matcher.best_kind)
     return MatchResult(Match(tensor, state.bindings, state.nodes))
 
 

@@ -93,6 +93,10 @@ class Attempt:
     pattern: str
     accepted: bool
     reason: str = ""
+    #: the kind of failure (onnxq.match.dfpattern.MatchResult.kind), "" when accepted
+    kind: str = ""
+    #: the node the failure is about, when it is another than the root
+    source: str = ""
 
 
 @dataclass
@@ -121,21 +125,20 @@ class Partition:
 NodeFilter = Callable[[gs.Node], "str | None"]
 
 
-def _escapes(m: Match, graph_outputs: set[int]) -> str | None:
-    """The first interior value of ``m`` used outside it, as a reason, or None."""
+def _escapes(m: Match, graph_outputs: set[int]) -> MatchResult | None:
+    """The first interior value of ``m`` used outside it, as a failure naming its reader."""
     inside = {id(n) for n in m.nodes}
     for node in m.nodes:
         for out in node.outputs:
             if out is m.root:
                 continue
             if id(out) in graph_outputs:
-                return f"interior value '{out.name}' of the match is a graph output"
+                why = f"interior value '{out.name}' of the match is a graph output"
+                return MatchResult.fail(why, node, "escape")
             for user in out.outputs:
                 if id(user) not in inside:
-                    return (
-                        f"interior value '{out.name}' of the match is also read by "
-                        f"{node_label(user)}"
-                    )
+                    why = f"interior value '{out.name}' of the match is also read by "
+                    return MatchResult.fail(why + node_label(user), user, "escape")
     return None
 
 
@@ -165,9 +168,9 @@ def partition(
                 continue
             for out in node.outputs:
                 res = match_explain(cb.pattern, out, graph_inputs)
-                reason = _accept(res, cb, claimed, graph_outputs, node_filter)
-                result.attempts.append(Attempt(name, cb.label(), reason is None, reason or ""))
-                if reason is None and res.match is not None:
+                failed = _accept(res, cb, claimed, graph_outputs, node_filter)
+                result.attempts.append(_attempt(name, cb.label(), failed))
+                if failed is None and res.match is not None:
                     result.groups.append(Group(cb, res.match))
                     claimed.update(id(n) for n in res.match.nodes)
                     break
@@ -176,29 +179,39 @@ def partition(
     return result
 
 
+def _attempt(node: str, pattern: str, failed: MatchResult | None) -> Attempt:
+    if failed is None:
+        return Attempt(node, pattern, True)
+    source = failed.node.name if failed.node is not None else ""
+    return Attempt(node, pattern, False, failed.reason, failed.kind, source)
+
+
 def _accept(
     res: MatchResult,
     cb: DFPatternCallback,
     claimed: set[int],
     graph_outputs: set[int],
     node_filter: NodeFilter | None,
-) -> str | None:
+) -> MatchResult | None:
+    """None when the match is taken, else the failure (its reason, node and kind)."""
     m = res.match
     if m is None:
-        return res.reason
+        return res
     for n in m.nodes:
         if id(n) in claimed:
-            return f"{node_label(n)} already belongs to another group"
+            return MatchResult.fail(
+                f"{node_label(n)} already belongs to another group", n, "claimed"
+            )
     if node_filter is not None:
         for n in m.nodes:
             why = node_filter(n)
             if why:
-                return why
+                return MatchResult.fail(why, n, "filter")
     esc = _escapes(m, graph_outputs)
-    if esc:
+    if esc is not None:
         return esc
     checked = cb.check(m)
-    return None if checked.ok else checked.reason
+    return None if checked.ok else checked
 
 
 def find_all(pattern: DFPattern, graph: gs.Graph) -> list[Match]:

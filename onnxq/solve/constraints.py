@@ -183,7 +183,7 @@ class _Solver:
                 if qt.role == "activation":
                     work.append(("derive", rec))
                     break
-            if rec.pattern.label() == "concat" and "Concat" in self.shared_ops:
+            if rec.pattern.shares_scale in self.shared_ops:
                 work.append(("share", rec))
         while work:
             kind, rec = work.popleft()
