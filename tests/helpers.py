@@ -15,6 +15,13 @@ ROOT = Path(__file__).resolve().parents[1]
 MODELS = ROOT / "models"
 #: the demo model, which the zoo lists too (one committed copy, inside the package)
 DIGITS_CNN = ROOT / "onnxq" / "demo" / "digits_cnn.onnx"
+
+
+def trained_model(name: str) -> Path:
+    """The committed model trained by models/train.py called ``name`` (digits_cnn is the demo's)."""
+    return DIGITS_CNN if name == "digits_cnn" else MODELS / f"{name}.onnx"
+
+
 QUANTIZED_OPS = {"QLinearConv", "QLinearMatMul", "QGemm", "QLinearAdd", "QLinearMul"}
 
 

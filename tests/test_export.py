@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import pytest
-from helpers import DIGITS_CNN, MODELS, make_model, ops, rng, run, zoo_datasets
+from helpers import DIGITS_CNN, make_model, ops, rng, run, trained_model, zoo_datasets
 from onnx import helper as h
 from test_patterns import ACT_CASES, BINARY_CASES, CONV_CASES, DENSE_CASES, POOL_CASES, weights
 
@@ -195,7 +195,7 @@ def zoo_data(name):
 @pytest.mark.parametrize("name", ["digits_cnn", "digits_mlp", "fashion_cnn"])
 def test_three_formats_agree_within_one_step(name):
     calib, xte = zoo_data(name)
-    path = str(MODELS / f"{name}.onnx")
+    path = str(trained_model(name))
     fp32 = onnx.load(path)
     inp = fp32.graph.input[0].name
     models = {

@@ -11,7 +11,7 @@ import stat
 import numpy as np
 import onnx
 import pytest
-from helpers import DIGITS_CNN, MODELS, make_model, run
+from helpers import DIGITS_CNN, make_model, run, trained_model
 from onnx import helper as h
 
 from onnxq.cli import main
@@ -158,7 +158,7 @@ def test_inspect_counts_what_quantize_quantizes(tmp_path, capsys, name):
     # through (MaxPool, Reshape) were counted by quantize only
     import json
 
-    model = MODELS / f"{name}.onnx"
+    model = trained_model(name)
     spec = onnx.load(str(model)).graph.input[0]
     shape = [d.dim_value or 4 for d in spec.type.tensor_type.shape.dim]
     data = tmp_path / "calib.npz"

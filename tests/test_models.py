@@ -5,7 +5,13 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import pytest
-from helpers import MODELS, QUANTIZED_OPS, dq_q_pairs_between_quantized, run, zoo_datasets
+from helpers import (
+    QUANTIZED_OPS,
+    dq_q_pairs_between_quantized,
+    run,
+    trained_model,
+    zoo_datasets,
+)
 
 from onnxq.cli import main
 
@@ -45,7 +51,7 @@ def accuracy(model, x, y):
 )
 def test_model_accuracy_through_cli(name, method, tmp_path):
     calib, xte, yte = CASES[name]()
-    path = MODELS / f"{name}.onnx"
+    path = trained_model(name)
     fp32 = onnx.load(str(path))
     data = tmp_path / "calib.npz"
     np.savez(data, **{fp32.graph.input[0].name: calib})

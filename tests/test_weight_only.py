@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import pytest
-from helpers import MODELS, make_model, ops, run, zoo_datasets
+from helpers import MODELS, make_model, ops, run, trained_model, zoo_datasets
 from onnx import helper as h
 
 import onnxq
@@ -31,7 +31,7 @@ def test_int4_blocks_against_a_direct_reference():
 def test_int4_models_keep_accuracy_and_shrink(name, layout, tmp_path):
     _, _, xte, yte = ds.digits()
     x = ds.nhwc(xte) if layout == "nhwc" else xte
-    path = MODELS / f"{name}.onnx"
+    path = trained_model(name)
     out = tmp_path / "q4.onnx"
     assert (
         main(["quantize", str(path), "-o", str(out), "--weight-dtype", "int4", "--quiet"]) == 0

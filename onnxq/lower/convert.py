@@ -27,6 +27,7 @@ from onnxq.errors import ConfigError, ModelError
 from onnxq.io.graph import MS_DOMAIN, GraphEditor, constant_value, export_model, import_graph
 from onnxq.lower.fakequantize import qdq_to_fakequantize
 from onnxq.lower.qdq import to_qdq
+from onnxq.optable import INTEGER_OPS, qops
 from onnxq.pattern import (
     DFPattern,
     DFPatternCallback,
@@ -43,19 +44,8 @@ from onnxq.prepare.preprocess import preprocess
 from onnxq.solve.qparams import qrange
 
 QDQ_OPS = frozenset({"QuantizeLinear", "DequantizeLinear"})
-QOPERATOR_OPS = frozenset(
-    {
-        "QLinearConv",
-        "QLinearMatMul",
-        "QGemm",
-        "QLinearAdd",
-        "QLinearMul",
-        "QLinearGlobalAveragePool",
-        "QLinearAveragePool",
-        "MatMulInteger",
-        "ConvInteger",
-    }
-)
+#: ops that make a model QOperator (the table's QLinear ops, and integer ops)
+QOPERATOR_OPS = qops() | INTEGER_OPS
 
 
 def quantized_form(model: onnx.ModelProto) -> str | None:

@@ -10,7 +10,6 @@ opset 13; :func:`to_qdq` refuses a lower opset (quantize raises the opset first)
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -18,6 +17,7 @@ import onnx
 from onnx import helper, numpy_helper
 
 from onnxq.errors import QuantizationError
+from onnxq.optable import BY_QOP, QOp
 from onnxq.prepare.opset import default_opset
 
 PER_CHANNEL_OPSET = 13
@@ -89,118 +89,54 @@ def _attrs(node: onnx.NodeProto) -> dict:
     return {a.name: helper.get_attribute_value(a) for a in node.attribute}
 
 
-def _conv(b: _Builder, n: onnx.NodeProto) -> None:
-    i = list(n.input)
-    x, w = b.dq(i[0], i[1], i[2]), b.dq(i[3], i[4], i[5], axis=0)
-    ins = [x, w] + ([b.bias(n, i[8], i[1], i[4])] if len(i) > 8 and i[8] else [])
-    y = b.name(f"{n.output[0]}_float")
-    b.nodes.append(helper.make_node("Conv", ins, [y], name=n.name, **_attrs(n)))
-    b.q(y, i[6], i[7], n.output[0])
-
-
-def _matmul(b: _Builder, n: onnx.NodeProto) -> None:
-    i = list(n.input)
-    a, w = b.dq(i[0], i[1], i[2]), b.dq(i[3], i[4], i[5], axis=1)
-    y = b.name(f"{n.output[0]}_float")
-    b.nodes.append(helper.make_node("MatMul", [a, w], [y], name=n.name))
-    b.q(y, i[6], i[7], n.output[0])
-
-
-def _gemm(b: _Builder, n: onnx.NodeProto) -> None:
-    i = list(n.input)
+def _float_attrs(spec: QOp, n: onnx.NodeProto) -> dict[str, Any]:
+    """The float op's attributes: the kept ones (QGemm's alpha becomes Gemm's alpha and beta)."""
     attrs = _attrs(n)
-    trans_b = int(attrs.get("transB", 0))
-    alpha = float(attrs.get("alpha", 1.0))
-    a, w = b.dq(i[0], i[1], i[2]), b.dq(i[3], i[4], i[5], axis=0 if trans_b else 1)
-    ins = [a, w]
-    if len(i) > 6 and i[6]:
-        ins.append(b.bias(n, i[6], i[1], i[4]))
-    if len(i) < 9 or not i[7]:
+    if spec.qop == "QGemm":
+        # QGemm computes alpha·(A·B + C): the same as Gemm with beta = alpha
+        alpha = float(attrs.get("alpha", 1.0))
+        trans = {k: int(attrs.get(k, 0)) for k in ("transA", "transB")}
+        return {"alpha": alpha, "beta": alpha, **trans}
+    return {
+        k: v
+        for k, v in attrs.items()
+        if k not in spec.drops and (spec.keeps is None or k in spec.keeps)
+    }
+
+
+def _refuse(spec: QOp, n: onnx.NodeProto) -> None:
+    """Nodes the QDQ form cannot express."""
+    i, attrs = list(n.input), _attrs(n)
+    if "channels_last" in spec.drops and int(attrs.get("channels_last", 0)):
         raise QuantizationError(
-            f"QGemm node '{n.name}' has a float output; QDQ export expects quantized outputs"
+            f"{n.op_type} node '{n.name}' is channels-last; QDQ export handles NCHW only"
         )
-    y = b.name(f"{n.output[0]}_float")
-    # QGemm computes alpha·(A·B + C): the same as Gemm with beta = alpha
-    b.nodes.append(
-        helper.make_node(
-            "Gemm",
-            ins,
-            [y],
-            name=n.name,
-            alpha=alpha,
-            beta=alpha,
-            transA=int(attrs.get("transA", 0)),
-            transB=trans_b,
+    if len(i) < spec.output + 2 or not i[spec.output]:
+        raise QuantizationError(
+            f"{n.op_type} node '{n.name}' has a float output; QDQ export expects quantized outputs"
         )
-    )
-    b.q(y, i[7], i[8], n.output[0])
 
 
-def _binary(op: str) -> Callable[[_Builder, onnx.NodeProto], None]:
-    def convert(b: _Builder, n: onnx.NodeProto) -> None:
-        i = list(n.input)
-        x, z = b.dq(i[0], i[1], i[2]), b.dq(i[3], i[4], i[5])
-        y = b.name(f"{n.output[0]}_float")
-        b.nodes.append(helper.make_node(op, [x, z], [y], name=n.name))
-        b.q(y, i[6], i[7], n.output[0])
-
-    return convert
+def _weight_axis(spec: QOp, n: onnx.NodeProto) -> int | None:
+    if spec.weight_axis is not None or spec.weight is None:
+        return spec.weight_axis
+    return 0 if int(_attrs(n).get("transB", 0)) else 1  # QGemm
 
 
-def _unary(
-    op: str, keep: tuple[str, ...] | None = ()
-) -> Callable[[_Builder, onnx.NodeProto], None]:
-    """DQ → ``op`` → Q; ``keep`` names the attributes carried over (None: all of them)."""
-
-    def convert(b: _Builder, n: onnx.NodeProto) -> None:
-        i = list(n.input)
-        attrs = {
-            k: v
-            for k, v in _attrs(n).items()
-            if k != "channels_last" and (keep is None or k in keep)
-        }
-        x = b.dq(i[0], i[1], i[2])
-        y = b.name(f"{n.output[0]}_float")
-        b.nodes.append(helper.make_node(op, [x], [y], name=n.name, **attrs))
-        b.q(y, i[3], i[4], n.output[0])
-
-    return convert
-
-
-def _pool(op: str) -> Callable[[_Builder, onnx.NodeProto], None]:
-    unary = _unary(op, keep=None)
-
-    def convert(b: _Builder, n: onnx.NodeProto) -> None:
-        if int(_attrs(n).get("channels_last", 0)):
-            raise QuantizationError(
-                f"{n.op_type} node '{n.name}' is channels-last; QDQ export handles NCHW only"
-            )
-        unary(b, n)
-
-    return convert
-
-
-def _concat(b: _Builder, n: onnx.NodeProto) -> None:
+def unfuse(b: _Builder, n: onnx.NodeProto, spec: QOp) -> None:
+    """``n`` as DequantizeLinear on each operand → the float op → QuantizeLinear."""
+    _refuse(spec, n)
     i = list(n.input)
-    xs = [b.dq(i[k], i[k + 1], i[k + 2]) for k in range(2, len(i), 3)]
+    ins = [
+        b.dq(i[k], i[k + 1], i[k + 2], axis=_weight_axis(spec, n) if k == spec.weight else None)
+        for k in spec.triple_positions(len(i))
+    ]
+    if spec.bias is not None and len(i) > spec.bias and i[spec.bias]:
+        w = spec.weight if spec.weight is not None else 0
+        ins.append(b.bias(n, i[spec.bias], i[1], i[w + 1]))
     y = b.name(f"{n.output[0]}_float")
-    b.nodes.append(helper.make_node("Concat", xs, [y], name=n.name, axis=_attrs(n)["axis"]))
-    b.q(y, i[0], i[1], n.output[0])
-
-
-CONVERTERS: dict[str, Callable[[_Builder, onnx.NodeProto], None]] = {
-    "QLinearConv": _conv,
-    "QLinearMatMul": _matmul,
-    "QGemm": _gemm,
-    "QLinearAdd": _binary("Add"),
-    "QLinearMul": _binary("Mul"),
-    "QLinearGlobalAveragePool": _pool("GlobalAveragePool"),
-    "QLinearAveragePool": _pool("AveragePool"),
-    "QLinearSigmoid": _unary("Sigmoid"),
-    "QLinearConcat": _concat,
-    "QLinearLeakyRelu": _unary("LeakyRelu", ("alpha",)),
-    "QLinearSoftmax": _unary("Softmax", ("axis",)),
-}
+    b.nodes.append(helper.make_node(spec.float_op, ins, [y], name=n.name, **_float_attrs(spec, n)))
+    b.q(y, i[spec.output], i[spec.output + 1], n.output[0])
 
 
 def to_qdq(model: onnx.ModelProto) -> onnx.ModelProto:
@@ -208,12 +144,12 @@ def to_qdq(model: onnx.ModelProto) -> onnx.ModelProto:
     has_axis = False
     b = _Builder(model)
     for node in model.graph.node:
-        conv = CONVERTERS.get(node.op_type)
-        if conv is None:
+        spec = BY_QOP.get(node.op_type)
+        if spec is None:
             b.nodes.append(node)
             continue
         before = len(b.nodes)
-        conv(b, node)
+        unfuse(b, node, spec)
         has_axis |= any(
             a.name == "axis"
             for n in b.nodes[before:]

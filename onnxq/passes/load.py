@@ -9,25 +9,17 @@ import onnx
 
 from onnxq.errors import ModelError
 from onnxq.io.graph import load_model
+from onnxq.optable import INTEGER_OPS, qops
 from onnxq.options import QuantizeOptions
 from onnxq.passes.manager import PassResult, State
 from onnxq.post.weight_only import INT4_OPSET
 from onnxq.prepare.opset import default_opset, raise_opset
 
 #: ops that mark a model as already quantized
-QUANTIZED_OPS = frozenset(
-    {
-        "QuantizeLinear",
-        "DequantizeLinear",
-        "QLinearConv",
-        "QLinearMatMul",
-        "QGemm",
-        "QLinearAdd",
-        "QLinearMul",
-        "MatMulInteger",
-        "ConvInteger",
-        "DynamicQuantizeLinear",
-    }
+QUANTIZED_OPS = (
+    frozenset({"QuantizeLinear", "DequantizeLinear", "DynamicQuantizeLinear"})
+    | qops()
+    | INTEGER_OPS
 )
 
 #: the opset of int16 Q/DQ

@@ -22,30 +22,14 @@ import onnx
 import onnx_graphsurgeon as gs
 
 from onnxq.io.graph import GraphEditor, constant_value, export_model, import_graph, producer
+from onnxq.optable import BY_QOP
 from onnxq.prepare.opset import default_opset
 from onnxq.solve.qparams import INT32_MAX, accumulation_bound, qrange
-
-#: quantized ops and the input positions of their (tensor, scale, zero point) operand triples
-QLINEAR_INPUTS: dict[str, tuple[int, ...]] = {
-    "QLinearConv": (0, 3),
-    "QLinearMatMul": (0, 3),
-    "QGemm": (0, 3),
-    "QLinearAdd": (0, 3),
-    "QLinearMul": (0, 3),
-    "QLinearGlobalAveragePool": (0,),
-    "QLinearAveragePool": (0,),
-    "QLinearSigmoid": (0,),
-    "QLinearLeakyRelu": (0,),
-    "QLinearSoftmax": (0,),
-    "QLinearConcat": (),  # variadic: see qlinear_positions
-}
 
 
 def qlinear_positions(node: gs.Node) -> tuple[int, ...]:
     """Input positions of the (tensor, scale, zero point) triples a QLinear op reads."""
-    if node.op == "QLinearConcat":
-        return tuple(range(2, len(node.inputs), 3))
-    return QLINEAR_INPUTS[node.op]
+    return BY_QOP[node.op].triple_positions(len(node.inputs))
 
 
 #: ops that commute with y = (q - z) * s on their first input (minimum opset for int8 inputs):
@@ -328,7 +312,7 @@ def _same_params(dq: gs.Node, q: gs.Node) -> bool:
 
 def _all_qlinear(t: gs.Tensor) -> bool:
     users = list(t.outputs)
-    return bool(users) and all(u.op in QLINEAR_INPUTS for u in users)
+    return bool(users) and all(u.op in BY_QOP for u in users)
 
 
 def requantize(model: onnx.ModelProto) -> tuple[onnx.ModelProto, RequantizeStats]:
