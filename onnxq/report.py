@@ -128,7 +128,7 @@ def build_report(state: State) -> QuantizeReport:
         passes=list(state.records),
         ops_before=op_histogram(state.float_model),
         ops_after=op_histogram(state.model),
-        values={k: v.tolist() for k, v in q.final_values.items()},
+        values={k: v.tolist() for k, v in state.values.items()},
         rescales=rescales(state.model) if o.output_format.from_requantized else [],
         constraints=sol.shared + [str(r) for r in sol.rescales],
         warnings=list(q.warnings) + list(o.warnings) + dataset_warnings + state.check_warnings,

@@ -13,7 +13,8 @@ the same one the next pattern's input uses, so the Requantizer can fold the DQâ†
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -427,6 +428,24 @@ class Quantizer:
                 d.reason = "; ".join(
                     [d.reason, *self.ignored[name]] if d.reason else self.ignored[name]
                 )
+
+    def is_left_float(self, node: str) -> bool:
+        """A rule matched ``node`` and left its group float (:meth:`leave_float`)."""
+        return node in self._left_float
+
+    @contextlib.contextmanager
+    def group(self, nodes: list[str]) -> Iterator[None]:
+        """The scope of one group's rewrite: its per-node dtype and per-channel settings apply."""
+        self._group_dtype = next(
+            (self.node_dtypes[n] for n in nodes if n in self.node_dtypes), None
+        )
+        self._group_per_channel = next(
+            (self.node_per_channel[n] for n in nodes if n in self.node_per_channel), None
+        )
+        try:
+            yield
+        finally:
+            self._group_dtype = self._group_per_channel = None
 
     def leave_float(self, pattern: QuantizerPattern, m: Match, reason: str) -> None:
         """Record why a matched group is left float (the callback then returns None)."""

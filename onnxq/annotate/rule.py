@@ -45,21 +45,13 @@ class QuantizerPattern(DFPatternCallback):
     def in_group(self, node: gs.Node | None) -> bool:
         """``node`` is in a group that is (or will be) quantized: matched, not left float."""
         return super().in_group(node) and (
-            node is None or node.name not in self.quantizer._left_float
+            node is None or not self.quantizer.is_left_float(node.name)
         )
 
     def callback(self, pre: gs.Tensor, post: gs.Tensor, node_map: dict) -> gs.Tensor | None:
         """Rewrite the current match (``self.match``) through :meth:`quantize_match`."""
-        q = self.quantizer
-        names = [n.name for n in self.match.nodes]
-        q._group_dtype = next((q.node_dtypes[n] for n in names if n in q.node_dtypes), None)
-        q._group_per_channel = next(
-            (q.node_per_channel[n] for n in names if n in q.node_per_channel), None
-        )
-        try:
+        with self.quantizer.group([n.name for n in self.match.nodes]):
             return self.quantize_match(self.match)
-        finally:
-            q._group_dtype = q._group_per_channel = None
 
     def quantize_match(self, m: Match) -> gs.Tensor | None:
         """Build the quantized replacement of ``m``; None leaves it float."""

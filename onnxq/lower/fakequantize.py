@@ -53,13 +53,13 @@ def fq_bounds(
 
 
 def to_fakequantize(
-    quantizer: Any, weight_qrange: tuple[int, int] | None = None
+    quantizer: Any, values: dict[str, np.ndarray], weight_qrange: tuple[int, int] | None = None
 ) -> onnx.ModelProto:
-    """The FakeQuantize model of ``quantizer``'s last materialized parameters.
+    """The FakeQuantize model of ``quantizer``'s annotation with ``values``.
 
-    ``quantizer``: the onnxq.annotate.quantizer.Quantizer that annotated the float model.
+    ``quantizer``: the onnxq.annotate.quantizer.Quantizer that annotated the float model;
+    ``values``: the scales and zero points as the materialized model holds them.
     """
-    values = quantizer.final_values
     graph = import_graph(quantizer.float_model)
     editor = GraphEditor(graph)
     tensors = graph.tensors()

@@ -19,25 +19,31 @@ from onnxq.lower.fakequantize import to_fakequantize
 from onnxq.lower.qdq import PER_CHANNEL_OPSET, dedicated_qdq_pairs, to_qdq
 from onnxq.prepare.fusions import fuse_gelu
 
-#: a lowering: (requantized QOperator model, quantizer, options) -> the output model
-Lowering = Callable[[onnx.ModelProto, Any, Any], onnx.ModelProto]
+#: a lowering: (requantized QOperator model, quantizer, values, options) -> the output model
+Lowering = Callable[[onnx.ModelProto, Any, dict[str, Any], Any], onnx.ModelProto]
 
 
-def _qoperator(model: onnx.ModelProto, quantizer: Any, options: Any) -> onnx.ModelProto:
+def _qoperator(
+    model: onnx.ModelProto, quantizer: Any, values: dict[str, Any], options: Any
+) -> onnx.ModelProto:
     """QLinear ops as they are; GELUs left whole become one com.microsoft.Gelu kernel."""
     out, _ = fuse_gelu(model)
     return out
 
 
-def _qdq(model: onnx.ModelProto, quantizer: Any, options: Any) -> onnx.ModelProto:
+def _qdq(
+    model: onnx.ModelProto, quantizer: Any, values: dict[str, Any], options: Any
+) -> onnx.ModelProto:
     """Each QLinear op un-fused into DequantizeLinear → float op → QuantizeLinear."""
     out = to_qdq(model)
     return dedicated_qdq_pairs(out) if options.target.dedicated_qdq_pairs else out
 
 
-def _openvino(model: onnx.ModelProto, quantizer: Any, options: Any) -> onnx.ModelProto:
+def _openvino(
+    model: onnx.ModelProto, quantizer: Any, values: dict[str, Any], options: Any
+) -> onnx.ModelProto:
     """The float graph with FakeQuantize on every quantized edge (from the annotation)."""
-    return to_fakequantize(quantizer, (-64, 63) if options.weight_bits == 7 else None)
+    return to_fakequantize(quantizer, values, (-64, 63) if options.weight_bits == 7 else None)
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ class Lower:
         """Lower to ``state.options.format``."""
         before = op_histogram(state.model)
         fmt = state.options.output_format
-        state.model = fmt.lower(state.model, state.quantizer, state.options)
+        state.model = fmt.lower(state.model, state.quantizer, state.values, state.options)
         free_memory()
         changed = op_changes(before, op_histogram(state.model))
         return PassResult(f"{fmt.name}: {changed}" if changed else fmt.name)

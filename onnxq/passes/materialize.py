@@ -1,7 +1,8 @@
 """Materialize: the template with its placeholders set to the solved values.
 
 Needs ``state.quantizer`` and ``state.values``. Leaves ``state.model``: a QOperator model
-(quantized weights and int32 biases derived from the float constants).
+(quantized weights and int32 biases derived from the float constants), and ``state.values`` as
+the model holds them (weight scales widened where a bias needs the headroom).
 """
 
 from __future__ import annotations
@@ -18,4 +19,5 @@ class Materialize:
         """Materialize the model."""
         q = state.quantizer
         state.model = q.materialize(state.values)
+        state.values = dict(q.final_values)  # after bias widening: what the model holds
         return PassResult(op_changes(op_histogram(q.float_model), op_histogram(state.model)))
