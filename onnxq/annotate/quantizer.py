@@ -147,6 +147,7 @@ class Quantizer:
         self._float_inits = {i.name: i for i in self.float_model.graph.initializer}
         self._lazy_floats: set[str] = set()
         self._left_float: dict[str, tuple[str, str]] = {}
+        self._float_graph: gs.Graph | None = None
         #: scales and zero points of the last materialized model (after bias widening)
         self.final_values: dict[str, np.ndarray] = {}
         #: biases whose weight scale was widened so bias + accumulation fit int32: channels
@@ -398,7 +399,7 @@ class Quantizer:
 
     def _explain(self, part: Partition) -> None:
         quantized = {n: r.label for r in self.records for n in r.nodes}
-        float_graph = import_graph(self.float_model)
+        float_graph = self.float_graph
         for node in nodes_in_order(float_graph):
             name = node.name
             attempts = part.reasons_for(name)
@@ -428,6 +429,16 @@ class Quantizer:
                 d.reason = "; ".join(
                     [d.reason, *self.ignored[name]] if d.reason else self.ignored[name]
                 )
+
+    @property
+    def float_graph(self) -> gs.Graph:
+        """The float model as a graph, imported once and shared by the stages that read it.
+
+        Read it, never change it (the rewrite works on a graph of its own).
+        """
+        if self._float_graph is None:
+            self._float_graph = import_graph(self.float_model)
+        return self._float_graph
 
     def is_left_float(self, node: str) -> bool:
         """A rule matched ``node`` and left its group float (:meth:`leave_float`)."""

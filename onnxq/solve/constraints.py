@@ -175,8 +175,7 @@ class _Solver:
             for qt in rec.outputs:
                 self.add_port(qt, rec, output=True)
         writers = {qt.tensor: qt for rec in records for qt in rec.outputs}
-        graph = import_graph(self.q.float_model)
-        tensors = graph.tensors()
+        tensors = self.q.float_graph.tensors()
         work: deque[tuple[str, PatternRecord]] = deque()
         for rec in records:
             for qt in rec.inputs:
