@@ -18,8 +18,8 @@ from onnxq.annotate.specs import Decision
 from onnxq.calibrate.calibration import CalibrationReport
 from onnxq.calibrate.callbacks import CalibrationCallback
 from onnxq.calibrators import DEFAULT_METHOD
-from onnxq.errors import ConfigError
-from onnxq.options import QuantizeOptions, resolve, spell
+from onnxq.errors import ConfigError, OnnxqError
+from onnxq.options import QuantizeOptions, pythonize, resolve, spell
 from onnxq.passes import pipeline
 from onnxq.passes.int4 import WeightOnlyInt4
 from onnxq.passes.load import Load
@@ -78,8 +78,14 @@ def quantize(
     SQNR names the first layer below it); ``latency_check`` also times fp32 against int8 and
     warns when int8 is slower (the CLI does this unless ``--no-latency-check``).
     """
-    options = resolve_call(locals())
-    return quantize_with(model, data, options)
+    try:
+        options = resolve_call(locals())
+        return quantize_with(model, data, options)
+    except OnnxqError as exc:  # name Python parameters where the message names CLI flags
+        text = pythonize(str(exc))
+        if text == str(exc):
+            raise
+        raise type(exc)(text) from None
 
 
 def resolve_call(args: dict[str, Any], cli: bool = False) -> QuantizeOptions:

@@ -70,3 +70,25 @@ INTEGER_OPS = frozenset({"MatMulInteger", "ConvInteger"})
 def qops(names: Sequence[str] | None = None) -> frozenset[str]:
     """The QOperator op types (of ``names`` float ops, or all)."""
     return frozenset(q.qop for q in TABLE if names is None or q.float_op in names)
+
+
+#: ops that commute with y = (q - z) * s on their first input (minimum opset for int8 inputs):
+#: they only select, move or take the maximum of elements
+PASS_THROUGH: dict[str, int] = {
+    "MaxPool": 12,
+    "Reshape": 5,
+    "Flatten": 1,
+    "Transpose": 1,
+    "Squeeze": 1,
+    "Unsqueeze": 1,
+    "Slice": 10,
+    "Gather": 1,
+    "DepthToSpace": 1,
+    "SpaceToDepth": 1,
+    "Resize": 11,
+    "Expand": 8,
+    "Tile": 6,
+}
+
+#: ops through which int8 data flows unchanged in value (Split has several outputs)
+CARRIERS = frozenset(PASS_THROUGH) | {"Split"}

@@ -10,6 +10,7 @@ wrote it: ``weight_bits=`` from Python, ``--weight-bits`` from the CLI.
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -38,6 +39,60 @@ def spell(option: str, cli: bool, value: Any = _FLAG) -> str:
         flag = "--" + option.replace("_", "-")
         return flag if value is _FLAG or value is True else f"{flag} {value}"
     return option if value is _FLAG else f"{option}={value!r}"
+
+
+#: CLI flags that are quantize() parameters, and the values each can take in a message
+_PARAMETERS: dict[str, tuple[str, ...] | None] = {
+    "format": ("qoperator", "qdq", "openvino"),
+    "activation-dtype": ("uint8", "int8", "int16"),
+    "weight-dtype": ("int8", "int4"),
+    "method": ("minmax", "average-max", "percentile", "entropy", "mse", "output-aware"),
+    "weight-bits": (),
+    "bins": (),
+    "percentile": (),
+    "batch-size": (),
+    "samples": (),
+    "block-size": (),
+    "target": None,
+    "config": None,
+    "exclude": None,
+    "data": None,
+    "preprocess": None,
+    "callback": None,
+    "save-ranges": None,
+    "load-ranges": None,
+    "output": None,
+    "unsigned-after-relu": None,
+    "symmetric-activations": None,
+}
+_FLAG_RE = re.compile(r"--([a-z][a-z0-9-]*)(?: ([A-Za-z0-9_.-]+))?")
+
+
+def pythonize(message: str) -> str:
+    """``message`` with the CLI flags of quantize() options spelled as Python parameters.
+
+    ``--weight-bits 8`` → ``weight_bits=8``, ``--format qdq`` → ``format='qdq'``,
+    ``--per-tensor`` → ``per_channel=False``, ``--exclude`` → ``exclude``; other flags
+    (CLI-only ones such as ``--target-file``) are left as they are.
+    """
+
+    def one(m: re.Match[str]) -> str:
+        flag, value = m.group(1), m.group(2)
+        tail = f" {value}" if value is not None else ""
+        if flag in ("per-tensor", "per-channel"):
+            return f"per_channel={flag == 'per-channel'}{tail}"
+        if flag not in _PARAMETERS:
+            return m.group(0)
+        name, values = flag.replace("-", "_"), _PARAMETERS[flag]
+        if value is not None and values is not None:
+            if value in values:
+                return f"{name}={value!r}"
+            if values == () and re.fullmatch(r"-?[0-9.]+", value.rstrip(".")):
+                number = value.rstrip(".")
+                return f"{name}={number}{value[len(number) :]}"
+        return f"{name}{tail}"
+
+    return _FLAG_RE.sub(one, message)
 
 
 @dataclass(frozen=True)

@@ -11,9 +11,12 @@ with ``None`` for an absent optional input and ``[i]`` for output ``i``; predica
 ``has_attr``, ``has_dtype``, ``has_shape``, ``has_rank``, ``check``; combinators ``|`` and
 ``optional``; Add/Mul and other commutative ops match either operand order. Drivers:
 ``match``, ``match_explain`` (the reason of a failed match), ``find_all``, ``partition`` (the
-grouping discipline) and ``rewrite`` (callbacks to a bounded fixed point).
+grouping discipline) and ``rewrite`` (callbacks to a bounded fixed point). Graph queries the
+rules need: ``constant_value``, ``producer``, ``node_attr``, ``tensor_dtype``, ``tensor_shape``,
+and ``MS_DOMAIN`` (the com.microsoft domain of onnxruntime's QLinear ops).
 """
 
+from onnxq.io.graph import constant_value, producer
 from onnxq.match.dfpattern import (
     COMMUTATIVE_OPS,
     AltPattern,
@@ -54,8 +57,10 @@ from onnxq.match.rewrite import (
     partition,
     rewrite,
 )
+from onnxq.optable import MS_DOMAIN
 
 __all__ = [
+    "MS_DOMAIN",
     "COMMUTATIVE_OPS",
     "AltPattern",
     "Attempt",
@@ -76,6 +81,7 @@ __all__ = [
     "RewriteResult",
     "ShapePattern",
     "WildcardPattern",
+    "constant_value",
     "find_all",
     "has_attr",
     "has_dtype",
@@ -88,6 +94,7 @@ __all__ = [
     "match_explain",
     "node_attr",
     "partition",
+    "producer",
     "rewrite",
     "tensor_dtype",
     "tensor_shape",

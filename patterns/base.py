@@ -15,18 +15,20 @@ import onnx_graphsurgeon as gs
 from onnxq.annotate.rule import QuantizerPattern
 from onnxq.annotate.specs import QTensor
 from onnxq.calibrate.callbacks import CalibrationCallback
-from onnxq.io.graph import MS_DOMAIN, constant_value, producer
+from onnxq.optable import CARRIERS
 from onnxq.pattern import (
+    MS_DOMAIN,
     DFPattern,
     Match,
     MatchResult,
+    constant_value,
     is_constant,
     is_op,
     node_attr,
+    producer,
     tensor_shape,
     wildcard,
 )
-from onnxq.post.requantize import CARRIERS
 
 
 def _is_zero(t: gs.Tensor) -> bool:

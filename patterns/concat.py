@@ -14,8 +14,7 @@ import onnx_graphsurgeon as gs
 
 from onnxq.annotate.rule import QuantizerPattern
 from onnxq.annotate.specs import PatternRecord
-from onnxq.io.graph import MS_DOMAIN
-from onnxq.pattern import Match, MatchResult, is_op, node_attr
+from onnxq.pattern import MS_DOMAIN, Match, MatchResult, is_op, node_attr
 from onnxq.patterns.base import is_constant_tensor, quantized_downstream, quantized_upstream
 
 

@@ -6,11 +6,12 @@ import numpy as np
 import onnx_graphsurgeon as gs
 
 from onnxq.annotate.specs import QTensor
-from onnxq.io.graph import MS_DOMAIN, constant_value
 from onnxq.pattern import (
+    MS_DOMAIN,
     DFPattern,
     Match,
     MatchResult,
+    constant_value,
     is_constant,
     is_op,
     node_attr,

@@ -16,7 +16,6 @@ import onnx_graphsurgeon as gs
 from onnxq.annotate.rule import QuantizerPattern
 from onnxq.annotate.specs import PatternRecord
 from onnxq.pattern import Match, MatchResult, is_constant, is_op, node_attr, wildcard
-from onnxq.prepare.opset import default_opset
 
 
 class GatherPattern(QuantizerPattern):
@@ -44,7 +43,7 @@ class GatherPattern(QuantizerPattern):
         """Gather(int8 table, indices) → DequantizeLinear(axis=-1)."""
         q = self.quantizer
         node = m.node(self.pattern)
-        per_column = default_opset(q.float_model) >= 13
+        per_column = q.opset >= 13
         wq = q.quantize_weight(m.tensor(self.table), 1 if per_column else None)
         rows = q.editor.variable(f"{m.root.name}_quantized", np.int8, m.root.shape)
         q.add_node(

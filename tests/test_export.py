@@ -414,3 +414,15 @@ def test_option_errors_name_cli_flags_from_the_cli(tmp_path, capsys):
     assert main(argv) == 2
     assert "add --activation-dtype int8 --symmetric-activations" in capsys.readouterr().err
     assert not (tmp_path / "q.onnx").exists()
+
+
+def test_deep_errors_name_python_parameters_from_python(tmp_path, capsys):
+    """An error raised deep in calibration names ``bins=`` from Python, ``--bins`` from the CLI."""
+    data = {"input": np.zeros((2, 1, 28, 28), np.float32)}
+    with pytest.raises(ConfigError, match=r"^bins=63 must be an even number"):
+        onnxq.quantize(str(DIGITS_CNN), data, method="entropy", bins=63, progress=False)
+    calib = tmp_path / "c.npz"
+    np.savez(calib, **data)
+    argv = ["quantize", str(DIGITS_CNN), "-o", str(tmp_path / "q.onnx"), "--data", str(calib)]
+    assert main([*argv, "--method", "entropy", "--bins", "63"]) == 2
+    assert "--bins 63 must be an even number" in capsys.readouterr().err

@@ -47,8 +47,9 @@ from onnxq.io.graph import (
 from onnxq.lower.formats import Format, get_format
 from onnxq.match.dfpattern import Match, tensor_dtype
 from onnxq.match.rewrite import Partition, rewrite
+from onnxq.optable import CARRIERS
 from onnxq.patterns import default_patterns
-from onnxq.post.requantize import CARRIERS
+from onnxq.prepare.opset import default_opset
 from onnxq.prepare.preprocess import preprocess
 from onnxq.solve.qparams import (
     INT32_MAX,
@@ -429,6 +430,11 @@ class Quantizer:
                 d.reason = "; ".join(
                     [d.reason, *self.ignored[name]] if d.reason else self.ignored[name]
                 )
+
+    @property
+    def opset(self) -> int:
+        """The float model's ai.onnx opset (after any raise the output format needed)."""
+        return default_opset(self.float_model)
 
     @property
     def float_graph(self) -> gs.Graph:

@@ -27,7 +27,8 @@ import onnx_graphsurgeon as gs
 from onnxq.annotate.specs import QTensor
 from onnxq.errors import ModelError
 from onnxq.io.graph import GraphEditor, constant_value, export_model, import_graph, producer
-from onnxq.post.requantize import CARRIERS, carried_source
+from onnxq.optable import CARRIERS
+from onnxq.post.requantize import carried_source
 from onnxq.solve.qparams import qrange
 
 OV_DOMAIN = "org.openvinotoolkit"

@@ -22,7 +22,7 @@ import onnx
 import onnx_graphsurgeon as gs
 
 from onnxq.io.graph import GraphEditor, constant_value, export_model, import_graph, producer
-from onnxq.optable import BY_QOP
+from onnxq.optable import BY_QOP, CARRIERS, PASS_THROUGH
 from onnxq.prepare.opset import default_opset
 from onnxq.solve.qparams import INT32_MAX, accumulation_bound, qrange
 
@@ -30,25 +30,6 @@ from onnxq.solve.qparams import INT32_MAX, accumulation_bound, qrange
 def qlinear_positions(node: gs.Node) -> tuple[int, ...]:
     """Input positions of the (tensor, scale, zero point) triples a QLinear op reads."""
     return BY_QOP[node.op].triple_positions(len(node.inputs))
-
-
-#: ops that commute with y = (q - z) * s on their first input (minimum opset for int8 inputs):
-#: they only select, move or take the maximum of elements
-PASS_THROUGH: dict[str, int] = {
-    "MaxPool": 12,
-    "Reshape": 5,
-    "Flatten": 1,
-    "Transpose": 1,
-    "Squeeze": 1,
-    "Unsqueeze": 1,
-    "Slice": 10,
-    "Gather": 1,
-    "DepthToSpace": 1,
-    "SpaceToDepth": 1,
-    "Resize": 11,
-    "Expand": 8,
-    "Tile": 6,
-}
 
 
 def commutes(node: gs.Node, opset: int) -> bool:
@@ -65,8 +46,6 @@ def commutes(node: gs.Node, opset: int) -> bool:
 
 #: carriers whose onnxruntime kernels take 8-bit integers but not int16
 BYTE_ONLY = frozenset({"MaxPool", "Resize", "Pad"})
-#: ops through which int8 data flows unchanged in value (Split has several outputs)
-CARRIERS = frozenset(PASS_THROUGH) | {"Split"}
 
 
 def carried_source(t: gs.Tensor) -> gs.Tensor | None:
