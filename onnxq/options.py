@@ -135,10 +135,6 @@ class QuantizeOptions:
         """What the output format can hold and how it is lowered."""
         return get_format(self.format)
 
-    def flag(self, option: str, value: Any = _FLAG) -> str:
-        """``option`` spelled for this caller (see :func:`spell`)."""
-        return spell(option, self.cli, value)
-
     def quantizer_config(self) -> QuantizerConfig:
         """The annotation's part of the options."""
         return QuantizerConfig(

@@ -73,10 +73,6 @@ class Format:
     #: opset its per-channel weights need
     per_channel_opset: int = 0
 
-    def refuse(self, option: str, why: str) -> ConfigError:
-        """The error for an option this format cannot honour."""
-        return ConfigError(f"{option} {why} in --format {self.name}")
-
 
 FORMATS: dict[str, Format] = {
     f.name: f
