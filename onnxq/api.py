@@ -21,11 +21,7 @@ from onnxq.calibrators import DEFAULT_METHOD
 from onnxq.errors import ConfigError, OnnxqError
 from onnxq.options import QuantizeOptions, pythonize, resolve, spell
 from onnxq.passes import pipeline
-from onnxq.passes.int4 import WeightOnlyInt4
-from onnxq.passes.load import Load
 from onnxq.passes.manager import State, op_histogram, run_passes
-from onnxq.passes.save import Save
-from onnxq.passes.verify import Verify
 from onnxq.post.requantize import RequantizeStats
 from onnxq.report import QuantizeReport, build_report
 
@@ -109,12 +105,9 @@ def quantize_with(
     model: str | os.PathLike[str] | onnx.ModelProto, data: Any, options: QuantizeOptions
 ) -> tuple[onnx.ModelProto, QuantizeReport]:
     """Run the pipeline ``options`` call for; see :func:`quantize`."""
-    state = State(options, model, data)
-    if options.weight_dtype == "int4":
-        run_passes(state, [Load(raise_opsets=False), WeightOnlyInt4(), Verify(), Save()])
-        return state.model, _int4_report(state)
-    run_passes(state, pipeline.build(options, quantize_with))
-    return state.model, build_report(state)
+    state = run_passes(State(options, model, data), pipeline.build(options, quantize_with))
+    report = _int4_report(state) if options.weight_dtype == "int4" else build_report(state)
+    return state.model, report
 
 
 def _int4_report(state: State) -> QuantizeReport:

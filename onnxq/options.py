@@ -16,14 +16,14 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from onnxq.annotate.config import UserConfig
-from onnxq.annotate.quantizer import QuantizerConfig
+from onnxq.annotate.quantizer import ACTIVATION_DTYPES, QuantizerConfig
 from onnxq.annotate.rule import QuantizerPattern
 from onnxq.annotate.targets import Target, get_target
 from onnxq.calibrate.callbacks import CalibrationCallback
-from onnxq.calibrators import DEFAULT_METHOD, method_callback
+from onnxq.calibrators import DEFAULT_METHOD, METHODS, method_callback
 from onnxq.errors import ConfigError
 from onnxq.io.hostcheck import auto_weight_bits, saturation_warning
-from onnxq.lower.formats import Format, get_format
+from onnxq.lower.formats import FORMATS, Format, get_format
 from onnxq.patterns import default_patterns
 
 _FLAG = object()
@@ -43,10 +43,10 @@ def spell(option: str, cli: bool, value: Any = _FLAG) -> str:
 
 #: CLI flags that are quantize() parameters, and the values each can take in a message
 _PARAMETERS: dict[str, tuple[str, ...] | None] = {
-    "format": ("qoperator", "qdq", "openvino"),
-    "activation-dtype": ("uint8", "int8", "int16"),
+    "format": tuple(FORMATS),
+    "activation-dtype": ACTIVATION_DTYPES,
     "weight-dtype": ("int8", "int4"),
-    "method": ("minmax", "average-max", "percentile", "entropy", "mse", "output-aware"),
+    "method": METHODS,
     "weight-bits": (),
     "bins": (),
     "percentile": (),

@@ -10,7 +10,7 @@ from onnxq.passes.annotate import Annotate
 from onnxq.passes.branches import Branches, BranchQuantizer
 from onnxq.passes.calibrate import Calibrate
 from onnxq.passes.check import Check
-from onnxq.passes.int4 import Int4Weights
+from onnxq.passes.int4 import Int4Weights, WeightOnlyInt4
 from onnxq.passes.load import Load
 from onnxq.passes.lower import Lower
 from onnxq.passes.manager import Pass
@@ -23,6 +23,8 @@ from onnxq.passes.verify import Verify
 
 def build(options: QuantizeOptions, quantize_branch: BranchQuantizer) -> list[Pass]:
     """The passes, in order, for ``options``; ``quantize_branch`` quantizes an If branch."""
+    if options.weight_dtype == "int4":  # whole-model weight-only int4: no calibration
+        return [Load(raise_opsets=False), WeightOnlyInt4(), Verify(), Save()]
     fmt = options.output_format
     passes: list[Pass] = [Load(), Annotate(), Calibrate(), Solve(), Materialize(), Requantize()]
     if "Concat" in options.target.shared_scale_ops and fmt.from_requantized:
