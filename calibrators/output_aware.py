@@ -111,7 +111,7 @@ class OutputAwareCallback(ObserverCallback):
 
     def _layer_session(self, info: CalibrationInfo) -> Any:
         """A one-layer float model with int8-rounded weights (built once per layer)."""
-        key = info.record.qop
+        key = info.record.node
         if key in self._layers:
             return self._layers[key]
         float_model = info.calibrator.quantizer.float_model

@@ -1,8 +1,9 @@
 """The shared body of quantizer patterns: weighted ops (Conv, dense) and binary ops (Add, Mul).
 
-Conv and dense differ only in the weight's output-channel axis and the QLinear op they emit,
-so both derive from :class:`WeightedPattern` and vary :meth:`WeightedPattern.weight_channel_axis`
-and :meth:`WeightedPattern.emit`.
+Conv and dense differ only in the weight's output-channel axis and the QLinear op they become,
+so both derive from :class:`WeightedPattern` and vary :meth:`WeightedPattern.weight_channel_axis`,
+:meth:`WeightedPattern.qop_for` and :meth:`WeightedPattern.qop_attrs`. A rule only annotates:
+the QOperator lowering writes the op from the record and the op table.
 """
 
 from __future__ import annotations
@@ -13,11 +14,10 @@ import numpy as np
 import onnx_graphsurgeon as gs
 
 from onnxq.annotate.rule import QuantizerPattern
-from onnxq.annotate.specs import QTensor
+from onnxq.annotate.specs import Lowering, PatternRecord
 from onnxq.calibrate.callbacks import CalibrationCallback
 from onnxq.optable import CARRIERS
 from onnxq.pattern import (
-    MS_DOMAIN,
     DFPattern,
     Match,
     MatchResult,
@@ -63,6 +63,8 @@ class WeightedPattern(QuantizerPattern):
     """
 
     op_type = ""
+    #: the QLinear op of the op table (onnxq.optable) the group becomes
+    qop = ""
     has_bias = False
 
     def __init__(self, calibration_callback: CalibrationCallback | None = None):
@@ -80,18 +82,13 @@ class WeightedPattern(QuantizerPattern):
         """The axis of ``weight`` that indexes output channels (per-channel scales run on it)."""
         raise NotImplementedError
 
-    def emit(
-        self,
-        m: Match,
-        node: gs.Node,
-        x: QTensor,
-        w: QTensor,
-        bias: gs.Tensor | None,
-        y: QTensor,
-        y_var: gs.Variable,
-    ) -> gs.Node:
-        """Add the QLinear node computing ``y_var`` from the quantized operands."""
-        raise NotImplementedError
+    def qop_for(self, m: Match) -> str:
+        """The QLinear op (of the op table) the group becomes."""
+        return self.qop
+
+    def qop_attrs(self, node: gs.Node) -> dict[str, Any]:
+        """Attributes of the QLinear op (default: none)."""
+        return {}
 
     def bias_value(self, m: Match, node: gs.Node) -> np.ndarray | None:
         """The float bias as a 1-D array of output channels, or None."""
@@ -121,8 +118,8 @@ class WeightedPattern(QuantizerPattern):
             )
         return MatchResult(m)
 
-    def quantize_match(self, m: Match) -> gs.Tensor | None:
-        """Q(x), int8 W, int32 b, the QLinear op, then DQ of the (Relu-folded) output."""
+    def quantize_match(self, m: Match) -> PatternRecord | None:
+        """Specs of Q(x), int8 W, int32 b and the (Relu-folded) output; the QLinear op."""
         q = self.quantizer
         node = m.node(self.core)
         weight = m.tensor(self.w)
@@ -130,12 +127,10 @@ class WeightedPattern(QuantizerPattern):
         wq = q.quantize_weight(weight, self.weight_channel_axis(node, _const(weight)))
         bias_value = self.bias_value(m, node)
         bias = q.quantize_bias(node, bias_value, xq, wq) if bias_value is not None else None
-        yq, y_var = q.quantize_output(m.root)
-        qnode = self.emit(m, node, xq, wq, bias, yq, y_var)
-        self.record_match(
-            m, [xq, wq], [yq], qnode, self.relu in m, None if bias is None else bias.name
-        )
-        return q.dequantize(yq, y_var, m.root)
+        yq = q.quantize_output(m.root)
+        attrs = tuple(self.qop_attrs(node).items())
+        lowering = Lowering("qlinear", self.qop_for(m), attrs, bias)
+        return self.annotate(m, node, [xq, wq], [yq], lowering, self.relu in m)
 
 
 def _carries(node: gs.Node | None) -> bool:
@@ -175,15 +170,14 @@ class ActivationPattern(QuantizerPattern):
     """``op(a₁, …, aₙ) [→ Relu/Clip]`` on activations only → the int8 op (com.microsoft).
 
     Such an op pays off only between quantized neighbours: alone it would add a Q/DQ round trip
-    for each input and output, so it is left float (with the reason) when no input comes from a
-    quantized group and no consumer is one. Subclasses set ``op_type``, ``qop``, ``arity`` and
-    may override :meth:`qop_attrs`.
+    for each input and output, so it is left float (with the reason) when no consumer is a
+    quantized group. Subclasses set ``op_type``, ``qop`` (an op of the op table, which gives
+    its domain), ``arity`` and may override :meth:`qop_attrs`.
     """
 
     op_type = ""
     qop = ""
     arity = 1
-    domain = MS_DOMAIN
     fold_relu = True
     #: the widest output scale and zero point per dtype (Sigmoid, Softmax: the range is known
     #: to be [0, 1]); a "<dtype>-symmetric" key serves symmetric activations (zero point 0).
@@ -234,8 +228,8 @@ class ActivationPattern(QuantizerPattern):
             return MatchResult.fail("a Relu folds only into an asymmetric output range")
         return MatchResult(m)
 
-    def quantize_match(self, m: Match) -> gs.Tensor | None:
-        """Q(inputs) → int8 op → DQ, unless every neighbour stays float."""
+    def quantize_match(self, m: Match) -> PatternRecord | None:
+        """Specs of Q(inputs), the int8 op and its output, unless every neighbour stays float."""
         q = self.quantizer
         ins = [m.tensor(p) for p in self.args]
         # an int8 output that only float ops read is dequantized at once: it saves nothing
@@ -251,14 +245,9 @@ class ActivationPattern(QuantizerPattern):
             return None
         node = m.node(self.core)
         qins = [q.quantize_input(t) for t in ins]
-        yq, y_var = q.quantize_output(m.root)
-        operands = [x for qt in qins for x in q.operands(qt)]
-        inputs = [*operands, q.const(yq.scale), q.const(yq.zero_point)]
-        qnode = q.add_node(
-            self.qop, inputs, [y_var], f"{node.name}_quant", self.qop_attrs(node), self.domain
-        )
-        self.record_match(m, qins, [yq], qnode, relu_folded=self.relu in m)
-        return q.dequantize(yq, y_var, m.root)
+        yq = q.quantize_output(m.root)
+        lowering = Lowering("qlinear", self.qop, tuple(self.qop_attrs(node).items()))
+        return self.annotate(m, node, qins, [yq], lowering, relu_folded=self.relu in m)
 
 
 def _const(t: gs.Tensor) -> np.ndarray:

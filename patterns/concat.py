@@ -10,11 +10,9 @@ from __future__ import annotations
 
 from typing import Any
 
-import onnx_graphsurgeon as gs
-
 from onnxq.annotate.rule import QuantizerPattern
-from onnxq.annotate.specs import PatternRecord
-from onnxq.pattern import MS_DOMAIN, Match, MatchResult, is_op, node_attr
+from onnxq.annotate.specs import Lowering, PatternRecord
+from onnxq.pattern import Match, MatchResult, is_op, node_attr
 from onnxq.patterns.base import is_constant_tensor, quantized_downstream, quantized_upstream
 
 
@@ -41,7 +39,7 @@ class ConcatPattern(QuantizerPattern):
                 )
         return MatchResult(m)
 
-    def quantize_match(self, m: Match) -> gs.Tensor | None:
+    def quantize_match(self, m: Match) -> PatternRecord | None:
         """Q(each input) → QLinearConcat → DQ, inside the quantized region only."""
         q = self.quantizer
         node = m.node(self.pattern)
@@ -58,20 +56,9 @@ class ConcatPattern(QuantizerPattern):
             )
             return None
         qins = [q.quantize_input(t) for t in ins]
-        yq, y_var = q.quantize_output(m.root)
-        inputs: list[gs.Tensor | None] = [q.const(yq.scale), q.const(yq.zero_point)]
-        for qt in qins:
-            inputs.extend(q.operands(qt))
-        qnode = q.add_node(
-            "QLinearConcat",
-            inputs,
-            [y_var],
-            f"{node.name}_quant",
-            {"axis": int(node_attr(node, "axis"))},
-            MS_DOMAIN,
-        )
-        q.record(PatternRecord(self, self.label(), [node.name], qins, [yq], qnode.name))
-        return q.dequantize(yq, y_var, m.root)
+        yq = q.quantize_output(m.root)
+        lowering = Lowering("qlinear", "QLinearConcat", (("axis", int(node_attr(node, "axis"))),))
+        return self.annotate(m, node, qins, [yq], lowering)
 
 
 # Concat(a, b, …) -> DQ(QLinearConcat(ys, yz, Q(a), Q(b), …))     (inside the quantized region)

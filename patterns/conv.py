@@ -2,35 +2,24 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from onnxq.annotate.specs import QTensor
-from onnxq.pattern import Match
 from onnxq.patterns.base import WeightedPattern
 
 
 class _ConvBase(WeightedPattern):
+    qop = "QLinearConv"
+
     def weight_channel_axis(self, node: gs.Node, weight: np.ndarray) -> int:
         """Conv weights are (M, C/group, k...): output channels on axis 0."""
         return 0
 
-    def emit(
-        self,
-        m: Match,
-        node: gs.Node,
-        x: QTensor,
-        w: QTensor,
-        bias: gs.Tensor | None,
-        y: QTensor,
-        y_var: gs.Variable,
-    ) -> gs.Node:
-        """QLinearConv(x, xs, xz, w, ws, wz, ys, yz[, b]) with the Conv's attributes."""
-        q = self.quantizer
-        inputs = [*q.operands(x), *q.operands(w), q.const(y.scale), q.const(y.zero_point)]
-        if bias is not None:
-            inputs.append(bias)
-        return q.add_node("QLinearConv", inputs, [y_var], f"{node.name}_quant", dict(node.attrs))
+    def qop_attrs(self, node: gs.Node) -> dict[str, Any]:
+        """QLinearConv takes the Conv's attributes."""
+        return dict(node.attrs)
 
 
 class ConvPattern(_ConvBase):

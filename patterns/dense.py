@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from onnxq.annotate.specs import QTensor
 from onnxq.pattern import (
-    MS_DOMAIN,
     DFPattern,
     Match,
     MatchResult,
@@ -59,27 +59,19 @@ class _DenseBase(WeightedPattern):
         """Gemm and MatMul+bias become com.microsoft QGemm; MatMul alone QLinearMatMul."""
         return True
 
-    def emit(
-        self,
-        m: Match,
-        node: gs.Node,
-        x: QTensor,
-        w: QTensor,
-        bias: gs.Tensor | None,
-        y: QTensor,
-        y_var: gs.Variable,
-    ) -> gs.Node:
-        """QGemm(a, as, az, b, bs, bz, C, ys, yz) with Gemm's alpha/transA/transB."""
-        q = self.quantizer
-        attrs = {}
-        if node.op == "Gemm":
-            attrs = {
-                "alpha": float(node_attr(node, "alpha") or 1.0),
-                "transA": int(node_attr(node, "transA") or 0),
-                "transB": int(node_attr(node, "transB") or 0),
-            }
-        inputs = [*q.operands(x), *q.operands(w), bias, q.const(y.scale), q.const(y.zero_point)]
-        return q.add_node("QGemm", inputs, [y_var], f"{node.name}_quant", attrs, MS_DOMAIN)
+    def qop_for(self, m: Match) -> str:
+        """QGemm with a bias (or from Gemm), QLinearMatMul for a MatMul alone."""
+        return "QGemm" if self.uses_qgemm(m) else "QLinearMatMul"
+
+    def qop_attrs(self, node: gs.Node) -> dict[str, Any]:
+        """QGemm keeps Gemm's alpha, transA and transB (beta is folded into the bias)."""
+        if node.op != "Gemm":
+            return {}
+        return {
+            "alpha": float(node_attr(node, "alpha") or 1.0),
+            "transA": int(node_attr(node, "transA") or 0),
+            "transB": int(node_attr(node, "transB") or 0),
+        }
 
     def bias_value(self, m: Match, node: gs.Node) -> np.ndarray | None:
         """Gemm's C is scaled by beta and divided by alpha (QGemm applies alpha to A·B + C)."""
@@ -133,21 +125,6 @@ class MatMulPattern(_DenseBase):
     def uses_qgemm(self, m: Match) -> bool:
         """MatMul without bias uses QLinearMatMul, which takes inputs of any rank."""
         return False
-
-    def emit(
-        self,
-        m: Match,
-        node: gs.Node,
-        x: QTensor,
-        w: QTensor,
-        bias: gs.Tensor | None,
-        y: QTensor,
-        y_var: gs.Variable,
-    ) -> gs.Node:
-        """QLinearMatMul(a, as, az, b, bs, bz, ys, yz)."""
-        q = self.quantizer
-        inputs = [*q.operands(x), *q.operands(w), q.const(y.scale), q.const(y.zero_point)]
-        return q.add_node("QLinearMatMul", inputs, [y_var], f"{node.name}_quant")
 
 
 # Gemm(x, W[, C]) [→ Relu]          -> DQ(QGemm(Q(x), Wq, Cq, ys, yz)),  Cq = round(β·C/α / (sx·sw))

@@ -14,7 +14,7 @@ import numpy as np
 import onnx_graphsurgeon as gs
 
 from onnxq.annotate.rule import QuantizerPattern
-from onnxq.annotate.specs import PatternRecord
+from onnxq.annotate.specs import Lowering, PatternRecord
 from onnxq.pattern import Match, MatchResult, is_constant, is_op, node_attr, wildcard
 
 
@@ -39,22 +39,13 @@ class GatherPattern(QuantizerPattern):
             return MatchResult.fail("only row lookups (axis 0) are quantized")
         return MatchResult(m)
 
-    def quantize_match(self, m: Match) -> gs.Tensor | None:
+    def quantize_match(self, m: Match) -> PatternRecord | None:
         """Gather(int8 table, indices) → DequantizeLinear(axis=-1)."""
         q = self.quantizer
         node = m.node(self.pattern)
         per_column = q.opset >= 13
         wq = q.quantize_weight(m.tensor(self.table), 1 if per_column else None)
-        rows = q.editor.variable(f"{m.root.name}_quantized", np.int8, m.root.shape)
-        q.add_node(
-            "Gather",
-            [q.operands(wq)[0], m.tensor(self.indices)],
-            [rows],
-            f"{node.name}_quant",
-            {"axis": 0},
-        )
-        q.record(PatternRecord(self, self.label(), [node.name], [wq], [], node.name))
-        return q.dequantize(wq, rows, m.root, axis=-1 if wq.axis is not None else None)
+        return self.annotate(m, node, [wq], [], Lowering("table", "Gather"))
 
 
 # Gather(W, idx) -> DQ(Gather(Wq, idx), s_w, 0, axis=-1)

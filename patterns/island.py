@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 import onnx_graphsurgeon as gs
 
+from onnxq.annotate.specs import Lowering, PatternRecord
 from onnxq.pattern import DFPattern, Match, MatchResult, is_op
 from onnxq.patterns.base import WeightedPattern, _const, with_relu
 
@@ -71,43 +72,23 @@ class IslandPattern(WeightedPattern):
             )
         return MatchResult(m)
 
-    def _float_copy(self, node: gs.Node, inputs: list[gs.Tensor]) -> gs.Variable:
-        """A float copy of ``node`` inside the island, reading ``inputs``; its output."""
-        y = node.outputs[0]
-        out = self.quantizer.editor.variable(f"{y.name}_island", np.float32, y.shape)
-        self.quantizer.add_node(node.op, inputs, [out], f"{node.name}_island", dict(node.attrs))
-        return out
-
     def _what(self, m: Match) -> str:
         core = m.node(self.core)
         return " followed by ".join([core.op] + [n.op for n in m.nodes if n is not core])
 
-    def quantize_match(self, m: Match) -> gs.Tensor | None:
-        """DQ(x), DQ(W) → the float op and its activation → Q(y) → DQ."""
+    def quantize_match(self, m: Match) -> PatternRecord | None:
+        """Specs of DQ(x), DQ(W) → the float op and its activation → Q(y) → DQ."""
         q = self.quantizer
         node = m.node(self.core)
         x, weight = m.tensor(self.x), m.tensor(self.w)
         xq = q.quantize_input(x)
         wq = q.quantize_weight(weight, self.weight_channel_axis(node, _const(weight)))
-        yq, y_var = q.quantize_output(m.root)
-        xf = q.dequantize(xq, q.operands(xq)[0], x)
-        wf = q.dequantize(wq, q.operands(wq)[0], weight, axis=wq.axis)
-        ins: list[gs.Tensor] = [xf, wf]
-        if self.b is not None:
-            ins.append(m.tensor(self.b))
-        out = self._float_copy(node, ins)
+        yq = q.quantize_output(m.root)
         acts = [n for n in m.nodes if n is not node]
-        for act in acts:  # the activation reads the op's float output: no Q/DQ between them
-            out = self._float_copy(act, [out, *act.inputs[1:]])
-        qnode = q.add_node(
-            "QuantizeLinear",
-            [out, q.const(yq.scale), q.const(yq.zero_point)],
-            [y_var],
-            f"{m.root.name}_island_QuantizeLinear",
-        )
+        bias = m.tensor(self.b).name if self.b is not None else None
+        lowering = Lowering("island", node.op, bias=bias, activations=tuple(a.name for a in acts))
         relu = bool(acts) and acts[0].op not in FUSED and not q.config.activation_symmetric
-        self.record_match(m, [xq, wq], [yq], qnode, relu_folded=relu)
-        return q.dequantize(yq, y_var, m.root)
+        return self.annotate(m, node, [xq, wq], [yq], lowering, relu_folded=relu)
 
 
 class ConvTransposePattern(IslandPattern):

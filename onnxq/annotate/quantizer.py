@@ -45,8 +45,9 @@ from onnxq.io.graph import (
     producer,
 )
 from onnxq.lower.formats import Format, get_format
+from onnxq.lower.qoperator import TemplateWriter
 from onnxq.match.dfpattern import Match, tensor_dtype
-from onnxq.match.rewrite import Partition, rewrite
+from onnxq.match.rewrite import Partition, partition
 from onnxq.optable import CARRIERS
 from onnxq.patterns import default_patterns
 from onnxq.prepare.opset import default_opset
@@ -138,8 +139,6 @@ class Quantizer:
         self._weights: dict[str, WeightDerivation] = {}
         self._biases: dict[str, BiasDerivation] = {}
         self._qtensors: dict[str, QTensor] = {}
-        self._consts: dict[str, gs.Constant] = {}
-        self._qvars: dict[str, gs.Variable] = {}
         #: (tensor, kind, requested name) -> placeholder; a tensor read in two dtypes has two
         self._by_tensor: dict[tuple[str, str, str], str] = {}
         self._float_values: dict[str, np.ndarray] = {}
@@ -180,7 +179,7 @@ class Quantizer:
         self._group_per_channel: bool | None = None
         if self.config.user is not None:
             self._resolve_user(graph, kept)
-        result = rewrite(
+        part = partition(
             self.patterns,
             graph,
             node_filter=lambda n: (
@@ -190,9 +189,16 @@ class Quantizer:
                 if n.name in kept
                 else None
             ),
-            editor=self.editor,
         )
-        self._explain(result.partitions[0] if result.partitions else Partition())
+        for p in self.patterns:
+            p.partition = part
+        for g in part.groups:
+            rec = g.callback.annotate_match(g.match)
+            if rec is not None:
+                self.records.append(rec)
+        self._explain(part)
+        #: the QOperator model with placeholders (onnxq.lower.qoperator writes the records)
+        TemplateWriter(graph, self.editor, self.placeholders).write_all(self.records)
         self.template: onnx.ModelProto = export_model(graph, self.float_model)
 
     def _resolve_user(self, graph: gs.Graph, kept: dict[str, str]) -> None:
@@ -237,50 +243,21 @@ class Quantizer:
     # helpers used by QuantizerPattern.quantize_match
 
     def quantize_input(self, tensor: gs.Tensor) -> QTensor:
-        """The activation ``tensor`` quantized (one QuantizeLinear per tensor and dtype, shared)."""
+        """The spec of activation ``tensor`` as an input (one per tensor and dtype, shared)."""
         key = f"{tensor.name}#{self._activation_dtype(tensor)[0]}"
-        if key in self._qtensors:
-            return self._qtensors[key]
-        qt = self._activation_qtensor(tensor)
-        self.editor.add_node(
-            "QuantizeLinear",
-            [tensor, self._consts[qt.scale], self._consts[qt.zero_point]],
-            [self._variable(qt.quantized, qt.dtype, tensor.shape)],
-            name=f"{tensor.name}_QuantizeLinear",
-        )
-        self._qtensors[key] = qt
-        return qt
+        if key not in self._qtensors:
+            self._qtensors[key] = self._activation_qtensor(tensor)
+        return self._qtensors[key]
 
-    def operands(self, qt: QTensor) -> list[gs.Tensor]:
-        """``[quantized tensor, scale, zero point]`` of a QTensor, as QLinear ops take them."""
-        quantized: gs.Tensor = (
-            self._consts[qt.quantized]
-            if qt.quantized in self._consts
-            else self._qvars[qt.quantized]
-        )
-        return [quantized, self._consts[qt.scale], self._consts[qt.zero_point]]
-
-    def quantize_output(self, root: gs.Tensor) -> tuple[QTensor, gs.Variable]:
-        """Placeholders for the quantized form of ``root`` and the int tensor to produce."""
-        qt = self._activation_qtensor(root, output=True)
-        return qt, self._variable(qt.quantized, qt.dtype, root.shape)
-
-    def dequantize(
-        self, qt: QTensor, quantized: gs.Variable, like: gs.Tensor, axis: int | None = None
-    ) -> gs.Variable:
-        """DequantizeLinear of ``quantized``; the result replaces float tensor ``like``."""
-        out = self.editor.variable(like.name + "_dequantized", np.float32, like.shape)
-        self.editor.add_node(
-            "DequantizeLinear",
-            [quantized, self._consts[qt.scale], self._consts[qt.zero_point]],
-            [out],
-            name=f"{like.name}_DequantizeLinear",
-            attrs={"axis": axis} if axis is not None else None,
-        )
-        return out
+    def quantize_output(self, root: gs.Tensor) -> QTensor:
+        """The spec of the quantized form of ``root``, the tensor a group produces."""
+        return self._activation_qtensor(root, output=True)
 
     def quantize_weight(self, tensor: gs.Tensor, axis: int | None) -> QTensor:
-        """A derived int8 initializer for constant ``tensor``, per channel on ``axis``."""
+        """The spec of constant ``tensor`` as an int8 weight, per channel on ``axis``.
+
+        The int8 values are derived from the float constant once the scale is solved.
+        """
         value = constant_value(tensor)
         if value is None:
             raise QuantizationError(
@@ -306,35 +283,15 @@ class Quantizer:
         self._qtensors[key] = qt
         return qt
 
-    def quantize_bias(self, node: gs.Node, bias: np.ndarray, x: QTensor, w: QTensor) -> gs.Constant:
-        """A derived int32 bias with scale ``s_x · s_w`` and zero point 0."""
+    def quantize_bias(self, node: gs.Node, bias: np.ndarray, x: QTensor, w: QTensor) -> str:
+        """The placeholder of an int32 bias with scale ``s_x · s_w`` and zero point 0."""
         name = f"{node.name or node.outputs[0].name}.bias"
         self._float_values[name] = np.asarray(bias, np.float32).reshape(-1)
         q = self._placeholder(f"{name}_quantized", "bias", name, "int32", (int(bias.size),))
         self._biases[q] = BiasDerivation(
             name, x.scale, w.scale, w.axis, w.tensor, x.zero_point, x.dtype
         )
-        return self._consts[q]
-
-    def const(self, name: str) -> gs.Constant:
-        """The template initializer of a placeholder."""
-        return self._consts[name]
-
-    def add_node(
-        self,
-        op: str,
-        inputs: Sequence[gs.Tensor | None],
-        outputs: Sequence[gs.Variable],
-        name: str,
-        attrs: dict[str, Any] | None = None,
-        domain: str = "",
-    ) -> gs.Node:
-        """Add a node to the template (thin pass-through to the graph editor)."""
-        return self.editor.add_node(op, inputs, outputs, name, attrs, domain)
-
-    def record(self, rec: PatternRecord) -> None:
-        """Register a rewritten group for calibration and reports."""
-        self.records.append(rec)
+        return q
 
     def _activation_dtype(self, tensor: gs.Tensor) -> tuple[str, bool]:
         """(dtype, symmetric) of ``tensor`` as the group being rewritten reads or writes it."""
@@ -373,18 +330,8 @@ class Quantizer:
             return self._by_tensor[key]
         final = self.editor.unique_name(name)
         self._by_tensor.setdefault(key, final)
-        if kind == "scale":
-            default = np.ones(shape, np.float32)
-        else:
-            default = np.zeros(shape, np.dtype(dtype))
-        self._consts[final] = gs.Constant(final, default)
         self.placeholders[final] = Placeholder(final, kind, tensor, dtype, shape)
         return final
-
-    def _variable(self, name: str, dtype: str, shape: Any) -> gs.Variable:
-        var = gs.Variable(name, dtype=np.dtype(dtype), shape=shape)
-        self._qvars[name] = var
-        return var
 
     # ----------------------------------------------------------------------------------------
     # bookkeeping
@@ -534,8 +481,7 @@ class Quantizer:
         for name, ph in self.placeholders.items():
             if ph.kind not in ("scale", "zero_point"):
                 continue
-            default = self._consts[name].values
-            value = values.get(name, default)
+            value = values.get(name, ph.default())
             arr = np.asarray(value).astype(np.dtype(ph.dtype)).reshape(ph.shape)
             full[name] = arr
         self._check_relu_folds(full)
@@ -583,7 +529,7 @@ class Quantizer:
                 lo = qrange(out.dtype)[0]
                 if int(full[out.zero_point]) != lo:
                     raise CalibrationError(
-                        f"{rec.label} '{rec.qop}' folds a Relu into output '{out.tensor}', which "
+                        f"{rec.label} '{rec.node}' folds a Relu into output '{out.tensor}', which "
                         f"needs zero point {lo}, but calibration set {int(full[out.zero_point])}; "
                         "calibrate the output with a range starting at 0"
                     )

@@ -1,30 +1,34 @@
 """QuantizerPattern: the base of every rule of the library (``onnxq.patterns``).
 
-A rule is a DFPatternCallback whose callback rewrites its match through the Quantizer running
-it (set as ``rule.quantizer`` before matching) and records what it did as a
-:class:`~onnxq.annotate.specs.PatternRecord`.
+A rule annotates: it matches a group of float nodes, asks the Quantizer running it (set as
+``rule.quantizer`` before matching) for the spec of each quantized edge, and returns a frozen
+:class:`~onnxq.annotate.specs.PatternRecord` saying what is quantized, with which spec, and
+which op of the op table (``onnxq.optable``) the group becomes. It writes no node: the
+QOperator lowering (``onnxq.lower.qoperator``) writes every group from its record.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from onnxq.annotate.specs import PatternRecord, QTensor
+from onnxq.annotate.specs import Lowering, PatternRecord, QTensor
 from onnxq.calibrate.callbacks import CalibrationCallback, CalibrationInfo
 from onnxq.match.dfpattern import Match, MatchResult, tensor_dtype
 from onnxq.match.rewrite import DFPatternCallback
 
 
 class QuantizerPattern(DFPatternCallback):
-    """A DFPatternCallback that rewrites its match into Q → QLinear op → DQ.
+    """A DFPatternCallback that annotates its match as Q → QLinear op → DQ.
 
-    Subclasses set ``self.pattern`` and implement :meth:`quantize_match`, which builds the
-    quantized op with the helpers of :class:`Quantizer` and returns the float tensor replacing
-    the match's root (normally a DequantizeLinear output). ``calibrate_pattern`` delegates to the
-    CalibrationCallback given at construction (or the Calibrator's default).
+    Subclasses set ``self.pattern`` and implement :meth:`quantize_match`, which takes the specs
+    of the group's edges from the :class:`Quantizer` (``quantize_input``, ``quantize_weight``,
+    ``quantize_bias``, ``quantize_output``) and returns :meth:`annotate`'s record, or None to
+    leave the group float. ``calibrate_pattern`` delegates to the CalibrationCallback given at
+    construction (or the Calibrator's default).
     """
 
     #: the op whose inputs and output this rule's group may keep on one scale, when a target
@@ -48,36 +52,37 @@ class QuantizerPattern(DFPatternCallback):
             node is None or not self.quantizer.is_left_float(node.name)
         )
 
-    def callback(self, pre: gs.Tensor, post: gs.Tensor, node_map: dict) -> gs.Tensor | None:
-        """Rewrite the current match (``self.match``) through :meth:`quantize_match`."""
-        with self.quantizer.group([n.name for n in self.match.nodes]):
-            return self.quantize_match(self.match)
+    def annotate_match(self, m: Match) -> PatternRecord | None:
+        """The record of ``m`` under its nodes' per-node settings (None: left float)."""
+        self.match = m
+        with self.quantizer.group([n.name for n in m.nodes]):
+            return self.quantize_match(m)
 
-    def quantize_match(self, m: Match) -> gs.Tensor | None:
-        """Build the quantized replacement of ``m``; None leaves it float."""
+    def quantize_match(self, m: Match) -> PatternRecord | None:
+        """Annotate ``m``: the specs of its quantized edges as a record; None leaves it float."""
         raise NotImplementedError
 
-    def record_match(
+    def annotate(
         self,
         m: Match,
-        inputs: list[QTensor],
-        outputs: list[QTensor],
-        qnode: gs.Node,
+        node: gs.Node,
+        inputs: Sequence[QTensor],
+        outputs: Sequence[QTensor],
+        lowering: Lowering,
         relu_folded: bool = False,
-        bias: str | None = None,
-    ) -> None:
-        """Register the rewritten group of ``m`` with the Quantizer (calibration, reports)."""
-        self.quantizer.record(
-            PatternRecord(
-                self,
-                self.label(),
-                [n.name for n in m.nodes],
-                inputs,
-                outputs,
-                qnode.name,
-                relu_folded=relu_folded,
-                bias=bias,
-            )
+    ) -> PatternRecord:
+        """The frozen record of ``m``: ``node`` is the float op the group is named by."""
+        return PatternRecord(
+            self,
+            self.label(),
+            tuple(n.name for n in m.nodes),
+            tuple(inputs),
+            tuple(outputs),
+            node.name,
+            m.root.name,
+            relu_folded=relu_folded,
+            bias=lowering.bias if lowering.kind == "qlinear" else None,
+            lowering=lowering,
         )
 
     def float_output_check(self, m: Match) -> MatchResult:

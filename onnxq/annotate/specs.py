@@ -1,7 +1,7 @@
 """The records annotation writes: quantized edges, rewritten groups, placeholders, decisions.
 
-Plain frozen data (apart from the group record, which the rewrite fills in): the patterns write
-them, calibration reads them, solving and lowering consume them. Nothing here imports the
+Plain frozen data, apart from the Decision a report may annotate: the rules write them,
+calibration reads them, solving and lowering consume them. Nothing here imports the
 Quantizer, so every stage can depend on this module.
 """
 
@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
+
+import numpy as np
 
 
 @dataclass(frozen=True)
@@ -26,18 +28,47 @@ class QTensor:
     bits: int = 8
 
 
-@dataclass
+@dataclass(frozen=True)
+class Lowering:
+    """How a group is written in the QOperator template (``onnxq.lower.qoperator``).
+
+    ``kind`` is ``qlinear`` (one op of the op table, ``onnxq.optable``), ``island`` (DQ → the
+    float op and its activations → Q, for runtimes that fuse them) or ``table`` (a constant
+    table gathered in int8, dequantized after).
+    """
+
+    kind: str
+    #: the quantized op written: a QOperator op of the op table (``qlinear``), else the float op
+    op: str
+    #: attributes of the written op, in order
+    attrs: tuple[tuple[str, Any], ...] = ()
+    #: the int32 bias placeholder (``qlinear``) or the float bias tensor (``island``)
+    bias: str | None = None
+    #: ``island``: the activation nodes after the float op, in the match's order
+    activations: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
 class PatternRecord:
-    """What one rewritten group became; the Calibrator builds a CalibrationInfo from it."""
+    """One annotated group: what is quantized, with which specs, and how it is lowered.
+
+    Rules write it; calibration builds a CalibrationInfo from it, solving and reports read it
+    and the QOperator lowering writes the group from it. Frozen: nothing changes it after
+    annotation.
+    """
 
     pattern: Any  # the QuantizerPattern that matched (onnxq.annotate.rule)
     label: str
-    nodes: list[str]
-    inputs: list[QTensor]
-    outputs: list[QTensor]
-    qop: str
+    nodes: tuple[str, ...]
+    inputs: tuple[QTensor, ...]
+    outputs: tuple[QTensor, ...]
+    #: the float node the group is named by (the op it quantizes)
+    node: str
+    #: the float tensor the group produces
+    root: str
     relu_folded: bool = False
     bias: str | None = None
+    lowering: Lowering | None = None
 
     @property
     def input_scale_zps(self) -> list[tuple[str, str]]:
@@ -59,6 +90,12 @@ class Placeholder:
     tensor: str
     dtype: str
     shape: tuple[int, ...]
+
+    def default(self) -> np.ndarray:
+        """Its value until solved: scale 1, everything else 0."""
+        if self.kind == "scale":
+            return np.ones(self.shape, np.float32)
+        return np.zeros(self.shape, np.dtype(self.dtype))
 
 
 @dataclass(frozen=True)

@@ -235,7 +235,7 @@ class Calibrator:
         for name, value in chosen.items():
             if name not in known:
                 raise CalibrationError(
-                    f"callback of {rec.label} '{rec.qop}' returned a value for "
+                    f"callback of {rec.label} '{rec.node}' returned a value for "
                     f"'{name}', which is not a placeholder of the model"
                 )
             arr = np.asarray(value)
@@ -249,7 +249,7 @@ class Calibrator:
                 same = np.array_equal(self.values[name], arr.astype(self.values[name].dtype))
                 if not same and name not in self._fixed:
                     self.report.conflicts.append(
-                        f"{rec.label} '{rec.qop}' asked {name}={arr.tolist()}, kept "
+                        f"{rec.label} '{rec.node}' asked {name}={arr.tolist()}, kept "
                         f"{self.values[name].tolist()} set by an earlier pattern"
                     )
                 continue
@@ -258,12 +258,12 @@ class Calibrator:
             ph = known[name]
             if ph.kind == "scale" and (not np.all(np.isfinite(arr)) or np.any(arr <= 0)):
                 raise CalibrationError(
-                    f"callback of {rec.label} '{rec.qop}' set scale '{name}' to "
+                    f"callback of {rec.label} '{rec.node}' set scale '{name}' to "
                     f"{arr.tolist()}; scales must be finite and > 0"
                 )
             if arr.size != int(np.prod(ph.shape)):
                 raise CalibrationError(
-                    f"callback of {rec.label} '{rec.qop}' set '{name}' with "
+                    f"callback of {rec.label} '{rec.node}' set '{name}' with "
                     f"shape {list(arr.shape)}; expected {list(ph.shape)} "
                     f"({'per channel' if ph.shape else 'a scalar'})"
                 )
