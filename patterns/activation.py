@@ -9,11 +9,6 @@ range inside [0, 1] gets its finer grid instead (see ActivationPattern.fixed_out
 
 from __future__ import annotations
 
-from typing import Any
-
-import onnx_graphsurgeon as gs
-
-from onnxq.pattern import node_attr
 from onnxq.patterns.base import ActivationPattern
 
 _UNIT_RANGE = {
@@ -41,10 +36,6 @@ class LeakyReluPattern(ActivationPattern):
     qop = "QLinearLeakyRelu"
     fold_relu = False
 
-    def qop_attrs(self, node: gs.Node) -> dict[str, Any]:
-        """The slope."""
-        return {"alpha": float(node_attr(node, "alpha") or 0.01)}
-
 
 class SoftmaxPattern(ActivationPattern):
     """Softmax with a fixed output scale."""
@@ -54,16 +45,6 @@ class SoftmaxPattern(ActivationPattern):
     qop = "QLinearSoftmax"
     fold_relu = False
     fixed_output = _UNIT_RANGE
-
-    def qop_attrs(self, node: gs.Node) -> dict[str, Any]:
-        """The axis and the opset whose Softmax semantics apply (they changed at 13)."""
-        opset = int(self.quantizer.float_model.opset_import[0].version)
-        for imp in self.quantizer.float_model.opset_import:
-            if imp.domain in ("", "ai.onnx"):
-                opset = int(imp.version)
-        default_axis = -1 if opset >= 13 else 1
-        axis = node_attr(node, "axis")
-        return {"axis": int(default_axis if axis is None else axis), "opset": opset}
 
 
 class MatMulActivationsPattern(ActivationPattern):

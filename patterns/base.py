@@ -16,7 +16,7 @@ import onnx_graphsurgeon as gs
 from onnxq.annotate.rule import QuantizerPattern
 from onnxq.annotate.specs import Lowering, PatternRecord
 from onnxq.calibrate.callbacks import CalibrationCallback
-from onnxq.optable import CARRIERS
+from onnxq.optable import BY_QOP, CARRIERS
 from onnxq.pattern import (
     DFPattern,
     Match,
@@ -86,10 +86,6 @@ class WeightedPattern(QuantizerPattern):
         """The QLinear op (of the op table) the group becomes."""
         return self.qop
 
-    def qop_attrs(self, node: gs.Node) -> dict[str, Any]:
-        """Attributes of the QLinear op (default: none)."""
-        return {}
-
     def bias_value(self, m: Match, node: gs.Node) -> np.ndarray | None:
         """The float bias as a 1-D array of output channels, or None."""
         if self.b is None:
@@ -128,8 +124,9 @@ class WeightedPattern(QuantizerPattern):
         bias_value = self.bias_value(m, node)
         bias = q.quantize_bias(node, bias_value, xq, wq) if bias_value is not None else None
         yq = q.quantize_output(m.root)
-        attrs = tuple(self.qop_attrs(node).items())
-        lowering = Lowering("qlinear", self.qop_for(m), attrs, bias)
+        qop = self.qop_for(m)
+        attrs = tuple(self.qop_attrs(node, BY_QOP[qop]).items())
+        lowering = Lowering("qlinear", qop, attrs, bias)
         return self.annotate(m, node, [xq, wq], [yq], lowering, self.relu in m)
 
 
@@ -172,7 +169,7 @@ class ActivationPattern(QuantizerPattern):
     Such an op pays off only between quantized neighbours: alone it would add a Q/DQ round trip
     for each input and output, so it is left float (with the reason) when no consumer is a
     quantized group. Subclasses set ``op_type``, ``qop`` (an op of the op table, which gives
-    its domain), ``arity`` and may override :meth:`qop_attrs`.
+    its domain and attributes) and ``arity``.
     """
 
     op_type = ""
@@ -208,10 +205,6 @@ class ActivationPattern(QuantizerPattern):
                 values[qt.zero_point] = np.asarray(zp, np.dtype(qt.dtype))
         return values
 
-    def qop_attrs(self, node: gs.Node) -> dict[str, Any]:
-        """Attributes of the int8 op (default: none)."""
-        return {}
-
     def check(self, m: Match) -> MatchResult:
         """Every operand must be an activation; a folded Relu needs asymmetric outputs."""
         res = self.float_output_check(m)
@@ -246,7 +239,8 @@ class ActivationPattern(QuantizerPattern):
         node = m.node(self.core)
         qins = [q.quantize_input(t) for t in ins]
         yq = q.quantize_output(m.root)
-        lowering = Lowering("qlinear", self.qop, tuple(self.qop_attrs(node).items()))
+        attrs = self.qop_attrs(node, BY_QOP[self.qop])
+        lowering = Lowering("qlinear", self.qop, tuple(attrs.items()))
         return self.annotate(m, node, qins, [yq], lowering, relu_folded=self.relu in m)
 
 

@@ -12,7 +12,8 @@ from typing import Any
 
 from onnxq.annotate.rule import QuantizerPattern
 from onnxq.annotate.specs import Lowering, PatternRecord
-from onnxq.pattern import Match, MatchResult, is_op, node_attr
+from onnxq.optable import BY_QOP
+from onnxq.pattern import Match, MatchResult, is_op
 from onnxq.patterns.base import is_constant_tensor, quantized_downstream, quantized_upstream
 
 
@@ -57,7 +58,8 @@ class ConcatPattern(QuantizerPattern):
             return None
         qins = [q.quantize_input(t) for t in ins]
         yq = q.quantize_output(m.root)
-        lowering = Lowering("qlinear", "QLinearConcat", (("axis", int(node_attr(node, "axis"))),))
+        attrs = self.qop_attrs(node, BY_QOP["QLinearConcat"])
+        lowering = Lowering("qlinear", "QLinearConcat", tuple(attrs.items()))
         return self.annotate(m, node, qins, [yq], lowering)
 
 

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import numpy as np
 import onnx_graphsurgeon as gs
 
@@ -16,10 +14,6 @@ class _ConvBase(WeightedPattern):
     def weight_channel_axis(self, node: gs.Node, weight: np.ndarray) -> int:
         """Conv weights are (M, C/group, k...): output channels on axis 0."""
         return 0
-
-    def qop_attrs(self, node: gs.Node) -> dict[str, Any]:
-        """QLinearConv takes the Conv's attributes."""
-        return dict(node.attrs)
 
 
 class ConvPattern(_ConvBase):

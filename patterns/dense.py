@@ -7,6 +7,7 @@ from typing import Any
 import numpy as np
 import onnx_graphsurgeon as gs
 
+from onnxq.optable import QOp
 from onnxq.pattern import (
     DFPattern,
     Match,
@@ -63,15 +64,9 @@ class _DenseBase(WeightedPattern):
         """QGemm with a bias (or from Gemm), QLinearMatMul for a MatMul alone."""
         return "QGemm" if self.uses_qgemm(m) else "QLinearMatMul"
 
-    def qop_attrs(self, node: gs.Node) -> dict[str, Any]:
-        """QGemm keeps Gemm's alpha, transA and transB (beta is folded into the bias)."""
-        if node.op != "Gemm":
-            return {}
-        return {
-            "alpha": float(node_attr(node, "alpha") or 1.0),
-            "transA": int(node_attr(node, "transA") or 0),
-            "transB": int(node_attr(node, "transB") or 0),
-        }
+    def qop_attrs(self, node: gs.Node, spec: QOp) -> dict[str, Any]:
+        """Gemm's alpha and transposes go to QGemm; a MatMul (+ Add) has none."""
+        return super().qop_attrs(node, spec) if node.op == spec.float_op else {}
 
     def bias_value(self, m: Match, node: gs.Node) -> np.ndarray | None:
         """Gemm's C is scaled by beta and divided by alpha (QGemm applies alpha to A·B + C)."""

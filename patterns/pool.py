@@ -6,10 +6,6 @@ through it. Averaging does not commute with rounding, so it needs these kernels.
 
 from __future__ import annotations
 
-from typing import Any
-
-import onnx_graphsurgeon as gs
-
 from onnxq.patterns.base import ActivationPattern
 
 
@@ -20,10 +16,6 @@ class GlobalAveragePoolPattern(ActivationPattern):
     op_type = "GlobalAveragePool"
     qop = "QLinearGlobalAveragePool"
 
-    def qop_attrs(self, node: gs.Node) -> dict[str, Any]:
-        """NCHW data."""
-        return {"channels_last": 0}
-
 
 class AveragePoolPattern(ActivationPattern):
     """AveragePool of an activation, with its pooling attributes."""
@@ -31,10 +23,6 @@ class AveragePoolPattern(ActivationPattern):
     name = "average-pool"
     op_type = "AveragePool"
     qop = "QLinearAveragePool"
-
-    def qop_attrs(self, node: gs.Node) -> dict[str, Any]:
-        """The pooling attributes, NCHW data."""
-        return {**node.attrs, "channels_last": 0}
 
 
 # GlobalAveragePool(x) -> DQ(QLinearGlobalAveragePool(Q(x), ys, yz))

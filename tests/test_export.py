@@ -97,15 +97,20 @@ def test_qdq_activation_ops(case):
 
 
 def test_qdq_raises_opset_for_per_channel_and_keeps_low_opset_per_tensor():
+    # its own generator: the shared one's state depends on which tests ran before
+    r = rng(17)
     nodes = [h.make_node("Conv", ["x", "W", "B"], ["y"], name="conv")]
     model = make_model(
         nodes,
         [("x", ["N", 3, 8, 8])],
         [("y", None)],
-        {"W": weights(4, 3, 3, 3), "B": weights(4)},
+        {
+            "W": r.normal(0, 0.3, (4, 3, 3, 3)).astype(np.float32),
+            "B": r.normal(0, 0.3, 4).astype(np.float32),
+        },
         opset=11,
     )
-    data = {"x": R.normal(0, 1, (4, 3, 8, 8)).astype(np.float32)}
+    data = {"x": r.normal(0, 1, (4, 3, 8, 8)).astype(np.float32)}
     pc, _ = onnxq.quantize(model, data, format="qdq", progress=False)
     pt, _ = onnxq.quantize(model, data, format="qdq", per_channel=False, progress=False)
     opset = {o.domain: o.version for o in pc.opset_import}[""]
@@ -113,9 +118,11 @@ def test_qdq_raises_opset_for_per_channel_and_keeps_low_opset_per_tensor():
     assert {o.domain: o.version for o in pt.opset_import}[""] == 11
     axes = [a.i for n in pc.graph.node if n.op_type == "DequantizeLinear" for a in n.attribute]
     assert axes and set(axes) == {0}
-    np.testing.assert_allclose(
-        run(pc, {"x": data["x"][:1]})[0], run(pt, {"x": data["x"][:1]})[0], atol=0.1
-    )
+    # both within a few output steps of the float model (per-tensor weights are coarser)
+    feeds = {"x": data["x"][:1]}
+    ref = run(model, feeds)[0]
+    for q in (pc, pt):
+        np.testing.assert_allclose(run(q, feeds)[0], ref, atol=0.05 * float(np.ptp(ref)))
 
 
 def test_cli_format_qdq_on_zoo_model(tmp_path):

@@ -204,3 +204,38 @@ def test_convert_to_fakequantize_follows_split_outputs_and_cascaded_maxpools():
     step = report.values["y_scale"] * 1.001
     assert np.abs(got - ref).max() <= 2 * step
     assert np.abs(got - run(model, {"x": x})[0]).max() < 0.05 * np.abs(ref).max()
+
+
+@pytest.mark.parametrize(
+    "op, attrs",
+    [("Sigmoid", {}), ("LeakyRelu", {"alpha": 0.2}), ("Softmax", {"axis": 1})],
+    ids=["sigmoid", "leaky-relu", "softmax"],
+)
+def test_every_op_of_the_table_round_trips_through_qdq(op, attrs):
+    """convert re-fuses what the QDQ lowering un-fused, for the table's activation ops too."""
+    r = rng(23)
+    nodes = [  # after an Add: a Conv → LeakyRelu would be one QDQ island
+        h.make_node("Conv", ["x", "W"], ["c"], name="conv"),
+        h.make_node("Conv", ["x", "W3"], ["d"], name="conv_b"),
+        h.make_node("Add", ["c", "d"], ["s"], name="add"),
+        h.make_node(op, ["s"], ["a"], name="act", **attrs),
+        h.make_node("Conv", ["a", "W2"], ["y"], name="conv2"),
+    ]
+    model = make_model(
+        nodes,
+        [("x", ["N", 3, 6, 6])],
+        [("y", None)],
+        {
+            "W": r.normal(0, 0.3, (4, 3, 3, 3)).astype(np.float32),
+            "W3": r.normal(0, 0.3, (4, 3, 3, 3)).astype(np.float32),
+            "W2": r.normal(0, 0.3, (2, 4, 1, 1)).astype(np.float32),
+        },
+        opset=13,
+    )
+    data = {"x": r.normal(0, 1, (16, 3, 6, 6)).astype(np.float32)}
+    qop, _ = onnxq.quantize(model, data, progress=False)
+    qdq, _ = onnxq.quantize(model, data, progress=False, format="qdq")
+    assert f"QLinear{op}" in ops(qop) and f"QLinear{op}" not in ops(qdq)
+    back, report = convert(qdq, "qoperator")
+    assert report.left == {} and ops(back) == ops(qop)
+    np.testing.assert_array_equal(run(back, data)[0], run(qop, data)[0])

@@ -19,6 +19,7 @@ from onnxq.annotate.specs import Lowering, PatternRecord, QTensor
 from onnxq.calibrate.callbacks import CalibrationCallback, CalibrationInfo
 from onnxq.match.dfpattern import Match, MatchResult, tensor_dtype
 from onnxq.match.rewrite import DFPatternCallback
+from onnxq.optable import QOp
 
 
 class QuantizerPattern(DFPatternCallback):
@@ -61,6 +62,10 @@ class QuantizerPattern(DFPatternCallback):
     def quantize_match(self, m: Match) -> PatternRecord | None:
         """Annotate ``m``: the specs of its quantized edges as a record; None leaves it float."""
         raise NotImplementedError
+
+    def qop_attrs(self, node: gs.Node, spec: QOp) -> dict[str, Any]:
+        """The attributes of the op ``spec`` that ``node`` becomes (by the op table)."""
+        return spec.qop_attrs(dict(node.attrs), self.quantizer.opset)
 
     def annotate(
         self,

@@ -1,13 +1,13 @@
 """Ingest of already-quantized models: recognise Q/DQ and retarget without calibration.
 
 A QDQ model (a PyTorch QAT export, another tool's output, onnxq's own ``--format qdq``) is turned
-into QOperator form with dataflow patterns, one per op family:
+into QOperator form with one dataflow pattern per op of the op table (``onnxq.optable``):
 
     Q(Conv(DQ(x), DQ(W), [DQ(b)]) [→ Relu], ys, yz)   → QLinearConv(x, …, W, …, ys, yz, b')
-    Q(MatMul(DQ(a), DQ(B)), ys, yz)                     → QLinearMatMul
     Q(Gemm(DQ(a), DQ(B), [DQ(C)]), ys, yz)              → com.microsoft QGemm
-    Q(Add|Mul(DQ(a), DQ(b)), ys, yz)                    → com.microsoft QLinearAdd|QLinearMul
-    Q(GlobalAveragePool|AveragePool(DQ(x)), ys, yz)     → com.microsoft QLinear…Pool
+    Q(Add(DQ(a), DQ(b)), ys, yz)                        → com.microsoft QLinearAdd
+    …and so on for every non-variadic op of the table (MatMul, Mul, the pools, Sigmoid,
+    LeakyRelu, Softmax): the table gives the slots, the domain and the attributes.
 
 Weights must be constant integers (a Q of a float constant is folded first); a bias is
 re-expressed as int32 at scale s_x·s_w. What matches nothing stays as it was (standard Q/DQ
@@ -24,10 +24,11 @@ import onnx
 import onnx_graphsurgeon as gs
 
 from onnxq.errors import ConfigError, ModelError
-from onnxq.io.graph import MS_DOMAIN, GraphEditor, constant_value, export_model, import_graph
+from onnxq.io.graph import GraphEditor, constant_value, export_model, import_graph
 from onnxq.lower.fakequantize import qdq_to_fakequantize
 from onnxq.lower.qdq import to_qdq
-from onnxq.optable import INTEGER_OPS, qops
+from onnxq.lower.qoperator import slots
+from onnxq.optable import CARRIERS, INTEGER_OPS, TABLE, QOp, qops
 from onnxq.pattern import (
     DFPattern,
     DFPatternCallback,
@@ -40,6 +41,7 @@ from onnxq.pattern import (
     wildcard,
 )
 from onnxq.post.requantize import Requantizer
+from onnxq.prepare.opset import default_opset
 from onnxq.prepare.preprocess import preprocess
 from onnxq.solve.qparams import qrange
 
@@ -62,20 +64,39 @@ def _dq(x: DFPattern, scale: DFPattern, zp: DFPattern) -> DFPattern:
     return is_op("DequantizeLinear")(x, scale, zp)
 
 
-class _QdqRule(DFPatternCallback):
-    """``Q(op(DQ(...)...)) → QLinear op``: subclasses give the float op and build the int8 op."""
+class FuseRule(DFPatternCallback):
+    """``Q(op(DQ(a), DQ(b), … [, DQ(bias)]) [→ Relu]) → QLinear op``, for one op of the table.
 
-    def __init__(self) -> None:
+    The op table (``onnxq.optable``) gives everything: the float op, how many (tensor, scale,
+    zero point) triples it takes and which one is a constant weight, the bias slot, the
+    output pair, the domain and the attributes.
+    """
+
+    def __init__(self, spec: QOp, opset: int) -> None:
         super().__init__()
+        self.spec, self.opset = spec, opset
+        self.name = f"Q({spec.float_op}(DQ…))"
         self.ys, self.yz = is_constant(), is_constant()
-
-    def wrap(self, core: DFPattern, relu_ok: bool = True) -> DFPattern:
+        self.dqs = [
+            _dq(
+                is_constant() if k == spec.weight and spec.constant_weight else wildcard(),
+                is_constant(),
+                is_constant(),
+            )
+            for k in spec.triples
+        ]
+        self.bias = _dq(is_constant(), is_constant(), is_constant())
+        core = is_op(spec.float_op)(*self.dqs)
+        if spec.bias is not None:
+            core = is_op(spec.float_op)(*self.dqs, self.bias) | is_op(spec.float_op)(
+                *self.dqs, None
+            )
         self.core = core
         self.relu = is_op("Relu")(core)
-        body = (self.relu | core) if relu_ok else core
-        return is_op("QuantizeLinear")(body, self.ys, self.yz)
+        self.pattern = is_op("QuantizeLinear")(self.relu | core, self.ys, self.yz)
 
     def check(self, m: Match) -> MatchResult:
+        """Constant scales; a Relu folds only where the output zero point is the minimum."""
         if self.relu in m:
             zp = constant_value(m.tensor(self.yz))
             if zp is None or int(zp.reshape(-1)[0]) != qrange(zp.dtype.name)[0]:
@@ -90,133 +111,21 @@ class _QdqRule(DFPatternCallback):
                     return MatchResult.fail(f"{t.op} node '{t.name}' has a non-constant scale")
         return MatchResult(m)
 
-    def operands(self, m: Match, dq: DFPattern) -> list[gs.Tensor]:
-        node = m.node(dq)
-        return [node.inputs[0], node.inputs[1], node.inputs[2]]
-
-    def out(self, m: Match) -> gs.Variable:
-        return self.editor.variable(m.root.name + "_qop", m.root.dtype, m.root.shape)
-
-
-class _ConvRule(_QdqRule):
-    name = "Q(Conv(DQ…))"
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.x = _dq(wildcard(), is_constant(), is_constant())
-        self.w = _dq(is_constant(), is_constant(), is_constant())
-        self.b = _dq(is_constant(), is_constant(), is_constant())
-        conv = is_op("Conv")(self.x, self.w, self.b) | is_op("Conv")(self.x, self.w, None)
-        self.pattern = self.wrap(conv)
-
     def callback(self, pre: gs.Tensor, post: gs.Tensor, node_map: dict) -> gs.Tensor | None:
+        """The QLinear op reading the DQs' integer inputs, writing the Q's integer output."""
         m = self.match
-        conv = next(n for n in m.nodes if n.op == "Conv")
-        xs = self.operands(m, self.x)
-        ws = self.operands(m, self.w)
-        inputs = [*xs, *ws, m.tensor(self.ys), m.tensor(self.yz)]
-        if self.b in m:
-            inputs.append(_bias(self.editor, m, self.b, xs[1], ws[1], conv.name))
-        y = self.out(m)
-        self.editor.add_node("QLinearConv", inputs, [y], f"{conv.name}_quant", dict(conv.attrs))
-        return y
-
-
-class _MatMulRule(_QdqRule):
-    name = "Q(MatMul(DQ…))"
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.a = _dq(wildcard(), is_constant(), is_constant())
-        self.b = _dq(wildcard(), is_constant(), is_constant())
-        self.pattern = self.wrap(is_op("MatMul")(self.a, self.b))
-
-    def callback(self, pre: gs.Tensor, post: gs.Tensor, node_map: dict) -> gs.Tensor | None:
-        m = self.match
-        mm = next(n for n in m.nodes if n.op == "MatMul")
-        inputs = [
-            *self.operands(m, self.a),
-            *self.operands(m, self.b),
-            m.tensor(self.ys),
-            m.tensor(self.yz),
-        ]
-        y = self.out(m)
-        self.editor.add_node("QLinearMatMul", inputs, [y], f"{mm.name}_quant")
-        return y
-
-
-class _GemmRule(_QdqRule):
-    name = "Q(Gemm(DQ…))"
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.a = _dq(wildcard(), is_constant(), is_constant())
-        self.b = _dq(is_constant(), is_constant(), is_constant())
-        self.c = _dq(is_constant(), is_constant(), is_constant())
-        gemm = is_op("Gemm")(self.a, self.b, self.c) | is_op("Gemm")(self.a, self.b, None)
-        self.pattern = self.wrap(gemm)
-
-    def callback(self, pre: gs.Tensor, post: gs.Tensor, node_map: dict) -> gs.Tensor | None:
-        m = self.match
-        gemm = next(n for n in m.nodes if n.op == "Gemm")
-        alpha = float(node_attr(gemm, "alpha") or 1.0)
-        beta = float(node_attr(gemm, "beta") or 1.0)
-        xs, ws = self.operands(m, self.a), self.operands(m, self.b)
+        node = next(n for n in m.nodes if n.op == self.spec.float_op)
+        triples = [list(m.node(dq).inputs[:3]) for dq in self.dqs]
         bias = None
-        if self.c in m:  # QGemm computes alpha·(A·B + C): C' = beta·C / alpha
-            bias = _bias(self.editor, m, self.c, xs[1], ws[1], gemm.name, beta / alpha)
-        inputs = [*xs, *ws, bias, m.tensor(self.ys), m.tensor(self.yz)]
-        attrs = {
-            "alpha": alpha,
-            "transA": int(node_attr(gemm, "transA") or 0),
-            "transB": int(node_attr(gemm, "transB") or 0),
-        }
-        y = self.out(m)
-        self.editor.add_node("QGemm", inputs, [y], f"{gemm.name}_quant", attrs, MS_DOMAIN)
-        return y
-
-
-class _BinaryRule(_QdqRule):
-    def __init__(self, op: str, qop: str) -> None:
-        super().__init__()
-        self.op, self.qop, self.name = op, qop, f"Q({op}(DQ…))"
-        self.a = _dq(wildcard(), is_constant(), is_constant())
-        self.b = _dq(wildcard(), is_constant(), is_constant())
-        self.pattern = self.wrap(is_op(op)(self.a, self.b))
-
-    def callback(self, pre: gs.Tensor, post: gs.Tensor, node_map: dict) -> gs.Tensor | None:
-        m = self.match
-        node = next(n for n in m.nodes if n.op == self.op)
-        inputs = [
-            *self.operands(m, self.a),
-            *self.operands(m, self.b),
-            m.tensor(self.ys),
-            m.tensor(self.yz),
-        ]
-        y = self.out(m)
-        self.editor.add_node(self.qop, inputs, [y], f"{node.name}_quant", {}, MS_DOMAIN)
-        return y
-
-
-class _PoolRule(_QdqRule):
-    def __init__(self, op: str, qop: str) -> None:
-        super().__init__()
-        self.op, self.qop, self.name = op, qop, f"Q({op}(DQ…))"
-        self.x = _dq(wildcard(), is_constant(), is_constant())
-        self.pattern = self.wrap(is_op(op)(self.x), relu_ok=False)
-
-    def callback(self, pre: gs.Tensor, post: gs.Tensor, node_map: dict) -> gs.Tensor | None:
-        m = self.match
-        node = next(n for n in m.nodes if n.op == self.op)
-        inputs = [*self.operands(m, self.x), m.tensor(self.ys), m.tensor(self.yz)]
-        y = self.out(m)
+        if self.bias in m:  # QGemm computes alpha·(A·B + C): C' = beta·C / alpha
+            w = triples[self.spec.triples.index(self.spec.weight or 0)]
+            factor = float(node_attr(node, "beta") or 1.0) / float(node_attr(node, "alpha") or 1.0)
+            bias = _bias(self.editor, m, self.bias, triples[0][1], w[1], node.name, factor)
+        inputs = slots(self.spec, triples, [m.tensor(self.ys), m.tensor(self.yz)], bias)
+        y = self.editor.variable(m.root.name + "_qop", m.root.dtype, m.root.shape)
+        attrs = self.spec.qop_attrs(dict(node.attrs), self.opset)
         self.editor.add_node(
-            self.qop,
-            inputs,
-            [y],
-            f"{node.name}_quant",
-            {**node.attrs, "channels_last": 0},
-            MS_DOMAIN,
+            self.spec.qop, inputs, [y], f"{node.name}_quant", attrs, self.spec.domain
         )
         return y
 
@@ -257,17 +166,9 @@ def _dedicated_dq(graph: gs.Graph) -> None:
     editor.finish()
 
 
-def qdq_rules() -> list[DFPatternCallback]:
-    """One rule per op family."""
-    return [
-        _ConvRule(),
-        _GemmRule(),
-        _MatMulRule(),
-        _BinaryRule("Add", "QLinearAdd"),
-        _BinaryRule("Mul", "QLinearMul"),
-        _PoolRule("GlobalAveragePool", "QLinearGlobalAveragePool"),
-        _PoolRule("AveragePool", "QLinearAveragePool"),
-    ]
+def qdq_rules(opset: int) -> list[DFPatternCallback]:
+    """One rule per op of the table (a variadic op such as QLinearConcat is left as Q/DQ)."""
+    return [FuseRule(spec, opset) for spec in TABLE if not spec.variadic]
 
 
 @dataclass
@@ -293,21 +194,13 @@ def qdq_to_qoperator(model: onnx.ModelProto) -> tuple[onnx.ModelProto, ConvertRe
     graph = import_graph(model)
     _dedicated_dq(graph)
     float_ops = {n.name: n for n in graph.nodes if n.op not in QDQ_OPS}
-    res = rewrite(qdq_rules(), graph)
+    res = rewrite(qdq_rules(default_opset(model)), graph)
     report = ConvertReport("qdq", "qoperator")
     converted = {n.name for g in res.rewritten for n in g.nodes if n.op not in QDQ_OPS}
     report.converted = sorted(converted)
     first = res.partitions[0] if res.partitions else None
     for name, node in float_ops.items():
-        if name in converted or node.op in (
-            "Relu",
-            "MaxPool",
-            "Reshape",
-            "Flatten",
-            "Transpose",
-            "Squeeze",
-            "Unsqueeze",
-        ):
+        if name in converted or node.op == "Relu" or node.op in CARRIERS:
             continue
         qs = [u.name for o in node.outputs for u in o.outputs if u.op == "QuantizeLinear"]
         from_dq = any(t.inputs and t.inputs[0].op == "DequantizeLinear" for t in node.inputs)

@@ -89,21 +89,6 @@ def _attrs(node: onnx.NodeProto) -> dict:
     return {a.name: helper.get_attribute_value(a) for a in node.attribute}
 
 
-def _float_attrs(spec: QOp, n: onnx.NodeProto) -> dict[str, Any]:
-    """The float op's attributes: the kept ones (QGemm's alpha becomes Gemm's alpha and beta)."""
-    attrs = _attrs(n)
-    if spec.qop == "QGemm":
-        # QGemm computes alpha·(A·B + C): the same as Gemm with beta = alpha
-        alpha = float(attrs.get("alpha", 1.0))
-        trans = {k: int(attrs.get(k, 0)) for k in ("transA", "transB")}
-        return {"alpha": alpha, "beta": alpha, **trans}
-    return {
-        k: v
-        for k, v in attrs.items()
-        if k not in spec.drops and (spec.keeps is None or k in spec.keeps)
-    }
-
-
 def _refuse(spec: QOp, n: onnx.NodeProto) -> None:
     """Nodes the QDQ form cannot express."""
     i, attrs = list(n.input), _attrs(n)
@@ -135,7 +120,9 @@ def unfuse(b: _Builder, n: onnx.NodeProto, spec: QOp) -> None:
         w = spec.weight if spec.weight is not None else 0
         ins.append(b.bias(n, i[spec.bias], i[1], i[w + 1]))
     y = b.name(f"{n.output[0]}_float")
-    b.nodes.append(helper.make_node(spec.float_op, ins, [y], name=n.name, **_float_attrs(spec, n)))
+    b.nodes.append(
+        helper.make_node(spec.float_op, ins, [y], name=n.name, **spec.float_attrs(_attrs(n)))
+    )
     b.q(y, i[spec.output], i[spec.output + 1], n.output[0])
 
 
