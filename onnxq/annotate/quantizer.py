@@ -1,10 +1,13 @@
-"""The Quantizer: match QuantizerPatterns, rewrite each group with placeholder parameters.
+"""The Quantizer: match QuantizerPatterns and annotate each group with frozen specs.
 
-After rewriting, the graph (the *template*) is a valid ONNX model in which every scale and zero
-point is an initializer with a deterministic name (``<tensor>_scale``, ``<tensor>_zero_point``),
-quantized weights and biases are *derived* initializers (``<weight>_quantized``,
-``<node>.bias_quantized``) computed from the float constants once the scales are known.
-:meth:`Quantizer.materialize` turns values for the placeholders into a concrete model.
+The rules annotate (``onnxq.annotate.rule``): each group becomes a PatternRecord naming its
+quantized edges (QTensor: dtype, axis, symmetry, placeholders) and the op it becomes. Every scale
+and zero point is a placeholder with a deterministic name (``<tensor>_scale``,
+``<tensor>_zero_point``); quantized weights and biases are *derived* placeholders
+(``<weight>_quantized``, ``<node>.bias_quantized``) computed from the float constants once the
+scales are known. The QOperator lowering (``onnxq.lower.qoperator``) writes the records into the
+*template*, a valid ONNX model holding the placeholders; :meth:`Quantizer.materialize`
+(``onnxq.solve.materialize``) turns values for them into a concrete model.
 
 One set of parameters exists per tensor edge: a tensor read by two patterns is quantized by one
 QuantizeLinear node whose parameters both patterns share, and a pattern's output placeholder is
@@ -23,6 +26,7 @@ import onnx
 import onnx_graphsurgeon as gs
 from onnx import numpy_helper
 
+from onnxq.annotate.explain import explain
 from onnxq.annotate.rule import QuantizerPattern
 from onnxq.annotate.specs import (
     BiasDerivation,
@@ -32,35 +36,24 @@ from onnxq.annotate.specs import (
     QTensor,
     WeightDerivation,
 )
-from onnxq.errors import CalibrationError, ConfigError, QuantizationError
+from onnxq.errors import ConfigError, QuantizationError
 from onnxq.io.graph import (
     GraphEditor,
     constant_value,
     export_model,
     import_graph,
-    iter_subgraph_nodes,
     load_model,
     node_label,
-    nodes_in_order,
     producer,
 )
 from onnxq.lower.formats import Format, get_format
 from onnxq.lower.qoperator import TemplateWriter
-from onnxq.match.dfpattern import Match, tensor_dtype
+from onnxq.match.dfpattern import Match
 from onnxq.match.rewrite import Partition, partition
-from onnxq.optable import CARRIERS
 from onnxq.patterns import default_patterns
 from onnxq.prepare.opset import default_opset
 from onnxq.prepare.preprocess import preprocess
-from onnxq.solve.qparams import (
-    INT32_MAX,
-    QParams,
-    accumulation_bound,
-    fit_dead_channels,
-    qrange,
-    quantize,
-    widen_for_bias,
-)
+from onnxq.solve.materialize import materialize
 
 ACTIVATION_DTYPES = ("uint8", "int8", "int16")
 
@@ -118,7 +111,7 @@ class QuantizerConfig:
 
 
 class Quantizer:
-    """Match ``patterns`` in ``model`` and rewrite every group with placeholder parameters.
+    """Match ``patterns`` in ``model`` and annotate every group; lower the records to a template.
 
     ``model`` is a path or ModelProto (never modified); ``patterns`` defaults to
     ``onnxq.patterns.default_patterns()``.
@@ -135,9 +128,11 @@ class Quantizer:
         self.patterns = list(patterns) if patterns is not None else default_patterns()
         self.records: list[PatternRecord] = []
         self.placeholders: dict[str, Placeholder] = {}
+        #: why each node of the float model is or is not quantized (onnxq.annotate.explain)
         self.decisions: dict[str, Decision] = {}
-        self._weights: dict[str, WeightDerivation] = {}
-        self._biases: dict[str, BiasDerivation] = {}
+        #: quantized weights and int32 biases, derived from float constants once scales are known
+        self.weights: dict[str, WeightDerivation] = {}
+        self.biases: dict[str, BiasDerivation] = {}
         self._qtensors: dict[str, QTensor] = {}
         #: (tensor, kind, requested name) -> placeholder; a tensor read in two dtypes has two
         self._by_tensor: dict[tuple[str, str, str], str] = {}
@@ -146,7 +141,8 @@ class Quantizer:
         #: held as a second copy (VGG19: 548 MB)
         self._float_inits = {i.name: i for i in self.float_model.graph.initializer}
         self._lazy_floats: set[str] = set()
-        self._left_float: dict[str, tuple[str, str]] = {}
+        #: node -> (rule, reason) for groups a rule matched and left float
+        self.left_float: dict[str, tuple[str, str]] = {}
         self._float_graph: gs.Graph | None = None
         #: scales and zero points of the last materialized model (after bias widening)
         self.final_values: dict[str, np.ndarray] = {}
@@ -179,6 +175,14 @@ class Quantizer:
         self._group_per_channel: bool | None = None
         if self.config.user is not None:
             self._resolve_user(graph, kept)
+        part = self._annotate(graph, excluded, kept)
+        self.decisions = explain(self, part)
+        #: the QOperator model with placeholders (onnxq.lower.qoperator writes the records)
+        TemplateWriter(graph, self.editor, self.placeholders).write_all(self.records)
+        self.template: onnx.ModelProto = export_model(graph, self.float_model)
+
+    def _annotate(self, graph: gs.Graph, excluded: set[str], kept: dict[str, str]) -> Partition:
+        """Partition ``graph`` into groups and let each group's rule annotate it."""
         part = partition(
             self.patterns,
             graph,
@@ -196,10 +200,7 @@ class Quantizer:
             rec = g.callback.annotate_match(g.match)
             if rec is not None:
                 self.records.append(rec)
-        self._explain(part)
-        #: the QOperator model with placeholders (onnxq.lower.qoperator writes the records)
-        TemplateWriter(graph, self.editor, self.placeholders).write_all(self.records)
-        self.template: onnx.ModelProto = export_model(graph, self.float_model)
+        return part
 
     def _resolve_user(self, graph: gs.Graph, kept: dict[str, str]) -> None:
         """Apply --config to every node; requests the target cannot run are ignored (warned)."""
@@ -279,7 +280,7 @@ class Quantizer:
         q = self._placeholder(f"{base}_quantized", "weight", base, wdt, tuple(value.shape))
         self._keep_float(base, value)
         qt = QTensor(base, q, scale, zp, "weight", wdt, axis, True, self.config.weight_bits)
-        self._weights[q] = WeightDerivation(base, scale, zp, axis)
+        self.weights[q] = WeightDerivation(base, scale, zp, axis)
         self._qtensors[key] = qt
         return qt
 
@@ -288,7 +289,7 @@ class Quantizer:
         name = f"{node.name or node.outputs[0].name}.bias"
         self._float_values[name] = np.asarray(bias, np.float32).reshape(-1)
         q = self._placeholder(f"{name}_quantized", "bias", name, "int32", (int(bias.size),))
-        self._biases[q] = BiasDerivation(
+        self.biases[q] = BiasDerivation(
             name, x.scale, w.scale, w.axis, w.tensor, x.zero_point, x.dtype
         )
         return q
@@ -345,39 +346,6 @@ class Quantizer:
                 "`onnxq inspect MODEL` lists node names"
             )
 
-    def _explain(self, part: Partition) -> None:
-        quantized = {n: r.label for r in self.records for n in r.nodes}
-        float_graph = self.float_graph
-        for node in nodes_in_order(float_graph):
-            name = node.name
-            attempts = part.reasons_for(name)
-            if name in self.int4_nodes:
-                why = f"weights int4 block-wise ({self.int4_nodes[name]}); activations float"
-                self.decisions[name] = Decision(name, node.op, True, "int4-weights", why)
-            elif name in quantized:
-                why = ""
-                if name in self.node_dtypes:
-                    why = f"activations {self.node_dtypes[name]} ({self.node_dtype_sources[name]})"
-                self.decisions[name] = Decision(name, node.op, True, quantized[name], why)
-            elif name in self._left_float:
-                pattern, reason = self._left_float[name]
-                self.decisions[name] = Decision(name, node.op, False, pattern, reason)
-            elif attempts:
-                # the near misses that got past the op type say the most
-                specific = [a for a in attempts if a.kind != "op"]
-                chosen = (specific or attempts)[:3]
-                reason = "; ".join(f"{a.pattern}: {a.reason}" for a in chosen)
-                self.decisions[name] = Decision(name, node.op, False, attempts[0].pattern, reason)
-            else:
-                self.decisions[name] = Decision(
-                    name, node.op, False, "", self._inside_reason(node, part)
-                )
-            if name in self.ignored:
-                d = self.decisions[name]
-                d.reason = "; ".join(
-                    [d.reason, *self.ignored[name]] if d.reason else self.ignored[name]
-                )
-
     @property
     def opset(self) -> int:
         """The float model's ai.onnx opset (after any raise the output format needed)."""
@@ -395,7 +363,7 @@ class Quantizer:
 
     def is_left_float(self, node: str) -> bool:
         """A rule matched ``node`` and left its group float (:meth:`leave_float`)."""
-        return node in self._left_float
+        return node in self.left_float
 
     @contextlib.contextmanager
     def group(self, nodes: list[str]) -> Iterator[None]:
@@ -414,38 +382,7 @@ class Quantizer:
     def leave_float(self, pattern: QuantizerPattern, m: Match, reason: str) -> None:
         """Record why a matched group is left float (the callback then returns None)."""
         for n in m.nodes:
-            self._left_float[n.name] = (pattern.label(), reason)
-
-    def _inside_reason(self, node: gs.Node, part: Partition) -> str:
-        """Why a node that no pattern was rooted at stays float."""
-        # a rejected pattern rooted at a consumer may name this node (an escaping value, …)
-        for out in node.outputs:
-            for user in out.outputs:
-                for a in part.reasons_for(user.name):
-                    if not a.accepted and a.source == node.name:
-                        return f"{a.pattern} (rooted at '{a.node}'): {a.reason}"
-        bodies = [v for v in node.attrs.values() if isinstance(v, gs.Graph)]
-        if bodies:
-            inner = sum(1 for b in bodies for _ in iter_subgraph_nodes(b))
-            if node.op == "If":
-                return (
-                    f"holds {len(bodies)} branches with {inner} node(s): quantize treats each "
-                    "branch as a graph of its own, calibrated on the samples that take it"
-                )
-            return (
-                f"holds {len(bodies)} subgraph(s) with {inner} node(s); {node.op} bodies carry "
-                "state between iterations that calibration cannot feed, so they stay float"
-            )
-        dtypes = {tensor_dtype(o) for o in node.outputs}
-        if node.op in CARRIERS and dtypes <= {np.dtype(np.float32), None}:
-            return (
-                "no pattern: it carries int8 through when its input comes from a quantized op "
-                "(requantize pass)"
-            )
-        if dtypes and not dtypes & {np.dtype(np.float32), None}:
-            kinds = ", ".join(sorted(str(d) for d in dtypes if d is not None))
-            return f"computes {kinds} values (shapes, indices): nothing to quantize"
-        return _FLOAT_OPS.get(node.op, "no quantizer pattern handles this op")
+            self.left_float[n.name] = (pattern.label(), reason)
 
     # ----------------------------------------------------------------------------------------
     # placeholders → concrete model
@@ -475,64 +412,13 @@ class Quantizer:
         """The template with ``values`` for the scale/zero-point placeholders and derived weights.
 
         Missing placeholders keep their defaults (scale 1, zero point 0). Biases that would
-        overflow int32 enlarge their weight's scale (per channel) instead of being clipped.
+        overflow int32 enlarge their weight's scale (per channel) instead of being clipped;
+        ``final_values`` and ``widened_biases`` then say what the model holds
+        (onnxq.solve.materialize).
         """
-        full = {}
-        for name, ph in self.placeholders.items():
-            if ph.kind not in ("scale", "zero_point"):
-                continue
-            value = values.get(name, ph.default())
-            arr = np.asarray(value).astype(np.dtype(ph.dtype)).reshape(ph.shape)
-            full[name] = arr
-        self._check_relu_folds(full)
-        self.widened_biases = {}
-        for b in self._biases.values():
-            fb = self._float_values[b.bias]
-            products = self.float_value(b.weight).size // max(fb.size, 1)
-            qmax = 2 ** (self.config.weight_bits - 1) - 1
-            bound = accumulation_bound(products, qmax, b.input_dtype, full[b.input_zero_point])
-            if b.weight_axis is not None and b.weight:  # per channel: dead channels free
-                wc = np.moveaxis(self.float_value(b.weight), b.weight_axis, 0)
-                dead = ~np.any(wc.reshape(wc.shape[0], -1), axis=1)
-                full[b.weight_scale] = fit_dead_channels(
-                    fb, full[b.input_scale], full[b.weight_scale], dead
-                )
-            before = full[b.weight_scale]
-            full[b.weight_scale] = widen_for_bias(
-                fb, full[b.input_scale], before, INT32_MAX - bound, f"bias '{b.bias}'"
-            )
-            widened = int(np.count_nonzero(full[b.weight_scale] != before))
-            if widened:
-                self.widened_biases[b.bias] = widened
-        for qname, w in self._weights.items():
-            qp = QParams(full[w.scale], full[w.zero_point], w.axis)
-            full[qname] = quantize(self.float_value(w.weight), qp)
-        for bname, b in self._biases.items():
-            s = full[b.input_scale].astype(np.float64) * full[b.weight_scale].astype(np.float64)
-            q = np.round(self._float_values[b.bias] / s)
-            full[bname] = np.clip(q, -(2**31), 2**31 - 1).astype(np.int32)
-        self.final_values = {
-            k: v for k, v in full.items() if self.placeholders[k].kind in ("scale", "zero_point")
-        }
-        proto = onnx.ModelProto()
-        proto.CopyFrom(self.template)
-        for init in proto.graph.initializer:
-            if init.name in full:
-                init.CopyFrom(numpy_helper.from_array(full[init.name], init.name))
-        return proto
-
-    def _check_relu_folds(self, full: dict[str, np.ndarray]) -> None:
-        for rec in self.records:
-            if not rec.relu_folded:
-                continue
-            for out in rec.outputs:
-                lo = qrange(out.dtype)[0]
-                if int(full[out.zero_point]) != lo:
-                    raise CalibrationError(
-                        f"{rec.label} '{rec.node}' folds a Relu into output '{out.tensor}', which "
-                        f"needs zero point {lo}, but calibration set {int(full[out.zero_point])}; "
-                        "calibrate the output with a range starting at 0"
-                    )
+        done = materialize(self, values)
+        self.final_values, self.widened_biases = done.values, done.widened
+        return done.model
 
     def records_in_order(self) -> list[PatternRecord]:
         """Records in the float model's topological order."""
@@ -565,21 +451,3 @@ def _after_relu(tensor: gs.Tensor) -> bool:
         return value is not None and float(np.asarray(value).reshape(-1)[0]) >= 0.0
     low = node.attrs.get("min")  # opset < 11: an attribute
     return low is not None and float(low) >= 0.0
-
-
-_NO_KERNEL = "no int8 kernel in onnxruntime CPU"
-#: why common ops without a pattern stay float (shown by inspect --explain)
-_FLOAT_OPS = {
-    "HardSigmoid": f"{_NO_KERNEL}: it runs in float between DQ and Q (OpenVINO fuses it into "
-    "the preceding convolution of a FakeQuantize model)",
-    "HardSwish": f"{_NO_KERNEL}: it runs in float between DQ and Q (OpenVINO fuses it into the "
-    "preceding convolution of a FakeQuantize model)",
-    "LSTM": "recurrent cell: no int8 pattern (its gates need float accumulation); stays float",
-    "GRU": "recurrent cell: no int8 pattern (its gates need float accumulation); stays float",
-    "RNN": "recurrent cell: no int8 pattern; stays float",
-    "ReduceMean": "normalisation statistics stay float: int8 would lose small variances",
-    "LayerNormalization": "normalisation stays float: int8 would lose small variances",
-    "Erf": f"{_NO_KERNEL}; GELU's Erf runs in float",
-    "Tanh": f"{_NO_KERNEL}; runs in float",
-    "ConvTranspose": f"{_NO_KERNEL} (a BatchNormalization after it is folded in)",
-}
