@@ -65,7 +65,7 @@ _PARAMETERS: dict[str, tuple[str, ...] | None] = {
     "unsigned-after-relu": None,
     "symmetric-activations": None,
 }
-_FLAG_RE = re.compile(r"--([a-z][a-z0-9-]*)(?: ([A-Za-z0-9_.-]+))?")
+_FLAG_RE = re.compile(r"--([a-z][a-z0-9-]*)(?: ([A-Za-z0-9_./:-]+))?")
 
 
 def pythonize(message: str) -> str:
@@ -83,6 +83,9 @@ def pythonize(message: str) -> str:
             return f"per_channel={flag == 'per-channel'}{tail}"
         if flag not in _PARAMETERS:
             return m.group(0)
+        if flag == "exclude" and value is not None:  # a node name
+            node = value.rstrip(".")
+            return f"exclude=[{node!r}]{value[len(node) :]}"
         name, values = flag.replace("-", "_"), _PARAMETERS[flag]
         if value is not None and values is not None:
             if value in values:

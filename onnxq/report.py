@@ -17,6 +17,7 @@ import numpy as np
 from onnxq.annotate.quantizer import Quantizer
 from onnxq.annotate.specs import Decision
 from onnxq.calibrate.calibration import CalibrationReport
+from onnxq.options import pythonize
 from onnxq.passes.manager import PassRecord, State, op_histogram
 from onnxq.post.requantize import Requantizer, RequantizeStats, rescales
 from onnxq.solve.qparams import qrange
@@ -136,7 +137,21 @@ def build_report(state: State) -> QuantizeReport:
         latency=state.latency,
     )
     explain_constraints(report.decisions, sol)
+    if not o.cli:
+        speak_python(report)
     return report
+
+
+def speak_python(report: QuantizeReport) -> None:
+    """Reasons, warnings and notes that name quantize() options by their Python parameters.
+
+    Messages are written once with CLI flags (``--exclude``, ``--format qdq``); a report for a
+    Python caller says ``exclude`` and ``format='qdq'`` instead.
+    """
+    for d in report.decisions:
+        d.reason = pythonize(d.reason)
+    report.warnings = [pythonize(w) for w in report.warnings]
+    report.notes = [pythonize(n) for n in report.notes]
 
 
 def mark_carried(quantizer: Quantizer, crossed: Sequence[str] | None = None) -> list[Decision]:

@@ -7,7 +7,7 @@ import json
 import numpy as np
 import onnx
 import pytest
-from helpers import DIGITS_CNN
+from helpers import DIGITS_CNN, rng
 
 import onnxq
 from onnxq.annotate.config import UserConfig
@@ -236,7 +236,7 @@ def test_requests_the_target_cannot_run_are_ignored_with_a_warning():
         progress=False,
     )
     assert report.warnings == [
-        "node 'mm1': activation_dtype uint8 (--config [node.\"mm1\"]) is ignored: target "
+        "node 'mm1': activation_dtype uint8 (config [node.\"mm1\"]) is ignored: target "
         "'tensorrt' runs symmetric int8 activations only"
     ]
     _, report = onnxq.quantize(
@@ -262,3 +262,35 @@ def test_inspect_explains_per_node_precision_and_ignored_requests(tmp_path, caps
     # the generic target writes QDQ, which has int16: no warning
     assert main(["inspect", model, "--config", str(cfg), "--target", "generic"]) == 0
     assert "warning" not in capsys.readouterr().err
+
+
+def test_report_names_python_parameters_from_python_and_flags_from_the_cli(tmp_path, capsys):
+    """The same messages, spelled for the caller: exclude / weight_bits=8 vs --exclude."""
+    data = {"input": rng(3).normal(0, 1, (16, 1, 28, 28)).astype(np.float32)}
+    _, rep = onnxq.quantize(str(DIGITS_CNN), data, exclude=["conv1"], progress=False)
+    conv1 = next(d for d in rep.decisions if d.node == "conv1")
+    assert "is in exclude" in conv1.reason and "--" not in conv1.reason
+    assert all("--" not in line for line in rep.warnings + rep.notes)
+    np.savez(tmp_path / "calib.npz", input=data["input"])
+    out, js = tmp_path / "q.onnx", tmp_path / "r.json"
+    args = ["quantize", str(DIGITS_CNN), "--data", str(tmp_path / "calib.npz"), "-o", str(out)]
+    assert main([*args, "--exclude", "conv1", "--report", str(js), "--quiet"]) == 0
+    decisions = {d["node"]: d for d in json.loads(js.read_text())["decisions"]}
+    assert "is in --exclude" in decisions["conv1"]["reason"]
+
+
+@pytest.mark.parametrize(
+    "cli, python",
+    [
+        ("try --exclude /m/conv1/Conv, or", "try exclude=['/m/conv1/Conv'], or"),
+        ("ends with --exclude conv2.", "ends with exclude=['conv2']."),
+        ("pass --weight-bits 8 for", "pass weight_bits=8 for"),
+        ("use --format qdq here", "use format='qdq' here"),
+        ("--per-tensor weights", "per_channel=False weights"),
+        ("--target-file is CLI only", "--target-file is CLI only"),
+    ],
+)
+def test_pythonize_spells_flags_as_parameters(cli, python):
+    from onnxq.options import pythonize
+
+    assert pythonize(cli) == python

@@ -187,7 +187,7 @@ class Quantizer:
             self.patterns,
             graph,
             node_filter=lambda n: (
-                f"{node_label(n)} is excluded by --exclude"
+                f"{node_label(n)} is in --exclude"
                 if n.name in excluded
                 else f"{node_label(n)} is kept float by {kept[n.name]}"
                 if n.name in kept
