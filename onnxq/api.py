@@ -54,6 +54,7 @@ def quantize(
     progress: bool | None = None,
     output: str | os.PathLike[str] | None = None,
     latency_check: bool = False,
+    bias_correction: str = "none",
 ) -> tuple[onnx.ModelProto, QuantizeReport]:
     """Quantize ``model`` with calibration ``data``; return the int8 model and a report.
 
@@ -73,6 +74,8 @@ def quantize(
     float output is compared with fp32 on a few calibration batches (a warning below 15 dB
     SQNR names the first layer below it); ``latency_check`` also times fp32 against int8 and
     warns when int8 is slower (the CLI does this unless ``--no-latency-check``).
+    ``bias_correction="fast"`` subtracts from each Conv/Gemm/MatMul bias the mean output shift
+    its weight rounding causes (from the calibration data's per-channel input means).
     """
     try:
         options = resolve_call(locals())

@@ -26,7 +26,7 @@ from onnxq.io.graph import load_model, save_model, write_text_atomic
 from onnxq.io.loader import load_object
 from onnxq.lower.convert import convert
 from onnxq.lower.formats import get_format
-from onnxq.options import resolve
+from onnxq.options import BIAS_CORRECTIONS, resolve
 from onnxq.passes.load import refuse_quantized
 from onnxq.passes.manager import op_histogram
 from onnxq.passes.verify import verify
@@ -117,6 +117,13 @@ def _quantize_io(q: argparse.ArgumentParser) -> None:
         default=DEFAULT_METHOD,
         choices=list(METHODS),
         help=f"calibration method (default {DEFAULT_METHOD})",
+    )
+    q.add_argument(
+        "--bias-correction",
+        default="none",
+        choices=list(BIAS_CORRECTIONS),
+        help="fast: subtract from each Conv/Gemm/MatMul bias the mean output shift its weight "
+        "rounding causes, from the calibration data's input means (default none)",
     )
     q.add_argument(
         "--target",
@@ -411,6 +418,7 @@ def _quantize(args: argparse.Namespace) -> int:
             progress=None if not args.quiet else False,
             output=str(dst),
             latency_check=not args.no_latency_check,
+            bias_correction=args.bias_correction,
         ),
         cli=True,
     )

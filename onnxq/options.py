@@ -41,12 +41,16 @@ def spell(option: str, cli: bool, value: Any = _FLAG) -> str:
     return option if value is _FLAG else f"{option}={value!r}"
 
 
+#: the bias corrections quantize() runs after solving
+BIAS_CORRECTIONS = ("none", "fast")
+
 #: CLI flags that are quantize() parameters, and the values each can take in a message
 _PARAMETERS: dict[str, tuple[str, ...] | None] = {
     "format": tuple(FORMATS),
     "activation-dtype": ACTIVATION_DTYPES,
     "weight-dtype": ("int8", "int4"),
     "method": METHODS,
+    "bias-correction": BIAS_CORRECTIONS,
     "weight-bits": (),
     "bins": (),
     "percentile": (),
@@ -126,6 +130,8 @@ class QuantizeOptions:
     progress: bool | None = None
     output: str | os.PathLike[str] | None = None
     latency_check: bool = False
+    #: bias correction after solving: "none" or "fast" (onnxq.solve.bias_correction)
+    bias_correction: str = "none"
     #: choices onnxq made on its own (e.g. 7-bit weights), for the report
     notes: tuple[str, ...] = ()
     #: explicit choices this machine's runtime will not run exactly
@@ -200,6 +206,11 @@ def resolve(
             rest.get("method", DEFAULT_METHOD),
             rest.get("percentile", 99.999),
             rest.get("bins", 2048),
+        )
+    if rest.get("bias_correction", "none") not in BIAS_CORRECTIONS:
+        raise ConfigError(
+            f"{spell('bias_correction', cli, rest['bias_correction'])} is unknown; choose one "
+            f"of {', '.join(BIAS_CORRECTIONS)}"
         )
     if patterns is None and tgt.patterns is not None:
         patterns = target_patterns(tgt)

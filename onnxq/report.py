@@ -45,6 +45,8 @@ class QuantizeReport:
     notes: list[str] = field(default_factory=list)
     #: fp32 and int8 milliseconds per batch and their ratio (with latency_check)
     latency: dict[str, float] = field(default_factory=dict)
+    #: bias correction: bias -> the largest mean shift removed, in output steps
+    bias_corrections: dict[str, float] = field(default_factory=dict)
 
     @property
     def quantized_nodes(self) -> list[str]:
@@ -112,6 +114,7 @@ class QuantizeReport:
             "warnings": self.warnings,
             "notes": self.notes,
             "latency": self.latency,
+            "bias_corrections": self.bias_corrections,
         }
 
 
@@ -135,6 +138,7 @@ def build_report(state: State) -> QuantizeReport:
         warnings=list(q.warnings) + list(o.warnings) + dataset_warnings + state.check_warnings,
         notes=list(o.notes) + widened_notes(q.widened_biases),
         latency=state.latency,
+        bias_corrections=dict(state.bias_corrections),
     )
     explain_constraints(report.decisions, sol)
     if not o.cli:

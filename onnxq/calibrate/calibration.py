@@ -31,6 +31,7 @@ from onnxq.calibrators import MinMaxCallback
 from onnxq.errors import CalibrationError
 from onnxq.io.graph import graphs_of
 from onnxq.io.session import make_session
+from onnxq.solve.bias_correction import channel_means
 
 #: output steps the saturation bounds assume: Sigmoid's fixed 1/255 grid, Tanh's [-1, 1] on
 #: 255 steps; a clipped input lands within 1/8 step of the asymptote, so on the same code
@@ -160,6 +161,10 @@ class Calibrator:
         #: --save-ranges writes)
         self.ranges: dict[str, tuple[float, float]] = {}
         self.observers: dict[tuple[str, str], Observer] = {}
+        #: tensors whose per-channel means to collect (tensor -> channel axis), set before
+        #: calibrate; the sums and value counts land in ``channel_sums``
+        self.channel_axes: dict[str, int] = {}
+        self.channel_sums: dict[str, tuple[np.ndarray, int]] = {}
         #: the first batches, kept for callbacks that search on real layer outputs
         self.sample_feeds: list[dict[str, np.ndarray]] = []
         self.report = CalibrationReport()
@@ -287,7 +292,7 @@ class Calibrator:
         if self.dataset_manager is None:
             raise CalibrationError("calibration needs data: pass a DatasetManager (or --data)")
         self.observers = {key: cb.make_observer() for key, cb in wanted.items()}
-        names = sorted({t for t, _ in wanted})
+        names = sorted({t for t, _ in wanted} | set(self.channel_axes))
         by_tensor: dict[str, list[Observer]] = {}
         for (tensor, _), obs in self.observers.items():
             by_tensor.setdefault(tensor, []).append(obs)
@@ -314,8 +319,10 @@ class Calibrator:
                     arr = arr[np.isfinite(arr)]
                     if arr.size == 0:
                         continue
-                for obs in by_tensor[name]:
+                for obs in by_tensor.get(name, ()):
                     obs.observe(arr)
+                if name in self.channel_axes:
+                    self._add_channel_sums(name, arr)
         if self.report.batches == 0:
             raise CalibrationError(
                 "the calibration data source yielded no samples; give at "
@@ -323,6 +330,23 @@ class Calibrator:
             )
         self.report.tensors_observed = len(names)
         self.report.observer_bytes = sum(o.nbytes() for o in self.observers.values())
+
+    def _add_channel_sums(self, name: str, arr: np.ndarray) -> None:
+        axis = self.channel_axes[name]
+        if arr.ndim <= axis:
+            return
+        sums, count = channel_means(arr, axis)
+        if name in self.channel_sums:
+            before, seen = self.channel_sums[name]
+            sums, count = before + sums, seen + count
+        self.channel_sums[name] = (sums, count)
+
+    def channel_mean(self, name: str) -> np.ndarray | None:
+        """The mean per channel of ``name`` over the calibration data (if it was asked for)."""
+        if name not in self.channel_sums:
+            return None
+        sums, count = self.channel_sums[name]
+        return sums / max(count, 1)
 
     # ----------------------------------------------------------------------------------------
     # sessions for CalibrationInfo

@@ -6,6 +6,8 @@ Needs ``state.quantizer`` and ``state.data``. Leaves ``state.values``, ``state.d
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from onnxq.calibrate.calibration import Calibrator
 from onnxq.calibrate.callbacks import CalibrationCallback, RangeTableCallback
 from onnxq.calibrate.dataset import model_inputs
@@ -20,9 +22,16 @@ CHECK_BATCHES = 4
 
 
 class Calibrate:
-    """Stream the data through the float model and ask every rule's callback for values."""
+    """Stream the data through the float model and ask every rule's callback for values.
+
+    ``channel_means``: a later pass's request for per-channel input means (tensor -> channel
+    axis), collected in the same stream.
+    """
 
     name = "calibrate"
+
+    def __init__(self, channel_means: Callable[[State], dict[str, int]] | None = None):
+        self.channel_means = channel_means
 
     def run(self, state: State) -> PassResult:
         """Choose the placeholder values."""
@@ -46,6 +55,8 @@ class Calibrate:
         calibrator = Calibrator(q, state.dataset, cb, o.progress, node_callbacks)
         checked = o.output_format.runtime == "onnxruntime"
         calibrator.reference_batches = CHECK_BATCHES if checked else 0
+        if self.channel_means is not None:
+            calibrator.channel_axes = self.channel_means(state)
         state.values = calibrator.calibrate()
         calibrator.release()
         free_memory()

@@ -66,6 +66,10 @@ class State:
     calibrator: Any = None
     #: placeholder name -> value (scales, zero points), after solving
     values: dict[str, Any] = field(default_factory=dict)
+    #: float biases an algorithm changed (bias name -> value), which materialize uses
+    biases: dict[str, Any] = field(default_factory=dict)
+    #: bias correction: bias name -> the largest shift it removed, in output steps
+    bias_corrections: dict[str, float] = field(default_factory=dict)
     solution: Any = None
     #: the model being produced; empty until materialized
     model: onnx.ModelProto = field(default_factory=onnx.ModelProto)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from onnxq.options import QuantizeOptions
 from onnxq.passes.annotate import Annotate
+from onnxq.passes.bias_correction import BiasCorrection, requests
 from onnxq.passes.branches import Branches, BranchQuantizer
 from onnxq.passes.calibrate import Calibrate
 from onnxq.passes.check import Check
@@ -26,7 +27,11 @@ def build(options: QuantizeOptions, quantize_branch: BranchQuantizer) -> list[Pa
     if options.weight_dtype == "int4":  # whole-model weight-only int4: no calibration
         return [Load(raise_opsets=False), WeightOnlyInt4(), Verify(), Save()]
     fmt = options.output_format
-    passes: list[Pass] = [Load(), Annotate(), Calibrate(), Solve(), Materialize(), Requantize()]
+    correct = options.bias_correction == "fast"
+    passes: list[Pass] = [Load(), Annotate(), Calibrate(requests if correct else None), Solve()]
+    if correct:
+        passes.append(BiasCorrection())
+    passes += [Materialize(), Requantize()]
     if "Concat" in options.target.shared_scale_ops and fmt.from_requantized:
         passes.append(ShareConcatScales())
     passes += [Lower(), Int4Weights(), Branches(quantize_branch), Verify(), Check(), Save()]

@@ -8,6 +8,7 @@ of being clipped, and a dead (all-zero) weight channel gets the scale that keeps
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,12 +39,19 @@ class Materialized:
     widened: dict[str, int]
 
 
-def materialize(q: Any, values: dict[str, np.ndarray]) -> Materialized:
+def materialize(
+    q: Any, values: dict[str, np.ndarray], biases: dict[str, np.ndarray] | None = None
+) -> Materialized:
     """The template with ``values`` for the scale/zero-point placeholders and derived weights.
 
     Missing placeholders keep their defaults (scale 1, zero point 0). Biases that would
     overflow int32 enlarge their weight's scale (per channel) instead of being clipped.
+    ``biases`` replaces float biases by name (bias correction).
     """
+
+    def bias_of(name: str) -> np.ndarray:
+        return biases[name] if biases and name in biases else q.float_value(name)
+
     full = {}
     for name, ph in q.placeholders.items():
         if ph.kind not in ("scale", "zero_point"):
@@ -52,13 +60,13 @@ def materialize(q: Any, values: dict[str, np.ndarray]) -> Materialized:
         arr = np.asarray(value).astype(np.dtype(ph.dtype)).reshape(ph.shape)
         full[name] = arr
     _check_relu_folds(q.records, full)
-    widened = _fit_biases(q, full)
+    widened = _fit_biases(q, full, bias_of)
     for qname, w in q.weights.items():
         qp = QParams(full[w.scale], full[w.zero_point], w.axis)
         full[qname] = quantize(q.float_value(w.weight), qp)
     for bname, b in q.biases.items():
         s = full[b.input_scale].astype(np.float64) * full[b.weight_scale].astype(np.float64)
-        rounded = np.round(q.float_value(b.bias) / s)
+        rounded = np.round(bias_of(b.bias) / s)
         full[bname] = np.clip(rounded, -(2**31), 2**31 - 1).astype(np.int32)
     final = {k: v for k, v in full.items() if q.placeholders[k].kind in ("scale", "zero_point")}
     proto = onnx.ModelProto()
@@ -83,14 +91,16 @@ def _check_relu_folds(records: Any, full: dict[str, np.ndarray]) -> None:
                 )
 
 
-def _fit_biases(q: Any, full: dict[str, np.ndarray]) -> dict[str, int]:
+def _fit_biases(
+    q: Any, full: dict[str, np.ndarray], bias_of: Callable[[str], np.ndarray]
+) -> dict[str, int]:
     """Widen weight scales so every int32 bias and accumulation fits; bias -> channels widened.
 
     A dead (all-zero) per-channel weight gets the scale that keeps its bias exact.
     """
     widened: dict[str, int] = {}
     for b in q.biases.values():
-        fb = q.float_value(b.bias)
+        fb = bias_of(b.bias)
         products = q.float_value(b.weight).size // max(fb.size, 1)
         qmax = 2 ** (q.config.weight_bits - 1) - 1
         bound = accumulation_bound(products, qmax, b.input_dtype, full[b.input_zero_point])

@@ -1,0 +1,77 @@
+"""Fast bias correction: remove the mean output shift that rounding a layer's weights causes.
+
+Rounding a weight tensor W to its int8 grid adds ΔW = dequant(quant(W)) − W. A convolution or
+dense layer then computes ``(W + ΔW)·x + b``: on average its output moves by ``ΔW·E[x]`` per
+output channel, which the next layers take for signal. Depthwise convolutions, whose nine
+weights per channel leave no room for errors to cancel, show it most (Nagel et al., "Data-Free
+Quantization Through Weight Equalization and Bias Correction", 2019, section 4.2; NNCF's
+FastBiasCorrection does the same with a layer run). The correction subtracts the expected shift
+from the float bias before the int32 bias is derived:
+
+    b' = b − ΔW · μ_x
+
+where μ_x is the mean of the layer's input per channel over the calibration data (every
+sample, every position). For a convolution each output channel sums ΔW over its kernel window
+and reads the input channels of its group; zero padding at the borders is not modelled (it
+weighs the border taps less than this assumes).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from onnxq.solve.qparams import QParams, dequantize, quantize
+
+
+@dataclass(frozen=True)
+class Layer:
+    """What the correction needs to know of one layer with a bias."""
+
+    #: "conv", or "dense" (Gemm or MatMul: the input's channels are its last axis)
+    kind: str
+    weight: np.ndarray
+    #: the weight's quantization (per channel on its output-channel axis, or per tensor)
+    qparams: QParams
+    #: Conv's group; dense: whether the weight is stored (N, K) (Gemm transB=1)
+    group: int = 1
+    transposed: bool = False
+
+
+def input_axis(kind: str) -> int:
+    """The axis of the layer's input that indexes its channels (NCHW; dense: the last)."""
+    return 1 if kind == "conv" else -1
+
+
+def channel_means(batch: np.ndarray, axis: int) -> tuple[np.ndarray, int]:
+    """Per-channel sums of ``batch`` along ``axis`` (float64) and how many values each holds."""
+    moved = np.moveaxis(np.asarray(batch, np.float64), axis, 0)
+    flat = moved.reshape(moved.shape[0], -1)
+    return flat.sum(axis=1), flat.shape[1]
+
+
+def weight_error(layer: Layer) -> np.ndarray:
+    """ΔW: the weight as int8 rounds it, minus the weight."""
+    w = np.asarray(layer.weight, np.float32)
+    return dequantize(quantize(w, layer.qparams), layer.qparams) - w
+
+
+def expected_shift(layer: Layer, mean: np.ndarray) -> np.ndarray:
+    """E[ΔW·x] per output channel, for an input whose channel means are ``mean``."""
+    dw = weight_error(layer).astype(np.float64)
+    mean = np.asarray(mean, np.float64)
+    if layer.kind == "conv":
+        out_channels, per_group = dw.shape[0], dw.shape[1]
+        taps = dw.reshape(out_channels, per_group, -1).sum(axis=2)  # (M, C/g)
+        group_of = np.arange(out_channels) // (out_channels // layer.group)
+        reads = group_of[:, None] * per_group + np.arange(per_group)[None, :]  # (M, C/g)
+        return (taps * mean[reads]).sum(axis=1)
+    w = dw.T if layer.transposed else dw  # (K, N)
+    return mean @ w
+
+
+def corrected_bias(layer: Layer, bias: np.ndarray, mean: np.ndarray) -> np.ndarray:
+    """``bias`` minus the expected shift, float32."""
+    shift = expected_shift(layer, mean)
+    return (np.asarray(bias, np.float64).reshape(-1) - shift).astype(np.float32)

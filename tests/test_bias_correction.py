@@ -1,0 +1,105 @@
+"""Fast bias correction: the expected shift against onnxruntime, and its effect end to end."""
+
+import numpy as np
+import onnx
+import pytest
+from helpers import make_model, rng, run
+from onnx import helper as h
+
+import onnxq
+from onnxq.errors import ConfigError
+from onnxq.solve.bias_correction import Layer, expected_shift, weight_error
+from onnxq.solve.qparams import QParams
+
+
+def _conv(weight, group, pads=(0, 0, 0, 0)):
+    node = h.make_node("Conv", ["x", "W"], ["y"], name="conv", group=group, pads=list(pads))
+    c_in = weight.shape[1] * group
+    return make_model([node], [("x", ["N", c_in, 6, 6])], [("y", None)], {"W": weight})
+
+
+@pytest.mark.parametrize("group", [1, 2, 4], ids=["dense-conv", "grouped", "depthwise"])
+def test_expected_shift_is_what_onnxruntime_computes_on_a_constant_input(group):
+    """ΔW convolved with an input that is its mean everywhere (no padding) is exactly the shift."""
+    r = rng(4)
+    weight = r.normal(0, 0.3, (4, 4 // group, 3, 3)).astype(np.float32)
+    scale = (np.abs(weight).reshape(4, -1).max(1) / 63).astype(np.float32)
+    layer = Layer("conv", weight, QParams(scale, np.zeros(4, np.int8), 0), group=group)
+    mean = r.normal(1, 0.5, 4).astype(np.float32)
+    x = np.broadcast_to(mean.reshape(1, 4, 1, 1), (1, 4, 6, 6)).astype(np.float32)
+    got = run(_conv(weight_error(layer), group), {"x": np.ascontiguousarray(x)})[0]
+    np.testing.assert_allclose(got[0, :, 0, 0], expected_shift(layer, mean), rtol=1e-4, atol=1e-6)
+
+
+def test_dense_shift_for_both_weight_layouts():
+    r = rng(5)
+    w = r.normal(0, 0.5, (8, 3)).astype(np.float32)  # (K, N)
+    qp = QParams((np.abs(w).max(0) / 63).astype(np.float32), np.zeros(3, np.int8), 1)
+    mean = r.normal(0.5, 1, 8)
+    plain = expected_shift(Layer("dense", w, qp), mean)
+    np.testing.assert_allclose(plain, mean @ weight_error(Layer("dense", w, qp)), rtol=1e-6)
+    qt = QParams(qp.scale, qp.zero_point, 0)
+    transposed = expected_shift(
+        Layer("dense", np.ascontiguousarray(w.T), qt, transposed=True), mean
+    )
+    np.testing.assert_allclose(transposed, plain, rtol=1e-6)
+
+
+def _depthwise_chain():
+    """A depthwise Conv with a bias whose weights all round the same way, inputs of mean ~2."""
+    r = rng(6)
+    c = 8
+    # weights sit 0.45 steps above a grid point of the 7-bit grid: rounding moves every tap down
+    steps = r.integers(-40, 40, (c, 1, 3, 3)).astype(np.float32)
+    steps[:, 0, 0, 0] = 63  # the largest tap fixes the scale at 1/63 of it
+    weight = ((steps + np.where(steps == 63, 0, 0.45)) / 63 * 0.5).astype(np.float32)
+    bias = r.normal(0, 0.1, c).astype(np.float32)
+    nodes = [
+        h.make_node("Conv", ["x", "W", "B"], ["y"], name="dw", group=c, pads=[1, 1, 1, 1]),
+        h.make_node("Relu", ["y"], ["z"], name="relu"),
+    ]
+    model = make_model(nodes, [("x", ["N", c, 10, 10])], [("z", None)], {"W": weight, "B": bias})
+    data = {"x": (r.normal(2, 0.5, (64, c, 10, 10))).astype(np.float32)}
+    return model, data
+
+
+def test_fast_correction_removes_the_mean_shift_of_rounded_weights():
+    model, data = _depthwise_chain()
+    held_out = {"x": (rng(7).normal(2, 0.5, (32, 8, 10, 10))).astype(np.float32)}
+    ref = run(model, held_out)[0]
+    kw = dict(progress=False, weight_bits=7, method="minmax")
+    plain, _ = onnxq.quantize(model, data, **kw)
+    fixed, report = onnxq.quantize(model, data, bias_correction="fast", **kw)
+
+    def mean_error(q):  # per channel, over samples and positions
+        return np.abs((run(q, held_out)[0] - ref).mean(axis=(0, 2, 3)))
+
+    before, after = mean_error(plain), mean_error(fixed)
+    assert before.mean() > 0.01  # the rounding does shift the outputs
+    assert after.mean() < 0.25 * before.mean(), (before, after)
+    assert set(report.bias_corrections) == {"dw.bias"} and report.bias_corrections["dw.bias"] > 0
+    assert any(p.name == "bias-correction" for p in report.passes)
+    assert "bias_corrections" in report.to_dict()
+
+
+def test_no_correction_by_default_and_a_bad_value_names_the_parameter():
+    model, data = _depthwise_chain()
+    _, report = onnxq.quantize(model, data, progress=False)
+    assert report.bias_corrections == {} and all(p.name != "bias-correction" for p in report.passes)
+    with pytest.raises(ConfigError, match="bias_correction='slow'"):
+        onnxq.quantize(model, data, progress=False, bias_correction="slow")
+    assert isinstance(model, onnx.ModelProto)
+
+
+def test_cli_takes_the_flag(tmp_path):
+    from onnxq.cli import main
+
+    model, data = _depthwise_chain()
+    src, npz, out = tmp_path / "m.onnx", tmp_path / "c.npz", tmp_path / "q.onnx"
+    onnx.save(model, str(src))
+    np.savez(npz, x=data["x"])
+    args = ["quantize", str(src), "--data", str(npz), "-o", str(out), "--quiet"]
+    assert main([*args, "--bias-correction", "fast"]) == 0 and out.is_file()
+    with pytest.raises(SystemExit) as info:  # argparse: the usage and one error line
+        main([*args, "--bias-correction", "slow"])
+    assert info.value.code == 2
