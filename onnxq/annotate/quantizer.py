@@ -197,7 +197,9 @@ class Quantizer:
         for p in self.patterns:
             p.partition = part
         for g in part.groups:
-            rec = g.callback.annotate_match(g.match)
+            rule = g.callback
+            assert isinstance(rule, QuantizerPattern)  # partitioned from self.patterns
+            rec = rule.annotate_match(g.match)
             if rec is not None:
                 self.records.append(rec)
         return part

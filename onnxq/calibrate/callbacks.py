@@ -125,12 +125,12 @@ class CalibrationInfo:
     @property
     def inputs(self) -> list[QTensor]:
         """The pattern's quantized inputs (activations and weights, op order)."""
-        return self.record.inputs
+        return list(self.record.inputs)
 
     @property
     def outputs(self) -> list[QTensor]:
         """The pattern's quantized outputs."""
-        return self.record.outputs
+        return list(self.record.outputs)
 
     @property
     def input_scale_zps(self) -> list[tuple[str, str]]:

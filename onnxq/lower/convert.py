@@ -86,7 +86,7 @@ class FuseRule(DFPatternCallback):
             for k in spec.triples
         ]
         self.bias = _dq(is_constant(), is_constant(), is_constant())
-        core = is_op(spec.float_op)(*self.dqs)
+        core: DFPattern = is_op(spec.float_op)(*self.dqs)
         if spec.bias is not None:
             core = is_op(spec.float_op)(*self.dqs, self.bias) | is_op(spec.float_op)(
                 *self.dqs, None
