@@ -19,8 +19,8 @@ from onnxq.solve.bias_correction import Layer, expected_shift, input_axis
 from onnxq.solve.qparams import QParams
 
 
-def _layers(q: Any) -> list[tuple[Any, Any, str, str]]:
-    """(record, bias derivation, layer kind, input tensor) of every layer with an int32 bias."""
+def _layers(q: Any) -> list[tuple[Any, Any, str, str, Any]]:
+    """(record, bias derivation, kind, input tensor, float node) of every layer with a bias."""
     nodes = {n.name: n for n in q.float_graph.nodes}
     out = []
     for rec in q.records:
@@ -30,13 +30,13 @@ def _layers(q: Any) -> list[tuple[Any, Any, str, str]]:
         if node.op == "Gemm" and int(node_attr(node, "transA") or 0):
             continue  # the input's channels are its rows: not corrected
         kind = "conv" if node.op == "Conv" else "dense"
-        out.append((rec, q.biases[rec.bias], kind, rec.inputs[0].tensor))
+        out.append((rec, q.biases[rec.bias], kind, rec.inputs[0].tensor, node))
     return out
 
 
 def requests(state: State) -> dict[str, int]:
     """The inputs whose per-channel means the correction needs, with their channel axis."""
-    return {x: input_axis(kind) for _, _, kind, x in _layers(state.quantizer)}
+    return {x: input_axis(kind) for _, _, kind, x, _ in _layers(state.quantizer)}
 
 
 class BiasCorrection:
@@ -47,13 +47,11 @@ class BiasCorrection:
     def run(self, state: State) -> PassResult:
         """Correct every bias whose input means were collected."""
         q, values = state.quantizer, state.values
-        nodes = {n.name: n for n in q.float_graph.nodes}
-        for rec, b, kind, x in _layers(q):
+        for rec, b, kind, x, node in _layers(q):
             mean = state.calibrator.channel_mean(x) if state.calibrator is not None else None
             if mean is None:
                 continue
             wq = rec.inputs[1]
-            node = nodes[rec.node]
             layer = Layer(
                 kind,
                 q.float_value(b.weight),
