@@ -151,7 +151,6 @@ class Quantizer:
 
         graph = import_graph(self.float_model)
         self._check_exclusions(graph)
-        self._graph = graph
         self.editor = GraphEditor(graph)
         for p in self.patterns:
             p.quantizer = self

@@ -55,7 +55,6 @@ class QuantizerPattern(DFPatternCallback):
 
     def annotate_match(self, m: Match) -> PatternRecord | None:
         """The record of ``m`` under its nodes' per-node settings (None: left float)."""
-        self.match = m
         with self.quantizer.group([n.name for n in m.nodes]):
             return self.quantize_match(m)
 
