@@ -54,7 +54,9 @@ def quantize(
     progress: bool | None = None,
     output: str | os.PathLike[str] | None = None,
     latency_check: bool = False,
-    bias_correction: str = "none",
+    bias_correction: str = "auto",
+    smoothquant: str = "auto",
+    model_kind: str = "auto",
 ) -> tuple[onnx.ModelProto, QuantizeReport]:
     """Quantize ``model`` with calibration ``data``; return the int8 model and a report.
 
@@ -76,6 +78,11 @@ def quantize(
     warns when int8 is slower (the CLI does this unless ``--no-latency-check``).
     ``bias_correction="fast"`` subtracts from each Conv/Gemm/MatMul bias the mean output shift
     its weight rounding causes (from the calibration data's per-channel input means).
+    ``smoothquant="on"`` moves activation outliers of MatMul/Gemm inputs into their weights,
+    alpha chosen per layer. Both default to ``"auto"``: what helps the model's kind, read from
+    its graph (bias correction for CNNs, SmoothQuant for transformers; ``model_kind`` overrides
+    the detection: ``cnn``, ``transformer``, ``rnn`` or ``other``). The report's ``algorithms``
+    says what ran.
     """
     try:
         options = resolve_call(locals())

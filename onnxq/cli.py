@@ -26,10 +26,11 @@ from onnxq.io.graph import load_model, save_model, write_text_atomic
 from onnxq.io.loader import load_object
 from onnxq.lower.convert import convert
 from onnxq.lower.formats import get_format
-from onnxq.options import BIAS_CORRECTIONS, resolve
+from onnxq.options import BIAS_CORRECTIONS, SMOOTHQUANT, resolve
 from onnxq.passes.load import refuse_quantized
 from onnxq.passes.manager import op_histogram
 from onnxq.passes.verify import verify
+from onnxq.prepare.kind import KINDS
 from onnxq.report import mark_carried
 from onnxq.tools import zoo
 from onnxq.tools.compare import compare
@@ -120,10 +121,25 @@ def _quantize_io(q: argparse.ArgumentParser) -> None:
     )
     q.add_argument(
         "--bias-correction",
-        default="none",
+        default="auto",
         choices=list(BIAS_CORRECTIONS),
         help="fast: subtract from each Conv/Gemm/MatMul bias the mean output shift its weight "
-        "rounding causes, from the calibration data's input means (default none)",
+        "rounding causes, from the calibration data's input means; auto (default): fast for "
+        "CNNs, none otherwise",
+    )
+    q.add_argument(
+        "--smoothquant",
+        default="auto",
+        choices=list(SMOOTHQUANT),
+        help="move activation outliers of MatMul/Gemm inputs into their weights (alpha per "
+        "layer, kept only where the int8 error drops); auto (default): on for transformers",
+    )
+    q.add_argument(
+        "--model-kind",
+        default="auto",
+        choices=list(KINDS),
+        help="the model's kind, which picks the default algorithms; auto (default): read from "
+        "the graph (attention: transformer; LSTM/GRU/Loop: rnn; convolutions: cnn)",
     )
     q.add_argument(
         "--target",
@@ -419,6 +435,8 @@ def _quantize(args: argparse.Namespace) -> int:
             output=str(dst),
             latency_check=not args.no_latency_check,
             bias_correction=args.bias_correction,
+            smoothquant=args.smoothquant,
+            model_kind=args.model_kind,
         ),
         cli=True,
     )

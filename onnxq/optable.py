@@ -54,6 +54,8 @@ class QOp:
     to_qop: Callable[[Attrs, int], Attrs] | None = None
     #: the float op's attributes from the QOperator op's (None: the kept ones)
     to_float: Callable[[Attrs], Attrs] | None = None
+    #: the output scale is optional: without it the op writes float (QGemm)
+    float_output_ok: bool = False
 
     def triple_positions(self, n_inputs: int) -> tuple[int, ...]:
         """Positions of the (tensor, scale, zero point) triples of a node with ``n_inputs``."""
@@ -131,6 +133,7 @@ TABLE: tuple[QOp, ...] = (
         keeps=("transA", "transB"),
         to_qop=_gemm_to_qgemm,
         to_float=_qgemm_to_gemm,
+        float_output_ok=True,
     ),
     QOp("QLinearAdd", "Add", MS_DOMAIN, (0, 3), 6, keeps=()),
     QOp("QLinearMul", "Mul", MS_DOMAIN, (0, 3), 6, keeps=()),

@@ -25,6 +25,7 @@ from onnxq.errors import ConfigError
 from onnxq.io.hostcheck import auto_weight_bits, saturation_warning
 from onnxq.lower.formats import FORMATS, Format, get_format
 from onnxq.patterns import default_patterns
+from onnxq.prepare.kind import KINDS
 
 _FLAG = object()
 
@@ -42,7 +43,8 @@ def spell(option: str, cli: bool, value: Any = _FLAG) -> str:
 
 
 #: the bias corrections quantize() runs after solving
-BIAS_CORRECTIONS = ("none", "fast")
+BIAS_CORRECTIONS = ("auto", "none", "fast")
+SMOOTHQUANT = ("auto", "on", "off")
 
 #: CLI flags that are quantize() parameters, and the values each can take in a message
 _PARAMETERS: dict[str, tuple[str, ...] | None] = {
@@ -51,6 +53,8 @@ _PARAMETERS: dict[str, tuple[str, ...] | None] = {
     "weight-dtype": ("int8", "int4"),
     "method": METHODS,
     "bias-correction": BIAS_CORRECTIONS,
+    "smoothquant": SMOOTHQUANT,
+    "model-kind": KINDS,
     "weight-bits": (),
     "bins": (),
     "percentile": (),
@@ -130,8 +134,12 @@ class QuantizeOptions:
     progress: bool | None = None
     output: str | os.PathLike[str] | None = None
     latency_check: bool = False
-    #: bias correction after solving: "none" or "fast" (onnxq.solve.bias_correction)
-    bias_correction: str = "none"
+    #: bias correction after solving: "auto" (fast for CNNs), "none" or "fast"
+    bias_correction: str = "auto"
+    #: SmoothQuant before annotation: "auto" (on for transformers), "on" or "off"
+    smoothquant: str = "auto"
+    #: the model's kind, or "auto" to read it from the graph (onnxq.prepare.kind)
+    model_kind: str = "auto"
     #: choices onnxq made on its own (e.g. 7-bit weights), for the report
     notes: tuple[str, ...] = ()
     #: explicit choices this machine's runtime will not run exactly
@@ -207,11 +215,15 @@ def resolve(
             rest.get("percentile", 99.999),
             rest.get("bins", 2048),
         )
-    if rest.get("bias_correction", "none") not in BIAS_CORRECTIONS:
-        raise ConfigError(
-            f"{spell('bias_correction', cli, rest['bias_correction'])} is unknown; choose one "
-            f"of {', '.join(BIAS_CORRECTIONS)}"
-        )
+    for key, allowed in (
+        ("bias_correction", BIAS_CORRECTIONS),
+        ("smoothquant", SMOOTHQUANT),
+        ("model_kind", KINDS),
+    ):
+        if rest.get(key, "auto") not in allowed:
+            raise ConfigError(
+                f"{spell(key, cli, rest[key])} is unknown; choose one of {', '.join(allowed)}"
+            )
     if patterns is None and tgt.patterns is not None:
         patterns = target_patterns(tgt)
     return QuantizeOptions(

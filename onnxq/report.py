@@ -17,7 +17,7 @@ import numpy as np
 from onnxq.annotate.quantizer import Quantizer
 from onnxq.annotate.specs import Decision
 from onnxq.calibrate.calibration import CalibrationReport
-from onnxq.options import pythonize
+from onnxq.options import pythonize, spell
 from onnxq.passes.manager import PassRecord, State, op_histogram
 from onnxq.post.requantize import Requantizer, RequantizeStats, rescales
 from onnxq.solve.qparams import qrange
@@ -47,6 +47,13 @@ class QuantizeReport:
     latency: dict[str, float] = field(default_factory=dict)
     #: bias correction: bias -> the largest mean shift removed, in output steps
     bias_corrections: dict[str, float] = field(default_factory=dict)
+    #: the model's kind as detected (or given) and why: it picks the default algorithms
+    model_kind: str = ""
+    model_kind_reason: str = ""
+    #: each optional algorithm: what it did, or why it did not run
+    algorithms: dict[str, str] = field(default_factory=dict)
+    #: SmoothQuant per input tensor: alpha (None: left alone), readers, errors, where 1/s went
+    smoothing: dict[str, Any] = field(default_factory=dict)
 
     @property
     def quantized_nodes(self) -> list[str]:
@@ -70,6 +77,8 @@ class QuantizeReport:
             f"{self.requantize.rescaled_pairs} rescaled into QLinear ops, "
             f"{len(self.requantize.crossed_ops)} ops carried int8, "
             f"{len(self.requantize.relus_removed)} Relus removed",
+            f"model: {self.model_kind} ({self.model_kind_reason}); algorithms: "
+            + "; ".join(f"{k} {v}" for k, v in self.algorithms.items()),
             "passes: "
             + "; ".join(
                 f"{p.name} {p.seconds:.2f}s" + (f" ({p.changed})" if p.changed else "")
@@ -115,6 +124,10 @@ class QuantizeReport:
             "notes": self.notes,
             "latency": self.latency,
             "bias_corrections": self.bias_corrections,
+            "model_kind": self.model_kind,
+            "model_kind_reason": self.model_kind_reason,
+            "algorithms": self.algorithms,
+            "smoothing": self.smoothing,
         }
 
 
@@ -139,11 +152,31 @@ def build_report(state: State) -> QuantizeReport:
         notes=list(o.notes) + widened_notes(q.widened_biases),
         latency=state.latency,
         bias_corrections=dict(state.bias_corrections),
+        model_kind=state.kind,
+        model_kind_reason=state.kind_reason,
+        algorithms=algorithms(state),
+        smoothing=dict(state.smoothing),
     )
     explain_constraints(report.decisions, sol)
     if not o.cli:
         speak_python(report)
     return report
+
+
+#: the optional algorithms, by pass name, and the option that switches each
+ALGORITHMS = {"smoothquant": "smoothquant", "bias-correction": "bias_correction"}
+
+
+def algorithms(state: State) -> dict[str, str]:
+    """What each optional algorithm did, or ``off (...)`` with the reason."""
+    ran = {r.name: r.changed for r in state.records}
+    out = {}
+    for name, option in ALGORITHMS.items():
+        if name in ran:
+            out[name] = ran[name] or "ran, changed nothing"
+        else:
+            out[name] = f"off ({spell(option, state.options.cli, getattr(state.options, option))})"
+    return out
 
 
 def speak_python(report: QuantizeReport) -> None:

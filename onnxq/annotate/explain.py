@@ -35,6 +35,8 @@ def explain(q: Any, part: Partition) -> dict[str, Decision]:
             if name in q.node_dtypes:
                 why = f"activations {q.node_dtypes[name]} ({q.node_dtype_sources[name]})"
             decisions[name] = Decision(name, node.op, True, quantized[name], why)
+        elif name in q.placement:
+            decisions[name] = Decision(name, node.op, False, "placement", q.placement[name])
         elif name in q.left_float:
             pattern, reason = q.left_float[name]
             decisions[name] = Decision(name, node.op, False, pattern, reason)

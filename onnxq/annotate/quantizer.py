@@ -27,6 +27,7 @@ import onnx_graphsurgeon as gs
 from onnx import numpy_helper
 
 from onnxq.annotate.explain import explain
+from onnxq.annotate.placement import attention_masks
 from onnxq.annotate.rule import QuantizerPattern
 from onnxq.annotate.specs import (
     BiasDerivation,
@@ -174,6 +175,9 @@ class Quantizer:
         self._group_per_channel: bool | None = None
         if self.config.user is not None:
             self._resolve_user(graph, kept)
+        #: nodes the graph itself keeps float (onnxq.annotate.placement), and why
+        self.placement = {n: w for n, w in attention_masks(graph).items() if n not in kept}
+        kept.update(self.placement)
         part = self._annotate(graph, excluded, kept)
         self.decisions = explain(self, part)
         #: the QOperator model with placeholders (onnxq.lower.qoperator writes the records)

@@ -164,6 +164,8 @@ class Calibrator:
         #: tensors whose per-channel means to collect (tensor -> channel axis), set before
         #: calibrate; the sums and value counts land in ``channel_sums``
         self.channel_axes: dict[str, int] = {}
+        #: per-channel means read from a range table (--load-ranges) instead of the data
+        self.loaded_means: dict[str, np.ndarray] = {}
         self.channel_sums: dict[str, tuple[np.ndarray, int]] = {}
         #: the first batches, kept for callbacks that search on real layer outputs
         self.sample_feeds: list[dict[str, np.ndarray]] = []
@@ -344,7 +346,7 @@ class Calibrator:
     def channel_mean(self, name: str) -> np.ndarray | None:
         """The mean per channel of ``name`` over the calibration data (if it was asked for)."""
         if name not in self.channel_sums:
-            return None
+            return self.loaded_means.get(name)
         sums, count = self.channel_sums[name]
         return sums / max(count, 1)
 

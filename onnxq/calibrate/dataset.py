@@ -165,6 +165,11 @@ class DatasetManager:
             self._peek = None
         return False
 
+    @property
+    def replayable(self) -> bool:
+        """Whether :meth:`batches` can be read more than once."""
+        return True
+
     def reset(self) -> None:
         """Start again from the first batch."""
         self._iter = None
@@ -585,6 +590,11 @@ class IterableDataset(DatasetManager):
             return None
         return n if self.limit is None else min(n, self.limit)
 
+    @property
+    def replayable(self) -> bool:
+        """A function or a re-iterable, not a one-shot iterator."""
+        return callable(self.source) or iter(self.source) is not self.source
+
     def _raw(self) -> Iterator[Mapping[str, Any]]:
         src = self.source() if callable(self.source) else self.source
         if iter(src) is src:  # a one-shot iterator
@@ -608,6 +618,11 @@ class ReaderDataset(DatasetManager):
     def describe(self) -> str:
         """How the source is named in messages."""
         return f"CalibrationDataReader {type(self.reader).__name__}"
+
+    @property
+    def replayable(self) -> bool:
+        """Only with ``rewind()``."""
+        return hasattr(self.reader, "rewind")
 
     def _raw(self) -> Iterator[Mapping[str, Any]]:
         if self._passes:

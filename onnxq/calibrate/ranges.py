@@ -1,10 +1,12 @@
 """Calibration tables: the activation range of every tensor, as JSON keyed by tensor name.
 
     {"format": "onnxq-ranges", "version": 1, "method": "entropy",
-     "tensors": {"input": [0.0, 1.0], "conv1_out": [0.0, 6.2], ...}}
+     "tensors": {"input": [0.0, 1.0], "conv1_out": [0.0, 6.2], ...},
+     "channel_means": {"conv1_out": [0.3, 1.2, ...], ...}}
 
 Calibrate once with ``--save-ranges``; try formats and options in seconds with
-``--load-ranges`` (no data pass). Weights are always re-derived from the model.
+``--load-ranges`` (no data pass). Weights are always re-derived from the model; bias correction
+reads the per-channel input means the table keeps (``channel_means``, when it ran).
 """
 
 from __future__ import annotations
@@ -13,6 +15,9 @@ import json
 import math
 import os
 from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
 
 from onnxq.errors import ConfigError
 from onnxq.io.graph import write_text_atomic
@@ -21,16 +26,41 @@ FORMAT = "onnxq-ranges"
 
 
 def write_ranges(
-    path: str | os.PathLike[str], ranges: Mapping[str, tuple[float, float]], method: str
+    path: str | os.PathLike[str],
+    ranges: Mapping[str, tuple[float, float]],
+    method: str,
+    channel_means: Mapping[str, Any] | None = None,
 ) -> None:
     """Write the table atomically, tensors sorted by name (deterministic)."""
-    doc = {
+    doc: dict[str, Any] = {
         "format": FORMAT,
         "version": 1,
         "method": method,
         "tensors": {k: [float(lo), float(hi)] for k, (lo, hi) in sorted(ranges.items())},
     }
+    if channel_means:
+        doc["channel_means"] = {
+            k: [float(v) for v in np.asarray(m, np.float64).reshape(-1)]
+            for k, m in sorted(channel_means.items())
+        }
     write_text_atomic(path, json.dumps(doc, indent=1) + "\n")
+
+
+def read_channel_means(path: str | os.PathLike[str]) -> dict[str, np.ndarray]:
+    """The per-channel input means a table keeps (empty when it has none)."""
+    with open(path, encoding="utf-8") as handle:
+        doc = json.load(handle)
+    means = doc.get("channel_means", {}) if isinstance(doc, dict) else {}
+    out = {}
+    for name, values in means.items():
+        if not isinstance(values, list) or not all(
+            isinstance(v, int | float) and math.isfinite(v) for v in values
+        ):
+            raise ConfigError(
+                f"range table '{path}': channel_means of '{name}' must be a list of finite numbers"
+            )
+        out[name] = np.asarray(values, np.float64)
+    return out
 
 
 def read_ranges(path: str | os.PathLike[str]) -> dict[str, tuple[float, float]]:

@@ -28,7 +28,7 @@ from onnxq.io.graph import GraphEditor, constant_value, export_model, import_gra
 from onnxq.lower.fakequantize import qdq_to_fakequantize
 from onnxq.lower.qdq import to_qdq
 from onnxq.lower.qoperator import slots
-from onnxq.optable import CARRIERS, INTEGER_OPS, TABLE, QOp, qops
+from onnxq.optable import CARRIERS, INTEGER_OPS, MS_DOMAIN, TABLE, QOp, qops
 from onnxq.pattern import (
     DFPattern,
     DFPatternCallback,
@@ -130,6 +130,62 @@ class FuseRule(DFPatternCallback):
         return y
 
 
+class FloatOutputRule(DFPatternCallback):
+    """``MatMul|Gemm(DQ(a), DQ(W) [, DQ(bias)])`` with a float result → an int8 op writing float.
+
+    No QuantizeLinear reads the result: ``MatMulIntegerToFloat``, or ``QGemm`` without an
+    output scale, as onnxq.post.float_outputs writes them.
+    """
+
+    def __init__(self, spec: QOp, opset: int) -> None:
+        super().__init__()
+        self.spec, self.opset = spec, opset
+        self.name = f"{spec.float_op}(DQ…) → float"
+        self.dqs = [
+            _dq(wildcard(), is_constant(), is_constant()),
+            _dq(is_constant(), is_constant(), is_constant()),
+        ]
+        self.bias = _dq(is_constant(), is_constant(), is_constant())
+        core: DFPattern = is_op(spec.float_op)(*self.dqs)
+        if spec.float_op == "Gemm":
+            core = core | is_op("Gemm")(*self.dqs, self.bias)
+        self.pattern = core
+
+    def check(self, m: Match) -> MatchResult:
+        """No QuantizeLinear reads the result (that is the QLinear rule's); 8-bit operands."""
+        if any(u.op == "QuantizeLinear" for u in m.root.outputs):
+            return MatchResult.fail("a QuantizeLinear reads the result: the QLinear form applies")
+        for dq in self.dqs:
+            zp = constant_value(m.node(dq).inputs[2])
+            if zp is None or zp.dtype not in (np.int8, np.uint8):
+                return MatchResult.fail("MatMulIntegerToFloat and QGemm take 8-bit operands")
+        return MatchResult(m)
+
+    def callback(self, pre: gs.Tensor, post: gs.Tensor, node_map: dict) -> gs.Tensor | None:
+        """The int8 op reading the DQs' integer inputs, writing the float result."""
+        m = self.match
+        node = next(n for n in m.nodes if n.op == self.spec.float_op)
+        (a, a_s, a_z), (w, w_s, w_z) = (list(m.node(dq).inputs[:3]) for dq in self.dqs)
+        y = self.editor.variable(m.root.name + "_qop", m.root.dtype, m.root.shape)
+        if self.spec.float_op == "MatMul":
+            inputs: list[gs.Tensor | None] = [a, w, a_s, w_s, a_z, w_z]
+            op, domain, attrs = "MatMulIntegerToFloat", MS_DOMAIN, {}
+        else:
+            bias = None
+            if self.bias in m:
+                factor = float(node_attr(node, "beta") or 1.0) / float(
+                    node_attr(node, "alpha") or 1.0
+                )
+                bias = _bias(self.editor, m, self.bias, a_s, w_s, node.name, factor)
+            inputs = [a, a_s, a_z, w, w_s, w_z, bias]
+            while inputs and inputs[-1] is None:
+                inputs.pop()
+            op, domain = self.spec.qop, self.spec.domain
+            attrs = self.spec.qop_attrs(dict(node.attrs), self.opset)
+        self.editor.add_node(op, inputs, [y], f"{node.name}_quant", attrs, domain)
+        return y
+
+
 def _bias(
     editor: GraphEditor,
     m: Match,
@@ -168,7 +224,9 @@ def _dedicated_dq(graph: gs.Graph) -> None:
 
 def qdq_rules(opset: int) -> list[DFPatternCallback]:
     """One rule per op of the table (a variadic op such as QLinearConcat is left as Q/DQ)."""
-    return [FuseRule(spec, opset) for spec in TABLE if not spec.variadic]
+    rules: list[DFPatternCallback] = [FuseRule(spec, opset) for spec in TABLE if not spec.variadic]
+    rules += [FloatOutputRule(spec, opset) for spec in TABLE if spec.float_op in ("MatMul", "Gemm")]
+    return rules
 
 
 @dataclass

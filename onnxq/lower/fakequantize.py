@@ -28,6 +28,7 @@ from onnxq.annotate.specs import QTensor
 from onnxq.errors import ModelError
 from onnxq.io.graph import GraphEditor, constant_value, export_model, import_graph, producer
 from onnxq.optable import CARRIERS
+from onnxq.post.float_outputs import FLOAT_OUTPUT_QOPS, starts_at_zero
 from onnxq.post.requantize import carried_source
 from onnxq.solve.qparams import qrange
 
@@ -54,20 +55,34 @@ def fq_bounds(
 
 
 def to_fakequantize(
-    quantizer: Any, values: dict[str, np.ndarray], weight_qrange: tuple[int, int] | None = None
+    quantizer: Any,
+    values: dict[str, np.ndarray],
+    weight_qrange: tuple[int, int] | None = None,
+    biases: dict[str, np.ndarray] | None = None,
 ) -> onnx.ModelProto:
     """The FakeQuantize model of ``quantizer``'s annotation with ``values``.
 
     ``quantizer``: the onnxq.annotate.quantizer.Quantizer that annotated the float model;
-    ``values``: the scales and zero points as the materialized model holds them.
+    ``values``: the scales and zero points as the materialized model holds them; ``biases``:
+    float biases an algorithm changed (bias correction), by name.
     """
     graph = import_graph(quantizer.float_model)
-    editor = GraphEditor(graph)
     tensors = graph.tensors()
+    _correct_biases(graph, quantizer, biases or {})
+    editor = GraphEditor(graph)
     group_nodes = {n for rec in quantizer.records for n in rec.nodes}
     produced = {q.tensor for rec in quantizer.records for q in rec.outputs}
     by_tensor = {q.tensor: q for rec in quantizer.records for q in rec.outputs}
-    done: set[str] = set()
+    read = {q.tensor for rec in quantizer.records for q in rec.inputs}
+    # a MatMul/Gemm result no quantized op reads stays float (onnxq.post.float_outputs)
+    done = {
+        rec.outputs[0].tensor
+        for rec in quantizer.records
+        if rec.lowering.op in FLOAT_OUTPUT_QOPS
+        and rec.outputs
+        and rec.outputs[0].tensor not in read
+        and not starts_at_zero(values[rec.outputs[0].zero_point])
+    }
     for rec in quantizer.records:
         for qt in [*rec.inputs, *rec.outputs]:
             if qt.tensor in done:
@@ -86,6 +101,28 @@ def to_fakequantize(
                 )
     editor.finish()
     return export_model(graph, quantizer.float_model)
+
+
+def _correct_biases(graph: gs.Graph, quantizer: Any, biases: dict[str, np.ndarray]) -> None:
+    """Write corrected float biases (by derived name, ``<node>.bias``) into their constants."""
+    if not biases:
+        return
+    nodes = {n.name: n for n in graph.nodes}
+    for rec in quantizer.records:
+        if rec.bias is None or quantizer.biases[rec.bias].bias not in biases:
+            continue
+        name = quantizer.biases[rec.bias].bias
+        original = np.asarray(quantizer.float_value(name), np.float32).reshape(-1)
+        for node in (nodes[n] for n in rec.nodes if n in nodes):
+            for t in node.inputs:
+                value = constant_value(t)
+                if (
+                    isinstance(t, gs.Constant)
+                    and value is not None
+                    and value.size == original.size
+                    and np.array_equal(np.asarray(value, np.float32).reshape(-1), original)
+                ):
+                    t.values = np.asarray(biases[name], np.float32).reshape(t.shape)
 
 
 def _fq_node(

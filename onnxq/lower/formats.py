@@ -20,11 +20,15 @@ from onnxq.lower.qdq import PER_CHANNEL_OPSET, dedicated_qdq_pairs, to_qdq
 from onnxq.prepare.fusions import fuse_gelu
 
 #: a lowering: (requantized QOperator model, quantizer, values, options) -> the output model
-Lowering = Callable[[onnx.ModelProto, Any, dict[str, Any], Any], onnx.ModelProto]
+Lowering = Callable[[onnx.ModelProto, Any, dict[str, Any], Any, dict[str, Any]], onnx.ModelProto]
 
 
 def _qoperator(
-    model: onnx.ModelProto, quantizer: Any, values: dict[str, Any], options: Any
+    model: onnx.ModelProto,
+    quantizer: Any,
+    values: dict[str, Any],
+    options: Any,
+    biases: dict[str, Any],
 ) -> onnx.ModelProto:
     """QLinear ops as they are; GELUs left whole become one com.microsoft.Gelu kernel."""
     out, _ = fuse_gelu(model)
@@ -32,7 +36,11 @@ def _qoperator(
 
 
 def _qdq(
-    model: onnx.ModelProto, quantizer: Any, values: dict[str, Any], options: Any
+    model: onnx.ModelProto,
+    quantizer: Any,
+    values: dict[str, Any],
+    options: Any,
+    biases: dict[str, Any],
 ) -> onnx.ModelProto:
     """Each QLinear op un-fused into DequantizeLinear → float op → QuantizeLinear."""
     out = to_qdq(model)
@@ -40,10 +48,15 @@ def _qdq(
 
 
 def _openvino(
-    model: onnx.ModelProto, quantizer: Any, values: dict[str, Any], options: Any
+    model: onnx.ModelProto,
+    quantizer: Any,
+    values: dict[str, Any],
+    options: Any,
+    biases: dict[str, Any],
 ) -> onnx.ModelProto:
     """The float graph with FakeQuantize on every quantized edge (from the annotation)."""
-    return to_fakequantize(quantizer, values, (-64, 63) if options.weight_bits == 7 else None)
+    qrange = (-64, 63) if options.weight_bits == 7 else None
+    return to_fakequantize(quantizer, values, qrange, biases)
 
 
 @dataclass(frozen=True)

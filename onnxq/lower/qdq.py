@@ -17,7 +17,7 @@ import onnx
 from onnx import helper, numpy_helper
 
 from onnxq.errors import QuantizationError
-from onnxq.optable import BY_QOP, QOp
+from onnxq.optable import BY_QOP, MS_DOMAIN, QOp
 from onnxq.prepare.opset import default_opset
 
 PER_CHANNEL_OPSET = 13
@@ -96,6 +96,8 @@ def _refuse(spec: QOp, n: onnx.NodeProto) -> None:
         raise QuantizationError(
             f"{n.op_type} node '{n.name}' is channels-last; QDQ export handles NCHW only"
         )
+    if spec.float_output_ok:
+        return
     if len(i) < spec.output + 2 or not i[spec.output]:
         raise QuantizationError(
             f"{n.op_type} node '{n.name}' has a float output; QDQ export expects quantized outputs"
@@ -119,11 +121,26 @@ def unfuse(b: _Builder, n: onnx.NodeProto, spec: QOp) -> None:
     if spec.bias is not None and len(i) > spec.bias and i[spec.bias]:
         w = spec.weight if spec.weight is not None else 0
         ins.append(b.bias(n, i[spec.bias], i[1], i[w + 1]))
-    y = b.name(f"{n.output[0]}_float")
+    quantized = len(i) >= spec.output + 2 and bool(i[spec.output])
+    y = b.name(f"{n.output[0]}_float") if quantized else n.output[0]
     b.nodes.append(
         helper.make_node(spec.float_op, ins, [y], name=n.name, **spec.float_attrs(_attrs(n)))
     )
-    b.q(y, i[spec.output], i[spec.output + 1], n.output[0])
+    if quantized:
+        b.q(y, i[spec.output], i[spec.output + 1], n.output[0])
+
+
+def unfuse_integer_to_float(b: _Builder, n: onnx.NodeProto) -> None:
+    """``MatMulIntegerToFloat`` as DQ(A), DQ(B) → MatMul [→ Add(bias)], writing float."""
+    a, w, a_scale, w_scale, a_zp, w_zp, *rest = list(n.input) + [""] * (7 - len(n.input))
+    ins = [b.dq(a, a_scale, a_zp), b.dq(w, w_scale, w_zp, axis=1)]
+    bias = rest[0] if rest else ""
+    y = b.name(f"{n.output[0]}_matmul") if bias else n.output[0]
+    b.nodes.append(helper.make_node("MatMul", ins, [y], name=n.name))
+    if bias:
+        b.nodes.append(
+            helper.make_node("Add", [y, bias], [n.output[0]], name=b.name(f"{n.name}_bias"))
+        )
 
 
 def to_qdq(model: onnx.ModelProto) -> onnx.ModelProto:
@@ -132,11 +149,14 @@ def to_qdq(model: onnx.ModelProto) -> onnx.ModelProto:
     b = _Builder(model)
     for node in model.graph.node:
         spec = BY_QOP.get(node.op_type)
-        if spec is None:
+        before = len(b.nodes)
+        if node.op_type == "MatMulIntegerToFloat" and node.domain == MS_DOMAIN:
+            unfuse_integer_to_float(b, node)
+        elif spec is None:
             b.nodes.append(node)
             continue
-        before = len(b.nodes)
-        unfuse(b, node, spec)
+        else:
+            unfuse(b, node, spec)
         has_axis |= any(
             a.name == "axis"
             for n in b.nodes[before:]

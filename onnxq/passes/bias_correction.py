@@ -34,8 +34,16 @@ def _layers(q: Any) -> list[tuple[Any, Any, str, str, Any]]:
     return out
 
 
+def active(state: State) -> bool:
+    """Whether bias correction runs (``bias_correction`` fast, or auto on a CNN)."""
+    o = state.options
+    return o.bias_correction == "fast" or (o.bias_correction == "auto" and state.kind == "cnn")
+
+
 def requests(state: State) -> dict[str, int]:
     """The inputs whose per-channel means the correction needs, with their channel axis."""
+    if not active(state):
+        return {}
     return {x: input_axis(kind) for _, _, kind, x, _ in _layers(state.quantizer)}
 
 
@@ -46,6 +54,8 @@ class BiasCorrection:
 
     def run(self, state: State) -> PassResult:
         """Correct every bias whose input means were collected."""
+        if not active(state):
+            return PassResult(f"off ({state.options.bias_correction}, {state.kind} model)")
         q, values = state.quantizer, state.values
         for rec, b, kind, x, node in _layers(q):
             mean = state.calibrator.channel_mean(x) if state.calibrator is not None else None

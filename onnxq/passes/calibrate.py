@@ -1,6 +1,7 @@
 """Calibrate: values for every placeholder, from data (or a saved range table).
 
-Needs ``state.quantizer`` and ``state.data``. Leaves ``state.values``, ``state.dataset`` and
+Needs ``state.quantizer`` and ``state.data`` (or ``state.dataset`` opened by an earlier pass).
+Leaves ``state.values``, ``state.dataset`` and
 ``state.calibrator`` (its report, ranges and the fp32 reference outputs the checks reuse).
 """
 
@@ -11,7 +12,7 @@ from collections.abc import Callable
 from onnxq.calibrate.calibration import Calibrator
 from onnxq.calibrate.callbacks import CalibrationCallback, RangeTableCallback
 from onnxq.calibrate.dataset import model_inputs
-from onnxq.calibrate.ranges import read_ranges
+from onnxq.calibrate.ranges import read_channel_means, read_ranges
 from onnxq.calibrate.sources import as_dataset
 from onnxq.calibrators import method_callback
 from onnxq.io.session import free_memory
@@ -47,16 +48,19 @@ class Calibrate:
                 n: method_callback(m, o.percentile, o.bins) for n, m in q.node_methods.items()
             }
         inputs = model_inputs(q.float_model)
-        state.dataset = (
-            None
-            if o.load_ranges is not None and state.data is None
-            else as_dataset(state.data, inputs, o.batch_size, o.samples, o.preprocess)
-        )
+        if state.dataset is None:  # SmoothQuant may have opened it already
+            state.dataset = (
+                None
+                if o.load_ranges is not None and state.data is None
+                else as_dataset(state.data, inputs, o.batch_size, o.samples, o.preprocess)
+            )
         calibrator = Calibrator(q, state.dataset, cb, o.progress, node_callbacks)
         checked = o.output_format.runtime == "onnxruntime"
         calibrator.reference_batches = CHECK_BATCHES if checked else 0
         if self.channel_means is not None:
             calibrator.channel_axes = self.channel_means(state)
+        if o.load_ranges is not None:
+            calibrator.loaded_means = read_channel_means(o.load_ranges)
         state.values = calibrator.calibrate()
         calibrator.release()
         free_memory()

@@ -1,6 +1,7 @@
 """Load: the float model, refused when already quantized, at the opset its output needs.
 
-Needs ``state.source``. Leaves ``state.float_model`` (a new model; the caller's is untouched).
+Needs ``state.source``. Leaves ``state.float_model`` (a new model; the caller's is untouched)
+and ``state.kind`` (CNN, transformer, recurrent: onnxq.prepare.kind), which sets the defaults.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from onnxq.optable import INTEGER_OPS, qops
 from onnxq.options import QuantizeOptions
 from onnxq.passes.manager import PassResult, State
 from onnxq.post.weight_only import INT4_OPSET
+from onnxq.prepare.kind import detect
 from onnxq.prepare.opset import default_opset, raise_opset
 
 #: ops that mark a model as already quantized
@@ -60,7 +62,14 @@ class Load:
             model = _raise_opset(model, o)
         state.float_model = model
         after = default_opset(model)
-        return PassResult(f"opset {before} → {after}" if after != before else "")
+        detected, why = detect(model)
+        if o.model_kind == "auto":
+            state.kind, state.kind_reason = detected, why
+        else:
+            state.kind = o.model_kind
+            state.kind_reason = f"as asked (the graph says {detected}: {why})"
+        opset = f"opset {before} → {after}; " if after != before else ""
+        return PassResult(f"{opset}{state.kind} model ({state.kind_reason})")
 
 
 def _raise_opset(model: onnx.ModelProto, o: QuantizeOptions) -> onnx.ModelProto:

@@ -1,6 +1,8 @@
 """Lower: the requantized QOperator model written in the chosen output format.
 
-Needs ``state.model`` and ``state.quantizer``. Leaves ``state.model`` in the output format
+Needs ``state.model``, ``state.quantizer`` and ``state.biases`` (corrected float biases, which
+the OpenVINO form, rebuilt from the float model, writes in place of the originals). Leaves
+``state.model`` in the output format
 (onnxq.lower.formats: QOperator, QDQ or OpenVINO FakeQuantize).
 """
 
@@ -19,7 +21,9 @@ class Lower:
         """Lower to ``state.options.format``."""
         before = op_histogram(state.model)
         fmt = state.options.output_format
-        state.model = fmt.lower(state.model, state.quantizer, state.values, state.options)
+        state.model = fmt.lower(
+            state.model, state.quantizer, state.values, state.options, state.biases
+        )
         free_memory()
         changed = op_changes(before, op_histogram(state.model))
         return PassResult(f"{fmt.name}: {changed}" if changed else fmt.name)

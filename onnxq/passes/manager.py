@@ -70,6 +70,13 @@ class State:
     biases: dict[str, Any] = field(default_factory=dict)
     #: bias correction: bias name -> the largest shift it removed, in output steps
     bias_corrections: dict[str, float] = field(default_factory=dict)
+    #: the model's kind (onnxq.prepare.kind) and why, set by loading
+    kind: str = ""
+    kind_reason: str = ""
+    #: SmoothQuant: input tensor -> alpha, readers, errors, where 1/s went
+    smoothing: dict[str, Any] = field(default_factory=dict)
+    #: int8 MatMul/Gemm nodes that write float (onnxq.post.float_outputs)
+    float_outputs: list[str] = field(default_factory=list)
     solution: Any = None
     #: the model being produced; empty until materialized
     model: onnx.ModelProto = field(default_factory=onnx.ModelProto)

@@ -1,6 +1,7 @@
 """The pass list of one ``quantize`` call, built from its options.
 
-Adding an algorithm is one pass module and one line here.
+Adding an algorithm is one pass module and one line here. Passes whose default depends on the
+model's kind (read by the load pass) are always listed and decide when they run.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from onnxq.passes.bias_correction import BiasCorrection, requests
 from onnxq.passes.branches import Branches, BranchQuantizer
 from onnxq.passes.calibrate import Calibrate
 from onnxq.passes.check import Check
+from onnxq.passes.float_outputs import FloatOutputs
 from onnxq.passes.int4 import Int4Weights, WeightOnlyInt4
 from onnxq.passes.load import Load
 from onnxq.passes.lower import Lower
@@ -18,6 +20,7 @@ from onnxq.passes.manager import Pass
 from onnxq.passes.materialize import Materialize
 from onnxq.passes.requantize import Requantize, ShareConcatScales
 from onnxq.passes.save import Save
+from onnxq.passes.smoothquant import SmoothQuant
 from onnxq.passes.solve import Solve
 from onnxq.passes.verify import Verify
 
@@ -27,12 +30,16 @@ def build(options: QuantizeOptions, quantize_branch: BranchQuantizer) -> list[Pa
     if options.weight_dtype == "int4":  # whole-model weight-only int4: no calibration
         return [Load(raise_opsets=False), WeightOnlyInt4(), Verify(), Save()]
     fmt = options.output_format
-    correct = options.bias_correction == "fast"
-    passes: list[Pass] = [Load(), Annotate(), Calibrate(requests if correct else None), Solve()]
-    if correct:
+    passes: list[Pass] = [Load()]
+    if options.smoothquant != "off" and options.load_ranges is None:
+        passes.append(SmoothQuant())
+    passes += [Annotate(), Calibrate(requests), Solve()]
+    if options.bias_correction != "none":
         passes.append(BiasCorrection())
     passes += [Materialize(), Requantize()]
     if "Concat" in options.target.shared_scale_ops and fmt.from_requantized:
         passes.append(ShareConcatScales())
+    if fmt.from_requantized:
+        passes.append(FloatOutputs())
     passes += [Lower(), Int4Weights(), Branches(quantize_branch), Verify(), Check(), Save()]
     return passes

@@ -24,6 +24,8 @@ class Save:
             wrote.append(str(o.output))
         if o.save_ranges is not None:
             method = o.method if o.callback is None else "callback"
-            write_ranges(o.save_ranges, state.calibrator.ranges, method)
+            cal = state.calibrator
+            means = {t: cal.channel_mean(t) for t in sorted(cal.channel_sums)}
+            write_ranges(o.save_ranges, cal.ranges, method, means)
             wrote.append(str(o.save_ranges))
         return PassResult(f"wrote {', '.join(wrote)}" if wrote else "")

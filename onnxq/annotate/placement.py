@@ -1,0 +1,97 @@
+"""Transformer-aware placement: graph facts that keep nodes float before any rule matches.
+
+An additive attention mask (0 where a token is attended, a large negative number such as
+-10000, float-min or -inf on padding) is added to the attention scores just before Softmax.
+Quantized, its huge negative values would set the scale of every tensor they reach, and the
+scores would be rounded to a handful of levels (a 6-layer encoder fell from a cosine of 0.999 to
+0.74 on padded batches). A mask never sets a scale here:
+
+* the mask path (every float node computing the mask from the graph inputs and constants, with no
+  weighted op such as MatMul or Conv upstream) stays float,
+* the Add that applies it, the shape-only ops after it and the Softmax stay float too, since
+  their inputs hold the mask values. Softmax's output (0 to 1) is quantized by its reader.
+
+A calibration set without padding cannot hide the problem: the decision is made from the graph,
+not from the values seen.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx_graphsurgeon as gs
+
+from onnxq.io.graph import constant_value, producer
+
+#: ops that only move or reshape values between the masked Add and the Softmax
+_SHAPE_ONLY = {"Reshape", "Transpose", "Identity", "Squeeze", "Unsqueeze", "Flatten", "Cast"}
+#: ops whose output is a learned function of activations: attention scores come from one
+_WEIGHTED = {"MatMul", "Gemm", "Conv", "ConvTranspose", "Einsum", "MatMulInteger", "Attention"}
+#: a constant added to the scores is a mask when it holds values this negative (Swin: -100)
+MASK_FLOOR = -100.0
+
+
+def attention_masks(graph: gs.Graph) -> dict[str, str]:
+    """Node name -> why it stays float, for every additive attention mask of ``graph``."""
+    kept: dict[str, str] = {}
+    for softmax in graph.nodes:
+        if softmax.op != "Softmax":
+            continue
+        path: list[gs.Node] = [softmax]
+        for add in _adds_before(softmax.inputs[0], path):
+            for operand in add.inputs:
+                mask = _mask_nodes(operand)
+                if mask is None:
+                    continue
+                why = (
+                    f"transformer placement: '{operand.name}' is an additive attention mask "
+                    f"added by '{add.name}' before Softmax '{softmax.name}'; the mask path and "
+                    "the masked scores stay float (mask values such as float-min or -10000 "
+                    "would set the scale)"
+                )
+                for node in [*mask, add, *path]:
+                    kept.setdefault(node.name, why)
+    return kept
+
+
+def _adds_before(tensor: gs.Tensor, path: list[gs.Node]) -> list[gs.Node]:
+    """The Add nodes feeding ``tensor`` through shape-only ops (they join ``path``)."""
+    node = producer(tensor)
+    while node is not None and node.op in _SHAPE_ONLY and node.inputs:
+        path.append(node)
+        node = producer(node.inputs[0])
+    if node is None or node.op != "Add":
+        return []
+    adds = [node]
+    for operand in node.inputs:  # scores + bias + mask: a chain of Adds
+        if _mask_nodes(operand) is None:
+            adds += _adds_before(operand, path)
+    return adds
+
+
+def _mask_nodes(tensor: gs.Tensor) -> list[gs.Node] | None:
+    """The float nodes computing ``tensor`` if it is a mask, else None."""
+    value = constant_value(tensor)
+    if value is not None:
+        floating = np.issubdtype(value.dtype, np.floating) and value.size > 0
+        return [] if floating and float(np.min(value)) <= MASK_FLOOR else None
+    nodes: list[gs.Node] = []
+    seen: set[int] = set()
+    stack = [tensor]
+    while stack:
+        t = stack.pop()
+        node = producer(t)
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        if node.op in _WEIGHTED or node.op == "Softmax":
+            return None  # computed from activations: scores, not a mask
+        if any(_maybe_float(o) for o in node.outputs):
+            nodes.append(node)
+        stack.extend(i for i in node.inputs if isinstance(i, gs.Variable))
+    return nodes
+
+
+def _maybe_float(tensor: gs.Tensor) -> bool:
+    """False only for a tensor known to hold integers or booleans."""
+    dtype = getattr(tensor, "dtype", None)
+    return dtype is None or np.issubdtype(np.dtype(dtype), np.floating)
