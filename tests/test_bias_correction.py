@@ -68,7 +68,7 @@ def test_fast_correction_removes_the_mean_shift_of_rounded_weights():
     held_out = {"x": (rng(7).normal(2, 0.5, (32, 8, 10, 10))).astype(np.float32)}
     ref = run(model, held_out)[0]
     kw = dict(progress=False, weight_bits=7, method="minmax")
-    plain, _ = onnxq.quantize(model, data, **kw)
+    plain, _ = onnxq.quantize(model, data, bias_correction="none", **kw)
     fixed, report = onnxq.quantize(model, data, bias_correction="fast", **kw)
 
     def mean_error(q):  # per channel, over samples and positions
@@ -82,10 +82,14 @@ def test_fast_correction_removes_the_mean_shift_of_rounded_weights():
     assert "bias_corrections" in report.to_dict()
 
 
-def test_no_correction_by_default_and_a_bad_value_names_the_parameter():
+def test_on_by_default_for_a_cnn_off_with_none_and_a_bad_value_names_the_parameter():
     model, data = _depthwise_chain()
     _, report = onnxq.quantize(model, data, progress=False)
+    assert report.model_kind == "cnn" and set(report.bias_corrections) == {"dw.bias"}
+    assert "biases corrected" in report.algorithms["bias-correction"]
+    _, report = onnxq.quantize(model, data, progress=False, bias_correction="none")
     assert report.bias_corrections == {} and all(p.name != "bias-correction" for p in report.passes)
+    assert report.algorithms["bias-correction"] == "off (bias_correction='none')"
     with pytest.raises(ConfigError, match="bias_correction='slow'"):
         onnxq.quantize(model, data, progress=False, bias_correction="slow")
     assert isinstance(model, onnx.ModelProto)

@@ -27,7 +27,11 @@ def test_embedding_table_is_int8():
     model = h.make_model(graph, opset_imports=[h.make_opsetid("", 13)])
     model.ir_version = 8
     run = check_rule(
-        model, GatherPattern, {"embed"}, {"Gather": 1, "QLinearMatMul": 1}, context=(MatMulPattern,)
+        model,
+        GatherPattern,
+        {"embed"},
+        {"Gather": 1, "MatMulIntegerToFloat": 1},
+        context=(MatMulPattern,),
     )
     table = {i.name: i for i in run.model.graph.initializer}["E_quantized"]
     assert table.data_type == onnx.TensorProto.INT8

@@ -1,0 +1,273 @@
+"""Transformer encoders: the attention-mask path stays float, SmoothQuant, float MatMul outputs,
+and the model kind that picks the default algorithms. Every check runs the models."""
+
+import numpy as np
+import onnx
+import pytest
+from helpers import make_model, rng, run
+from onnx import TensorProto
+from onnx import helper as h
+from onnx import numpy_helper as nh
+
+import onnxq
+from onnxq.errors import ConfigError
+from onnxq.passes.smoothquant import _apply, _readers
+from onnxq.prepare.kind import detect
+from onnxq.solve.smoothquant import Smoothing, choose, smoothing_scales
+
+D, HEADS, VOCAB, FLOAT_MIN = 16, 1, 50, float(np.finfo(np.float32).min)
+
+
+def _encoder(mask_value: float = FLOAT_MIN, outlier: float = 1.0) -> onnx.ModelProto:
+    """One attention block as exporters write it: ids → embeddings → LayerNorm → Q, K, V;
+    scores / sqrt(d) + (1 - mask) · mask_value → Softmax → · V → dense + bias → residual."""
+    r = rng(11)
+    emb = r.normal(0, 1, (VOCAB, D)).astype(np.float32)
+    emb[:, 3] *= outlier  # an outlier channel, as BERT-class encoders have
+    inits = {
+        "emb": emb,
+        "gamma": np.ones(D, np.float32),
+        "beta": np.zeros(D, np.float32),
+        "Wq": r.normal(0, 0.3, (D, D)).astype(np.float32),
+        "Wk": r.normal(0, 0.3, (D, D)).astype(np.float32),
+        "Wv": r.normal(0, 0.3, (D, D)).astype(np.float32),
+        "Wo": r.normal(0, 0.3, (D, D)).astype(np.float32),
+        "bo": r.normal(0, 0.1, D).astype(np.float32),
+        "sqrt_d": np.array(np.sqrt(D), np.float32),
+        "one": np.array(1.0, np.float32),
+        "minval": np.array(mask_value, np.float32),
+        "axes1": np.array([1], np.int64),
+        "perm_k": np.array(0, np.int64),
+    }
+    nodes = [
+        h.make_node("Gather", ["emb", "ids"], ["e"], name="embed"),
+        h.make_node("LayerNormalization", ["e", "gamma", "beta"], ["x"], name="ln", axis=-1),
+        h.make_node("MatMul", ["x", "Wq"], ["q"], name="query"),
+        h.make_node("MatMul", ["x", "Wk"], ["k"], name="key"),
+        h.make_node("MatMul", ["x", "Wv"], ["v"], name="value"),
+        h.make_node("Transpose", ["k"], ["kt"], name="kt", perm=[0, 2, 1]),
+        h.make_node("MatMul", ["q", "kt"], ["s"], name="scores"),
+        h.make_node("Div", ["s", "sqrt_d"], ["sd"], name="scale"),
+        h.make_node("Unsqueeze", ["mask", "axes1"], ["m1"], name="mask_unsqueeze"),
+        h.make_node("Cast", ["m1"], ["mf"], name="mask_cast", to=TensorProto.FLOAT),
+        h.make_node("Sub", ["one", "mf"], ["inv"], name="mask_invert"),
+        h.make_node("Mul", ["inv", "minval"], ["bias"], name="mask_scale"),
+        h.make_node("Add", ["sd", "bias"], ["masked"], name="mask_add"),
+        h.make_node("Softmax", ["masked"], ["p"], name="softmax", axis=-1),
+        h.make_node("MatMul", ["p", "v"], ["ctx"], name="context"),
+        h.make_node("MatMul", ["ctx", "Wo"], ["o"], name="dense"),
+        h.make_node("Add", ["o", "bo"], ["ob"], name="dense_bias"),
+        h.make_node("Add", ["ob", "x"], ["y"], name="residual"),
+    ]
+    graph = h.make_graph(
+        nodes,
+        "encoder",
+        [
+            h.make_tensor_value_info("ids", TensorProto.INT64, ["N", "S"]),
+            h.make_tensor_value_info("mask", TensorProto.INT64, ["N", "S"]),
+        ],
+        [h.make_tensor_value_info("y", TensorProto.FLOAT, ["N", "S", D])],
+        [nh.from_array(v, k) for k, v in inits.items()],
+    )
+    model = h.make_model(graph, opset_imports=[h.make_opsetid("", 17)])
+    model.ir_version = 8
+    onnx.checker.check_model(model)
+    return model
+
+
+def _padded(n: int, seed: int, pad: bool = True) -> list[dict]:
+    """Batches of 4 sequences of 3 to 12 tokens padded to 12 (mask 0 on padding)."""
+    r = rng(seed)
+    out = []
+    for _ in range(n):
+        ids = r.integers(1, VOCAB, (4, 12)).astype(np.int64)
+        mask = np.ones((4, 12), np.int64)
+        if pad:
+            for row, length in enumerate(r.integers(3, 13, 4)):
+                ids[row, length:], mask[row, length:] = 0, 0
+        out.append({"ids": ids, "mask": mask})
+    return out
+
+
+def _cosines(a: np.ndarray, b: np.ndarray, mask: np.ndarray) -> np.ndarray:
+    keep = mask.reshape(-1).astype(bool)
+    a, b = a.reshape(-1, D)[keep], b.reshape(-1, D)[keep]
+    return (a * b).sum(1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1))
+
+
+MASK_PATH = {"mask_cast", "mask_invert", "mask_scale", "mask_add", "softmax"}
+
+
+@pytest.mark.parametrize("calibration_padded", [True, False], ids=["padded", "no-padding"])
+@pytest.mark.parametrize("mask_value", [FLOAT_MIN, -10000.0], ids=["float-min", "-10000"])
+def test_the_attention_mask_path_stays_float_and_never_sets_a_scale(mask_value, calibration_padded):
+    """Decided from the graph: even calibration data without padding cannot hide the mask."""
+    model = _encoder(mask_value)
+    q, report = onnxq.quantize(model, _padded(8, 1, calibration_padded), progress=False)
+    kept = {d.node: d for d in report.decisions if d.node in MASK_PATH}
+    assert all(not d.quantized and d.pattern == "placement" for d in kept.values()), kept
+    assert "additive attention mask" in kept["mask_add"].reason
+    assert {"query", "key", "value", "context", "dense"} <= set(report.quantized_nodes)
+    scales = [
+        np.abs(nh.to_array(i)).max() for i in q.graph.initializer if i.name.endswith("_scale")
+    ]
+    assert max(scales) < 1.0  # the mask's magnitude set none of them
+    for feeds in _padded(4, 2):
+        ref, got = run(model, feeds)[0], run(q, feeds)[0]
+        assert _cosines(ref, got, feeds["mask"]).min() > 0.99
+
+
+def test_without_the_placement_the_mask_would_have_wrecked_the_scores():
+    """The same model with the mask path forced into int8 (a mask fed as a float input that
+    the placement cannot see) is the failure the placement prevents."""
+    model = _encoder(-10000.0)
+    feeds = _padded(4, 2)
+    q, _ = onnxq.quantize(model, _padded(8, 1), progress=False)
+    good = min(_cosines(run(model, f)[0], run(q, f)[0], f["mask"]).min() for f in feeds)
+    # the mask as a float graph input of -10000 / 0, added to the scores inside a quantized Add
+    m2 = _encoder(-10000.0)
+    g = m2.graph
+    for n in list(g.node):
+        if n.name in ("mask_unsqueeze", "mask_cast", "mask_invert", "mask_scale"):
+            g.node.remove(n)
+    del g.input[1]
+    g.input.append(h.make_tensor_value_info("bias", TensorProto.FLOAT, ["N", 1, "S"]))
+
+    def as_bias(f):
+        return {"ids": f["ids"], "bias": ((1.0 - f["mask"][:, None, :]) * -10000.0).astype("f4")}
+
+    q2, report = onnxq.quantize(m2, [as_bias(f) for f in _padded(8, 1)], progress=False)
+    # a float graph input is still recognised as the mask: nothing computes it from weights
+    assert not next(d for d in report.decisions if d.node == "mask_add").quantized
+    kept = min(
+        _cosines(run(m2, as_bias(f))[0], run(q2, as_bias(f))[0], f["mask"]).min() for f in feeds
+    )
+    assert kept > 0.99 and good > 0.99
+
+
+def test_smoothquant_scales_follow_the_formula():
+    a, w = np.array([8.0, 1.0, 0.0, 2.0]), np.array([0.5, 2.0, 1.0, 0.0])
+    s = smoothing_scales(a, w, 0.5)
+    np.testing.assert_allclose(s, [4.0, 0.5**0.5 / 1.0, 1.0, 1.0], rtol=1e-12)
+
+
+def test_smoothquant_choice_never_makes_the_measured_error_worse():
+    r = rng(3)
+    x = r.normal(0, 1, (512, 16))
+    x[:, 5] *= 60  # one outlier channel
+    w = r.normal(0, 0.2, (16, 8))
+    st = (np.abs(x).max(0), x.min(0), x.max(0))
+    choice = choose(x, *st, [w], bits=8)
+    assert choice.alpha is not None and choice.error_after < 0.5 * choice.error_before
+    flat = r.normal(0, 1, (512, 16))
+    plain = choose(flat, np.abs(flat).max(0), flat.min(0), flat.max(0), [w], bits=8)
+    assert plain.error_after <= plain.error_before
+
+
+@pytest.mark.parametrize("where", ["layernorm", "mul"])
+def test_smoothquant_leaves_the_float_model_unchanged(where):
+    """Folded into the LayerNorm (nothing else reads it) or a Mul (the residual reads it too)."""
+    model = _encoder(outlier=20.0)
+    if where == "layernorm":  # drop the residual: only Q, K, V read the LayerNorm's output
+        g = model.graph
+        res = next(n for n in g.node if n.name == "residual")
+        g.node.remove(res)
+        next(n for n in g.node if n.name == "dense_bias").output[0] = "y"
+    readers = _readers(model, set())
+    s = np.linspace(0.5, 4.0, D)
+    smoothed = onnx.ModelProto()
+    smoothed.CopyFrom(model)
+    readers = _readers(smoothed, set())
+    went = _apply(smoothed, "x", readers["x"], Smoothing(0.5, s, 1.0, 0.5))
+    assert went.startswith("LayerNormalization" if where == "layernorm" else "Mul")
+    onnx.checker.check_model(smoothed)
+    feeds = _padded(2, 5)[0]
+    ref, got = run(model, feeds)[0], run(smoothed, feeds)[0]
+    np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+
+
+def test_smoothquant_lowers_the_error_on_outlier_channels_and_is_reported():
+    model = _encoder(outlier=40.0)
+    calib, evaluation = _padded(16, 1), _padded(6, 2)
+    errors = {}
+    for mode in ("off", "on"):
+        q, report = onnxq.quantize(model, calib, progress=False, smoothquant=mode)
+        errs = [
+            np.linalg.norm(run(q, f)[0] - run(model, f)[0]) / np.linalg.norm(run(model, f)[0])
+            for f in evaluation
+        ]
+        errors[mode] = float(np.mean(errs))
+        if mode == "on":
+            entry = report.smoothing["x"]
+            assert entry["readers"] == ["query", "key", "value"]
+            assert entry["error_after"] < entry["error_before"]
+            assert "smoothed" in report.algorithms["smoothquant"]
+        else:
+            assert report.algorithms["smoothquant"].startswith("off")
+    assert errors["on"] < errors["off"]
+
+
+def test_float_outputs_keep_int8_math_and_fold_the_bias():
+    """dense → bias Add → residual: only float ops read it, so it writes float
+    (MatMulIntegerToFloat with the bias inside); the QDQ form has no Q after it."""
+    model = _encoder()
+    calib, feeds = _padded(8, 1), _padded(1, 2)[0]
+    q, report = onnxq.quantize(model, calib, progress=False)
+    ops = [n.op_type for n in q.graph.node]
+    assert "MatMulIntegerToFloat" in ops and "dense_bias" not in {n.name for n in q.graph.node}
+    mif = next(n for n in q.graph.node if n.name.startswith("dense"))
+    assert mif.op_type == "MatMulIntegerToFloat" and mif.input[6] == "bo"
+    assert "dense" in report.quantized_nodes
+    ref = run(model, feeds)[0]
+    assert _cosines(ref, run(q, feeds)[0], feeds["mask"]).min() > 0.995
+    qdq, _ = onnxq.quantize(model, calib, progress=False, format="qdq")
+    readers = {i: n.op_type for n in qdq.graph.node for i in n.input}
+    dense = next(n for n in qdq.graph.node if n.op_type == "MatMul" and n.name.startswith("dense"))
+    assert readers[dense.output[0]] != "QuantizeLinear"
+    assert _cosines(ref, run(qdq, feeds)[0], feeds["mask"]).min() > 0.995
+
+
+def test_an_int8_reader_keeps_the_int8_output():
+    r = rng(9)
+    w1, w2 = (r.normal(0, 0.3, (8, 8)).astype(np.float32) for _ in range(2))
+    nodes = [h.make_node("MatMul", ["x", "W1"], ["a"], name="m1"),
+             h.make_node("MatMul", ["a", "W2"], ["y"], name="m2")]  # fmt: skip
+    model = make_model(nodes, [("x", ["N", 8])], [("y", ["N", 8])], {"W1": w1, "W2": w2})
+    data = [{"x": r.normal(0, 1, (16, 8)).astype(np.float32)} for _ in range(4)]
+    q, _ = onnxq.quantize(model, data, progress=False)
+    by_name = {n.name: n.op_type for n in q.graph.node}
+    assert [op for name, op in by_name.items() if name.startswith("m1")] == ["QLinearMatMul"]
+    assert "MatMulIntegerToFloat" in by_name.values()  # m2: its reader is the graph output
+
+
+def test_the_model_kind_is_read_from_the_graph_and_can_be_overridden(tmp_path):
+    from helpers import trained_model
+
+    assert detect(_encoder())[0] == "transformer"
+    assert detect(onnx.load(trained_model("digits_cnn")))[0] == "cnn"
+    assert detect(onnx.load(trained_model("digits_mlp")))[0] == "other"
+    lstm = h.make_node("LSTM", ["x", "W", "R"], ["y"], name="lstm", hidden_size=4)
+    rnn = make_model(
+        [lstm],
+        [("x", [5, 1, 3])],
+        [("y", None)],
+        {"W": np.zeros((1, 16, 3), np.float32), "R": np.zeros((1, 16, 4), np.float32)},
+    )
+    assert detect(rnn)[0] == "rnn"
+    model = _encoder()
+    _, auto = onnxq.quantize(model, _padded(4, 1), progress=False)
+    assert auto.model_kind == "transformer" and "attention" in auto.model_kind_reason
+    assert auto.algorithms["bias-correction"].startswith("off")
+    _, forced = onnxq.quantize(model, _padded(4, 1), progress=False, model_kind="cnn")
+    assert forced.model_kind == "cnn" and "the graph says transformer" in forced.model_kind_reason
+    assert forced.algorithms["smoothquant"].startswith("off")
+    assert forced.algorithms["bias-correction"] == "nothing to correct"  # it ran: no fused bias
+    with pytest.raises(ConfigError, match="model_kind='vision' is unknown"):
+        onnxq.quantize(model, _padded(4, 1), progress=False, model_kind="vision")
+
+
+def test_smoothquant_reads_a_one_shot_iterator_once():
+    """Its statistics pass keeps the batches for calibration when the source cannot rewind."""
+    model = _encoder(outlier=40.0)
+    q, report = onnxq.quantize(model, iter(_padded(6, 1)), progress=False, smoothquant="on")
+    assert report.calibration.samples == 24 and report.smoothing
