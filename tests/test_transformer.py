@@ -200,6 +200,9 @@ def test_smoothquant_lowers_the_error_on_outlier_channels_and_is_reported():
         if mode == "on":
             entry = report.smoothing["x"]
             assert entry["readers"] == ["query", "key", "value"]
+            mul = next(d for d in report.decisions if d.node == "x_smoothed")
+            assert not mul.quantized and mul.pattern == "placement"
+            assert mul.reason.startswith("SmoothQuant: divides 'x' by s")
             assert entry["error_after"] < entry["error_before"]
             assert "smoothed" in report.algorithms["smoothquant"]
         else:
@@ -271,3 +274,10 @@ def test_smoothquant_reads_a_one_shot_iterator_once():
     model = _encoder(outlier=40.0)
     q, report = onnxq.quantize(model, iter(_padded(6, 1)), progress=False, smoothquant="on")
     assert report.calibration.samples == 24 and report.smoothing
+
+
+def test_smoothquant_output_is_byte_identical_across_runs():
+    model = _encoder(outlier=40.0)
+    a, _ = onnxq.quantize(model, _padded(6, 1), progress=False, smoothquant="on")
+    b, _ = onnxq.quantize(model, _padded(6, 1), progress=False, smoothquant="on")
+    assert a.SerializeToString(deterministic=True) == b.SerializeToString(deterministic=True)

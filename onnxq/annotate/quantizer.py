@@ -115,7 +115,8 @@ class Quantizer:
     """Match ``patterns`` in ``model`` and annotate every group; lower the records to a template.
 
     ``model`` is a path or ModelProto (never modified); ``patterns`` defaults to
-    ``onnxq.patterns.default_patterns()``.
+    ``onnxq.patterns.default_patterns()``; ``kept_float``: nodes an earlier pass added that stay
+    float, with the reason the decisions give (SmoothQuant's Mul by 1/s).
     """
 
     def __init__(
@@ -123,6 +124,7 @@ class Quantizer:
         model: Any,
         patterns: Sequence[QuantizerPattern] | None = None,
         config: QuantizerConfig | None = None,
+        kept_float: dict[str, str] | None = None,
     ):
         self.config = config or QuantizerConfig()
         self.float_model: onnx.ModelProto = preprocess(load_model(model))
@@ -176,7 +178,8 @@ class Quantizer:
         if self.config.user is not None:
             self._resolve_user(graph, kept)
         #: nodes the graph itself keeps float (onnxq.annotate.placement), and why
-        self.placement = {n: w for n, w in attention_masks(graph).items() if n not in kept}
+        placed = {**attention_masks(graph), **(kept_float or {})}
+        self.placement = {n: w for n, w in placed.items() if n not in kept}
         kept.update(self.placement)
         part = self._annotate(graph, excluded, kept)
         self.decisions = explain(self, part)

@@ -20,7 +20,7 @@ class Annotate:
     def run(self, state: State) -> PassResult:
         """Build the annotated template."""
         o = state.options
-        q = Quantizer(state.float_model, o.patterns, o.quantizer_config())
+        q = Quantizer(state.float_model, o.patterns, o.quantizer_config(), state.float_nodes)
         gc.collect()  # graphsurgeon graphs are reference cycles: free the stages' copies now
         state.quantizer = q
         matched = len({n for rec in q.records for n in rec.nodes})

@@ -75,6 +75,8 @@ class State:
     kind_reason: str = ""
     #: SmoothQuant: input tensor -> alpha, readers, errors, where 1/s went
     smoothing: dict[str, Any] = field(default_factory=dict)
+    #: nodes an earlier pass added that stay float, with the reason (SmoothQuant's 1/s Mul)
+    float_nodes: dict[str, str] = field(default_factory=dict)
     #: int8 MatMul/Gemm nodes that write float (onnxq.post.float_outputs)
     float_outputs: list[str] = field(default_factory=list)
     solution: Any = None

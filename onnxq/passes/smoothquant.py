@@ -88,6 +88,12 @@ class SmoothQuant:
             choice = choose(rows, st.absmax, st.lo, st.hi, weights, state.options.weight_bits)
             where = _apply(model, x, readers[x], choice) if choice.alpha is not None else ""
             applied += bool(where)
+            if where.startswith("Mul"):
+                names = ", ".join(f"'{r.node.name}'" for r in readers[x])
+                state.float_nodes[f"{x}_smoothed"] = (
+                    f"SmoothQuant: divides '{x}' by s (alpha {choice.alpha}) for {names}, "
+                    "whose weights took s; it runs in float before their QuantizeLinear"
+                )
             state.smoothing[x] = {
                 "alpha": choice.alpha,
                 "readers": [r.node.name for r in readers[x]],
