@@ -155,7 +155,8 @@ def _collect(state: State, model: onnx.ModelProto, tensors: list[str]) -> dict[s
             v = np.asarray(values[t])
             if v.ndim < 1 or not np.issubdtype(v.dtype, np.floating):
                 continue
-            rows = v.reshape(-1, v.shape[-1]).astype(np.float64)
+            # statistics in the tensor's own dtype (exact), float64 only for the kept rows
+            rows = v.reshape(-1, v.shape[-1])
             st = stats.get(t)
             if st is None:
                 k = rows.shape[1]
@@ -166,7 +167,7 @@ def _collect(state: State, model: onnx.ModelProto, tensors: list[str]) -> dict[s
             room = SAMPLE_ROWS - st.seen
             if room > 0:
                 step = max(1, len(rows) // 64)
-                take = rows[::step][:room]
+                take = rows[::step][:room].astype(np.float64)
                 st.rows.append(take)
                 st.seen += len(take)
     if feeds is not None:  # a one-shot source: calibration reads the kept batches
