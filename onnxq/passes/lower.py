@@ -3,13 +3,17 @@
 Needs ``state.model``, ``state.quantizer`` and ``state.biases`` (corrected float biases, which
 the OpenVINO form, rebuilt from the float model, writes in place of the originals). Leaves
 ``state.model`` in the output format
-(onnxq.lower.formats: QOperator, QDQ or OpenVINO FakeQuantize).
+(onnxq.lower.formats: QOperator, QDQ or OpenVINO FakeQuantize). For onnxruntime, float
+Conv/ConvTranspose/Gemm layers behind a DequantizeLinear read their input through
+Cast/Sub/Mul instead, or onnxruntime would quantize their weights per tensor on its own
+(onnxq.post.float_guard).
 """
 
 from __future__ import annotations
 
 from onnxq.io.session import free_memory
 from onnxq.passes.manager import PassResult, State, op_changes, op_histogram
+from onnxq.post.float_guard import guard_float_layers
 
 
 class Lower:
@@ -24,6 +28,12 @@ class Lower:
         state.model = fmt.lower(
             state.model, state.quantizer, state.values, state.options, state.biases
         )
+        guarded: list[str] = []
+        if fmt.runtime == "onnxruntime":
+            state.model, guarded = guard_float_layers(state.model)
         free_memory()
         changed = op_changes(before, op_histogram(state.model))
-        return PassResult(f"{fmt.name}: {changed}" if changed else fmt.name)
+        text = f"{fmt.name}: {changed}" if changed else fmt.name
+        if guarded:
+            text += f"; {len(guarded)} float layer(s) guarded from runtime quantization"
+        return PassResult(text)
