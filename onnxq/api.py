@@ -24,6 +24,7 @@ from onnxq.passes import pipeline
 from onnxq.passes.manager import State, op_histogram, run_passes
 from onnxq.post.requantize import RequantizeStats
 from onnxq.report import QuantizeReport, build_report
+from onnxq.tools.fallback import search
 
 
 def quantize(
@@ -56,7 +57,10 @@ def quantize(
     latency_check: bool = False,
     bias_correction: str = "auto",
     smoothquant: str = "auto",
+    rounding: str = "auto",
     model_kind: str = "auto",
+    max_drop: float | None = None,
+    metric: str | None = None,
 ) -> tuple[onnx.ModelProto, QuantizeReport]:
     """Quantize ``model`` with calibration ``data``; return the int8 model and a report.
 
@@ -79,10 +83,17 @@ def quantize(
     ``bias_correction="fast"`` subtracts from each Conv/Gemm/MatMul bias the mean output shift
     its weight rounding causes (from the calibration data's per-channel input means).
     ``smoothquant="on"`` moves activation outliers of MatMul/Gemm inputs into their weights,
-    alpha chosen per layer. Both default to ``"auto"``: what helps the model's kind, read from
-    its graph (bias correction for CNNs, SmoothQuant for transformers; ``model_kind`` overrides
-    the detection: ``cnn``, ``transformer``, ``rnn`` or ``other``). The report's ``algorithms``
-    says what ran.
+    alpha chosen per layer. ``rounding="optimized"`` rounds each Conv/Gemm/MatMul weight for the
+    least output error on the layer's calibration inputs (GPTQ-style) instead of to nearest.
+    All three default to ``"auto"``: what helps the model's kind, read from its graph (bias
+    correction for CNNs, SmoothQuant for transformers, optimized rounding for both;
+    ``model_kind`` overrides the detection: ``cnn``, ``transformer``, ``rnn`` or ``other``).
+    The report's ``algorithms`` says what ran. ``max_drop`` turns on the accuracy-driven
+    fallback (onnxq.tools.fallback): every 8th calibration batch is held back, and the fewest
+    groups, ranked by the SQNR each loses, go back to float until the metric (``metric``:
+    ``"module:function"`` called with a model file's path, higher is better; by default the
+    mean output cosine with fp32 in %) is at most ``max_drop`` below fp32's; ``report.fallback``
+    lists every trial.
     """
     try:
         options = resolve_call(locals())
@@ -115,6 +126,8 @@ def quantize_with(
     model: str | os.PathLike[str] | onnx.ModelProto, data: Any, options: QuantizeOptions
 ) -> tuple[onnx.ModelProto, QuantizeReport]:
     """Run the pipeline ``options`` call for; see :func:`quantize`."""
+    if options.max_drop is not None:
+        return search(model, data, options, quantize_with)
     state = run_passes(State(options, model, data), pipeline.build(options, quantize_with))
     report = _int4_report(state) if options.weight_dtype == "int4" else build_report(state)
     return state.model, report

@@ -26,7 +26,7 @@ from onnxq.io.graph import load_model, save_model, write_text_atomic
 from onnxq.io.loader import load_object
 from onnxq.lower.convert import convert
 from onnxq.lower.formats import get_format
-from onnxq.options import BIAS_CORRECTIONS, SMOOTHQUANT, resolve
+from onnxq.options import BIAS_CORRECTIONS, ROUNDINGS, SMOOTHQUANT, resolve
 from onnxq.passes.load import refuse_quantized
 from onnxq.passes.manager import op_histogram
 from onnxq.passes.verify import verify
@@ -133,6 +133,30 @@ def _quantize_io(q: argparse.ArgumentParser) -> None:
         choices=list(SMOOTHQUANT),
         help="move activation outliers of MatMul/Gemm inputs into their weights (alpha per "
         "layer, kept only where the int8 error drops); auto (default): on for transformers",
+    )
+    q.add_argument(
+        "--rounding",
+        default="auto",
+        choices=list(ROUNDINGS),
+        help="optimized: round each Conv/Gemm/MatMul weight for the least output error on the "
+        "layer's calibration inputs (GPTQ-style; per layer never worse than nearest); auto "
+        "(default): optimized for CNNs and transformers, nearest otherwise",
+    )
+    q.add_argument(
+        "--max-drop",
+        type=float,
+        default=None,
+        metavar="X",
+        help="accuracy-driven fallback: return the fewest groups (ranked by the SQNR each "
+        "loses) to float until the metric is at most X below fp32's, measured on every 8th "
+        "calibration batch, held back; writes the best model found",
+    )
+    q.add_argument(
+        "--metric",
+        default=None,
+        metavar="MODULE:FUNCTION",
+        help="with --max-drop: your evaluation, called with a model file's path, returning a "
+        "number (higher is better); default: mean output cosine with fp32, in %%",
     )
     q.add_argument(
         "--model-kind",
@@ -436,6 +460,9 @@ def _quantize(args: argparse.Namespace) -> int:
             latency_check=not args.no_latency_check,
             bias_correction=args.bias_correction,
             smoothquant=args.smoothquant,
+            rounding=args.rounding,
+            max_drop=args.max_drop,
+            metric=args.metric,
             model_kind=args.model_kind,
         ),
         cli=True,

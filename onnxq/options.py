@@ -43,8 +43,10 @@ def spell(option: str, cli: bool, value: Any = _FLAG) -> str:
 
 
 #: the bias corrections quantize() runs after solving
-BIAS_CORRECTIONS = ("auto", "none", "fast")
+BIAS_CORRECTIONS = ("auto", "none", "fast", "layerwise")
 SMOOTHQUANT = ("auto", "on", "off")
+#: how weights are rounded to their grid (onnxq.solve.rounding)
+ROUNDINGS = ("auto", "nearest", "optimized")
 
 #: CLI flags that are quantize() parameters, and the values each can take in a message
 _PARAMETERS: dict[str, tuple[str, ...] | None] = {
@@ -54,6 +56,7 @@ _PARAMETERS: dict[str, tuple[str, ...] | None] = {
     "method": METHODS,
     "bias-correction": BIAS_CORRECTIONS,
     "smoothquant": SMOOTHQUANT,
+    "rounding": ROUNDINGS,
     "model-kind": KINDS,
     "weight-bits": (),
     "bins": (),
@@ -138,6 +141,12 @@ class QuantizeOptions:
     bias_correction: str = "auto"
     #: SmoothQuant before annotation: "auto" (on for transformers), "on" or "off"
     smoothquant: str = "auto"
+    #: weight rounding: "auto" (optimized for CNNs and transformers), "nearest" or "optimized"
+    rounding: str = "auto"
+    #: accuracy-driven fallback: the largest metric drop allowed (None: off) and the metric
+    #: ("module:function" called with a model path; None: output cosine with fp32, in %)
+    max_drop: float | None = None
+    metric: str | None = None
     #: the model's kind, or "auto" to read it from the graph (onnxq.prepare.kind)
     model_kind: str = "auto"
     #: choices onnxq made on its own (e.g. 7-bit weights), for the report
@@ -218,12 +227,25 @@ def resolve(
     for key, allowed in (
         ("bias_correction", BIAS_CORRECTIONS),
         ("smoothquant", SMOOTHQUANT),
+        ("rounding", ROUNDINGS),
         ("model_kind", KINDS),
     ):
         if rest.get(key, "auto") not in allowed:
             raise ConfigError(
                 f"{spell(key, cli, rest[key])} is unknown; choose one of {', '.join(allowed)}"
             )
+    max_drop = rest.get("max_drop")
+    if max_drop is not None and (
+        isinstance(max_drop, bool) or not isinstance(max_drop, (int, float)) or not max_drop >= 0
+    ):
+        raise ConfigError(
+            f"{spell('max_drop', cli, max_drop)} must be a number ≥ 0 (metric points)"
+        )
+    if rest.get("metric") is not None and max_drop is None:
+        raise ConfigError(
+            f"{spell('metric', cli)} is the metric of the accuracy-driven fallback; add "
+            f"{spell('max_drop', cli)} with the largest drop allowed"
+        )
     if patterns is None and tgt.patterns is not None:
         patterns = target_patterns(tgt)
     return QuantizeOptions(

@@ -54,6 +54,11 @@ class QuantizeReport:
     algorithms: dict[str, str] = field(default_factory=dict)
     #: SmoothQuant per input tensor: alpha (None: left alone), readers, errors, where 1/s went
     smoothing: dict[str, Any] = field(default_factory=dict)
+    #: optimized rounding per layer: output SQNR of nearest and of the chosen rounding (dB),
+    #: rows changed, or why the layer kept nearest rounding
+    rounding: dict[str, Any] = field(default_factory=dict)
+    #: accuracy-driven fallback (max_drop): the metric, the bar, every trial and the choice
+    fallback: dict[str, Any] = field(default_factory=dict)
 
     @property
     def quantized_nodes(self) -> list[str]:
@@ -85,6 +90,8 @@ class QuantizeReport:
                 for p in self.passes
             ),
         ]
+        if self.fallback:
+            lines.append(fallback_line(self.fallback))
         if self.latency:
             lines.append(
                 f"latency: fp32 {self.latency['fp32_ms']:.3f} ms, int8 "
@@ -128,6 +135,8 @@ class QuantizeReport:
             "model_kind_reason": self.model_kind_reason,
             "algorithms": self.algorithms,
             "smoothing": self.smoothing,
+            "rounding": self.rounding,
+            "fallback": self.fallback,
         }
 
 
@@ -156,6 +165,7 @@ def build_report(state: State) -> QuantizeReport:
         model_kind_reason=state.kind_reason,
         algorithms=algorithms(state),
         smoothing=dict(state.smoothing),
+        rounding=dict(state.rounding),
     )
     explain_constraints(report.decisions, sol)
     if not o.cli:
@@ -164,7 +174,11 @@ def build_report(state: State) -> QuantizeReport:
 
 
 #: the optional algorithms, by pass name, and the option that switches each
-ALGORITHMS = {"smoothquant": "smoothquant", "bias-correction": "bias_correction"}
+ALGORITHMS = {
+    "smoothquant": "smoothquant",
+    "rounding": "rounding",
+    "bias-correction": "bias_correction",
+}
 
 
 def algorithms(state: State) -> dict[str, str]:
@@ -258,3 +272,18 @@ def branch_decisions(quantizer: Quantizer, branches: list[Any]) -> list[Decision
             d.pattern = "branches" if d.quantized else d.pattern
             d.reason = "each branch quantized as its own graph; " + "; ".join(lines)
     return out
+
+
+def fallback_line(fb: dict[str, Any]) -> str:
+    """The accuracy-driven fallback in one line: what was chosen and what each count gave."""
+    chosen = next(t for t in fb["trials"] if t["excluded"] == fb["chosen_excluded"])
+    tried = ", ".join(
+        f"{t['float_groups']}: {t['metric']:.3f} ({t['int8_ms']:.2f} ms)" for t in fb["trials"]
+    )
+    verdict = "met" if fb["met"] else "NOT met (the best model found is written)"
+    return (
+        f"fallback: {fb['metric']} fp32 {fb['fp32']:.3f}, int8 {chosen['metric']:.3f} with "
+        f"{fb['chosen']} group(s) float (drop {chosen['drop']:.3f}, max {fb['max_drop']}: "
+        f"{verdict}); float groups: metric (int8 ms per batch) {tried}; fp32 "
+        f"{fb['fp32_ms']:.2f} ms"
+    )

@@ -417,17 +417,17 @@ class Quantizer:
             self._float_values[name] = np.asarray(value, np.float32)
 
     def materialize(
-        self, values: dict[str, np.ndarray], biases: dict[str, np.ndarray] | None = None
+        self, values: dict[str, np.ndarray], constants: dict[str, np.ndarray] | None = None
     ) -> onnx.ModelProto:
         """The template with ``values`` for the scale/zero-point placeholders and derived weights.
 
         Missing placeholders keep their defaults (scale 1, zero point 0). Biases that would
         overflow int32 enlarge their weight's scale (per channel) instead of being clipped;
         ``final_values`` and ``widened_biases`` then say what the model holds
-        (onnxq.solve.materialize). ``biases``: float biases to use instead of the model's
-        (bias correction).
+        (onnxq.solve.materialize). ``constants``: float biases and weights to use instead
+        of the model's, by name (bias correction, optimized rounding).
         """
-        done = materialize(self, values, biases)
+        done = materialize(self, values, constants)
         self.final_values, self.widened_biases = done.values, done.widened
         return done.model
 

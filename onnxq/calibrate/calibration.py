@@ -167,6 +167,9 @@ class Calibrator:
         #: per-channel means read from a range table (--load-ranges) instead of the data
         self.loaded_means: dict[str, np.ndarray] = {}
         self.channel_sums: dict[str, tuple[np.ndarray, int]] = {}
+        #: observers a later pass streams over the same batches (tensor -> observers with an
+        #: ``observe(array)``), set before calibrate: optimized rounding's layer Hessians
+        self.taps: dict[str, list[Any]] = {}
         #: the first batches, kept for callbacks that search on real layer outputs
         self.sample_feeds: list[dict[str, np.ndarray]] = []
         self.report = CalibrationReport()
@@ -289,12 +292,12 @@ class Calibrator:
             for qt in [*rec.inputs, *rec.outputs]:
                 if qt.role == "activation":
                     wanted.setdefault((qt.tensor, cb.observer_key), cb)
-        if not wanted:
+        if not wanted and not self.taps:
             return
         if self.dataset_manager is None:
             raise CalibrationError("calibration needs data: pass a DatasetManager (or --data)")
         self.observers = {key: cb.make_observer() for key, cb in wanted.items()}
-        names = sorted({t for t, _ in wanted} | set(self.channel_axes))
+        names = sorted({t for t, _ in wanted} | set(self.channel_axes) | set(self.taps))
         by_tensor: dict[str, list[Observer]] = {}
         for (tensor, _), obs in self.observers.items():
             by_tensor.setdefault(tensor, []).append(obs)
@@ -315,7 +318,10 @@ class Calibrator:
             self.report.samples += feed_samples(feeds)
             for name, arr in zip(names, outs):
                 arr = np.asarray(arr)
-                if arr.size and not np.isfinite(arr.min() + arr.max()):  # NaN or ±Inf inside
+                finite = not arr.size or bool(np.isfinite(arr.min() + arr.max()))
+                for tap in self.taps.get(name, ()) if finite else ():
+                    tap.observe(arr)  # the batch as the layer reads it (skipped with NaN/Inf)
+                if not finite:  # NaN or ±Inf inside
                     bad = int(arr.size - np.count_nonzero(np.isfinite(arr)))
                     self.report.nonfinite[name] = self.report.nonfinite.get(name, 0) + bad
                     arr = arr[np.isfinite(arr)]

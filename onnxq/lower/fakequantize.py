@@ -58,17 +58,18 @@ def to_fakequantize(
     quantizer: Any,
     values: dict[str, np.ndarray],
     weight_qrange: tuple[int, int] | None = None,
-    biases: dict[str, np.ndarray] | None = None,
+    constants: dict[str, np.ndarray] | None = None,
 ) -> onnx.ModelProto:
     """The FakeQuantize model of ``quantizer``'s annotation with ``values``.
 
     ``quantizer``: the onnxq.annotate.quantizer.Quantizer that annotated the float model;
-    ``values``: the scales and zero points as the materialized model holds them; ``biases``:
-    float biases an algorithm changed (bias correction), by name.
+    ``values``: the scales and zero points as the materialized model holds them; ``constants``:
+    float biases and weights an algorithm replaced (bias correction, optimized rounding), by
+    name.
     """
     graph = import_graph(quantizer.float_model)
     tensors = graph.tensors()
-    _correct_biases(graph, quantizer, biases or {})
+    _replace_constants(graph, quantizer, constants or {})
     editor = GraphEditor(graph)
     group_nodes = {n for rec in quantizer.records for n in rec.nodes}
     produced = {q.tensor for rec in quantizer.records for q in rec.outputs}
@@ -103,13 +104,23 @@ def to_fakequantize(
     return export_model(graph, quantizer.float_model)
 
 
-def _correct_biases(graph: gs.Graph, quantizer: Any, biases: dict[str, np.ndarray]) -> None:
-    """Write corrected float biases (by derived name, ``<node>.bias``) into their constants."""
-    if not biases:
+def _replace_constants(graph: gs.Graph, quantizer: Any, constants: dict[str, np.ndarray]) -> None:
+    """Write the constants an algorithm replaced into the float graph.
+
+    Weights and float layers' biases by tensor name; the biases of quantized layers by derived
+    name (``<node>.bias``, found by their original value).
+    """
+    if not constants:
         return
+    tensors = graph.tensors()
+    derived = {quantizer.biases[rec.bias].bias for rec in quantizer.records if rec.bias}
+    for name, new in constants.items():  # rounded weights, float layers' biases: tensor names
+        t = tensors.get(name)
+        if name not in derived and isinstance(t, gs.Constant):
+            t.values = np.asarray(new, np.float32).reshape(t.shape)
     nodes = {n.name: n for n in graph.nodes}
     for rec in quantizer.records:
-        if rec.bias is None or quantizer.biases[rec.bias].bias not in biases:
+        if rec.bias is None or quantizer.biases[rec.bias].bias not in constants:
             continue
         name = quantizer.biases[rec.bias].bias
         original = np.asarray(quantizer.float_value(name), np.float32).reshape(-1)
@@ -122,7 +133,7 @@ def _correct_biases(graph: gs.Graph, quantizer: Any, biases: dict[str, np.ndarra
                     and value.size == original.size
                     and np.array_equal(np.asarray(value, np.float32).reshape(-1), original)
                 ):
-                    t.values = np.asarray(biases[name], np.float32).reshape(t.shape)
+                    t.values = np.asarray(constants[name], np.float32).reshape(t.shape)
 
 
 def _fq_node(

@@ -28,7 +28,7 @@ def _qoperator(
     quantizer: Any,
     values: dict[str, Any],
     options: Any,
-    biases: dict[str, Any],
+    constants: dict[str, Any],
 ) -> onnx.ModelProto:
     """QLinear ops as they are; GELUs left whole become one com.microsoft.Gelu kernel."""
     out, _ = fuse_gelu(model)
@@ -40,7 +40,7 @@ def _qdq(
     quantizer: Any,
     values: dict[str, Any],
     options: Any,
-    biases: dict[str, Any],
+    constants: dict[str, Any],
 ) -> onnx.ModelProto:
     """Each QLinear op un-fused into DequantizeLinear → float op → QuantizeLinear."""
     out = to_qdq(model)
@@ -52,11 +52,11 @@ def _openvino(
     quantizer: Any,
     values: dict[str, Any],
     options: Any,
-    biases: dict[str, Any],
+    constants: dict[str, Any],
 ) -> onnx.ModelProto:
     """The float graph with FakeQuantize on every quantized edge (from the annotation)."""
     qrange = (-64, 63) if options.weight_bits == 7 else None
-    return to_fakequantize(quantizer, values, qrange, biases)
+    return to_fakequantize(quantizer, values, qrange, constants)
 
 
 @dataclass(frozen=True)

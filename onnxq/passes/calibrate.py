@@ -8,6 +8,7 @@ Leaves ``state.values``, ``state.dataset`` and
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 from onnxq.calibrate.calibration import Calibrator
 from onnxq.calibrate.callbacks import CalibrationCallback, RangeTableCallback
@@ -26,13 +27,19 @@ class Calibrate:
     """Stream the data through the float model and ask every rule's callback for values.
 
     ``channel_means``: a later pass's request for per-channel input means (tensor -> channel
-    axis), collected in the same stream.
+    axis), collected in the same stream; ``taps``: a later pass's observers of tensors
+    (tensor -> objects with ``observe(array)``), fed every batch of the same stream.
     """
 
     name = "calibrate"
 
-    def __init__(self, channel_means: Callable[[State], dict[str, int]] | None = None):
+    def __init__(
+        self,
+        channel_means: Callable[[State], dict[str, int]] | None = None,
+        taps: Callable[[State], dict[str, list[Any]]] | None = None,
+    ):
         self.channel_means = channel_means
+        self.taps = taps
 
     def run(self, state: State) -> PassResult:
         """Choose the placeholder values."""
@@ -59,6 +66,8 @@ class Calibrate:
         calibrator.reference_batches = CHECK_BATCHES if checked else 0
         if self.channel_means is not None:
             calibrator.channel_axes = self.channel_means(state)
+        if self.taps is not None:
+            calibrator.taps = dict(self.taps(state))
         if o.load_ranges is not None:
             calibrator.loaded_means = read_channel_means(o.load_ranges)
         state.values = calibrator.calibrate()

@@ -1,7 +1,8 @@
 """Lower: the requantized QOperator model written in the chosen output format.
 
-Needs ``state.model``, ``state.quantizer`` and ``state.biases`` (corrected float biases, which
-the OpenVINO form, rebuilt from the float model, writes in place of the originals). Leaves
+Needs ``state.model``, ``state.quantizer`` and ``state.constants`` (corrected biases and rounded
+weights, which the OpenVINO form, rebuilt from the float model, writes in place of the
+originals). Leaves
 ``state.model`` in the output format
 (onnxq.lower.formats: QOperator, QDQ or OpenVINO FakeQuantize). For onnxruntime, float
 Conv/ConvTranspose/Gemm layers behind a DequantizeLinear read their input through
@@ -26,14 +27,14 @@ class Lower:
         before = op_histogram(state.model)
         fmt = state.options.output_format
         state.model = fmt.lower(
-            state.model, state.quantizer, state.values, state.options, state.biases
+            state.model, state.quantizer, state.values, state.options, state.constants
         )
         guarded: list[str] = []
         if fmt.runtime == "onnxruntime":
             state.model, guarded = guard_float_layers(state.model)
         free_memory()
         changed = op_changes(before, op_histogram(state.model))
-        text = f"{fmt.name}: {changed}" if changed else fmt.name
-        if guarded:
-            text += f"; {len(guarded)} float layer(s) guarded from runtime quantization"
-        return PassResult(text)
+        note = (
+            f"; {len(guarded)} float layer(s) guarded from runtime quantization" if guarded else ""
+        )
+        return PassResult((f"{fmt.name}: {changed}" if changed else fmt.name) + note)

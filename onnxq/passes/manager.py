@@ -66,13 +66,18 @@ class State:
     calibrator: Any = None
     #: placeholder name -> value (scales, zero points), after solving
     values: dict[str, Any] = field(default_factory=dict)
-    #: float biases an algorithm changed (bias name -> value), which materialize uses
-    biases: dict[str, Any] = field(default_factory=dict)
+    #: float constants an algorithm replaced (name -> value): corrected biases, rounded
+    #: weights; materialize and the lowering use them instead of the model's
+    constants: dict[str, Any] = field(default_factory=dict)
     #: bias correction: bias name -> the largest shift it removed, in output steps
     bias_corrections: dict[str, float] = field(default_factory=dict)
     #: the model's kind (onnxq.prepare.kind) and why, set by loading
     kind: str = ""
     kind_reason: str = ""
+    #: optimized rounding: layer -> errors before and after, or why it was skipped
+    rounding: dict[str, Any] = field(default_factory=dict)
+    #: optimized rounding's layer input Hessians while calibration streams (node -> layer, obs)
+    hessians: dict[str, Any] = field(default_factory=dict)
     #: SmoothQuant: input tensor -> alpha, readers, errors, where 1/s went
     smoothing: dict[str, Any] = field(default_factory=dict)
     #: nodes an earlier pass added that stay float, with the reason (SmoothQuant's 1/s Mul)

@@ -1,7 +1,7 @@
 """Materialize: the template with its placeholders set to the solved values.
 
-Needs ``state.quantizer`` and ``state.values`` (and ``state.biases``, the float biases an
-algorithm changed). Leaves ``state.model``: a QOperator model
+Needs ``state.quantizer`` and ``state.values`` (and ``state.constants``, the float biases and
+weights an algorithm replaced). Leaves ``state.model``: a QOperator model
 (quantized weights and int32 biases derived from the float constants), and ``state.values`` as
 the model holds them (weight scales widened where a bias needs the headroom).
 """
@@ -19,6 +19,6 @@ class Materialize:
     def run(self, state: State) -> PassResult:
         """Materialize the model."""
         q = state.quantizer
-        state.model = q.materialize(state.values, state.biases)
+        state.model = q.materialize(state.values, state.constants)
         state.values = dict(q.final_values)  # after bias widening: what the model holds
         return PassResult(op_changes(op_histogram(q.float_model), op_histogram(state.model)))

@@ -19,6 +19,7 @@ from onnxq.passes.lower import Lower
 from onnxq.passes.manager import Pass
 from onnxq.passes.materialize import Materialize
 from onnxq.passes.requantize import Requantize, ShareConcatScales
+from onnxq.passes.rounding import WeightRounding, taps
 from onnxq.passes.save import Save
 from onnxq.passes.smoothquant import SmoothQuant
 from onnxq.passes.solve import Solve
@@ -33,7 +34,9 @@ def build(options: QuantizeOptions, quantize_branch: BranchQuantizer) -> list[Pa
     passes: list[Pass] = [Load()]
     if options.smoothquant != "off" and options.load_ranges is None:
         passes.append(SmoothQuant())
-    passes += [Annotate(), Calibrate(requests), Solve()]
+    passes += [Annotate(), Calibrate(requests, taps), Solve()]
+    if options.rounding != "nearest":
+        passes.append(WeightRounding())
     if options.bias_correction != "none":
         passes.append(BiasCorrection())
     passes += [Materialize(), Requantize()]

@@ -37,6 +37,8 @@ class Layer:
     #: Conv's group; dense: whether the weight is stored (N, K) (Gemm transB=1)
     group: int = 1
     transposed: bool = False
+    #: the weight as optimized rounding left it (on its grid); None: nearest rounding
+    rounded: np.ndarray | None = None
 
 
 def input_axis(kind: str) -> int:
@@ -53,22 +55,53 @@ def channel_means(batch: np.ndarray, axis: int) -> tuple[np.ndarray, int]:
 
 def weight_error(layer: Layer) -> np.ndarray:
     """ΔW: the weight as int8 rounds it, minus the weight."""
-    w = np.asarray(layer.weight, np.float32)
-    return dequantize(quantize(w, layer.qparams), layer.qparams) - w
+    return quantized_weight(layer) - np.asarray(layer.weight, np.float32)
 
 
 def expected_shift(layer: Layer, mean: np.ndarray) -> np.ndarray:
     """E[ΔW·x] per output channel, for an input whose channel means are ``mean``."""
-    dw = weight_error(layer).astype(np.float64)
+    return output_mean(layer.kind, weight_error(layer), mean, layer.group, layer.transposed)
+
+
+def quantized_weight(layer: Layer) -> np.ndarray:
+    """The weight as the int8 model holds it (rounded as chosen), in float."""
+    w = np.asarray(layer.weight if layer.rounded is None else layer.rounded, np.float32)
+    return dequantize(quantize(w, layer.qparams), layer.qparams)
+
+
+def output_mean(
+    kind: str, weight: np.ndarray, mean: np.ndarray, group: int = 1, transposed: bool = False
+) -> np.ndarray:
+    """E[weight·x] per output channel (no bias), for input channel means ``mean``.
+
+    ``kind``, ``group``, ``transposed``: as in :class:`Layer`. A convolution sums each output
+    channel's kernel window over the input channels of its group; zero padding at the borders
+    is not modelled.
+    """
+    w = np.asarray(weight, np.float64)
     mean = np.asarray(mean, np.float64)
-    if layer.kind == "conv":
-        out_channels, per_group = dw.shape[0], dw.shape[1]
-        taps = dw.reshape(out_channels, per_group, -1).sum(axis=2)  # (M, C/g)
-        group_of = np.arange(out_channels) // (out_channels // layer.group)
+    if kind == "conv":
+        out_channels, per_group = w.shape[0], w.shape[1]
+        taps = w.reshape(out_channels, per_group, -1).sum(axis=2)  # (M, C/g)
+        group_of = np.arange(out_channels) // (out_channels // group)
         reads = group_of[:, None] * per_group + np.arange(per_group)[None, :]  # (M, C/g)
         return (taps * mean[reads]).sum(axis=1)
-    w = dw.T if layer.transposed else dw  # (K, N)
-    return mean @ w
+    return mean @ (w.T if transposed else w)  # (K, N)
+
+
+def layerwise_shift(layer: Layer, mean: np.ndarray, quantized_mean: np.ndarray) -> np.ndarray:
+    """E[Wq·x̂] − E[W·x] per output channel: the shift of the int8 layer on its int8 input.
+
+    ``quantized_mean``: the channel means of the input as the layer's input grid holds it
+    (rounded and clipped), ``mean`` those of the float input. Beyond the weights' rounding,
+    this removes the systematic error of the input's own grid: clipping at the calibrated
+    range, and channels that sit between two grid points (a Relu6 saturated at 6.0 everywhere
+    shifts every tap that reads it the same way).
+    """
+    geometry = (layer.group, layer.transposed)
+    return output_mean(layer.kind, quantized_weight(layer), quantized_mean, *geometry) - (
+        output_mean(layer.kind, layer.weight, mean, *geometry)
+    )
 
 
 def corrected_bias(layer: Layer, bias: np.ndarray, mean: np.ndarray) -> np.ndarray:

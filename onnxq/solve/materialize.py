@@ -40,17 +40,19 @@ class Materialized:
 
 
 def materialize(
-    q: Any, values: dict[str, np.ndarray], biases: dict[str, np.ndarray] | None = None
+    q: Any, values: dict[str, np.ndarray], constants: dict[str, np.ndarray] | None = None
 ) -> Materialized:
     """The template with ``values`` for the scale/zero-point placeholders and derived weights.
 
     Missing placeholders keep their defaults (scale 1, zero point 0). Biases that would
     overflow int32 enlarge their weight's scale (per channel) instead of being clipped.
-    ``biases`` replaces float biases by name (bias correction).
+    ``constants`` replaces float biases and weights by name (bias correction, optimized
+    rounding: a rounded weight is the float value of its chosen integers, which quantize back
+    to exactly those).
     """
 
-    def bias_of(name: str) -> np.ndarray:
-        return biases[name] if biases and name in biases else q.float_value(name)
+    def constant_of(name: str) -> np.ndarray:
+        return constants[name] if constants and name in constants else q.float_value(name)
 
     full = {}
     for name, ph in q.placeholders.items():
@@ -60,13 +62,13 @@ def materialize(
         arr = np.asarray(value).astype(np.dtype(ph.dtype)).reshape(ph.shape)
         full[name] = arr
     _check_relu_folds(q.records, full)
-    widened = _fit_biases(q, full, bias_of)
+    widened = _fit_biases(q, full, constant_of)
     for qname, w in q.weights.items():
         qp = QParams(full[w.scale], full[w.zero_point], w.axis)
-        full[qname] = quantize(q.float_value(w.weight), qp)
+        full[qname] = quantize(constant_of(w.weight), qp)
     for bname, b in q.biases.items():
         s = full[b.input_scale].astype(np.float64) * full[b.weight_scale].astype(np.float64)
-        rounded = np.round(bias_of(b.bias) / s)
+        rounded = np.round(constant_of(b.bias) / s)
         full[bname] = np.clip(rounded, -(2**31), 2**31 - 1).astype(np.int32)
     final = {k: v for k, v in full.items() if q.placeholders[k].kind in ("scale", "zero_point")}
     proto = onnx.ModelProto()
@@ -74,6 +76,9 @@ def materialize(
     for init in proto.graph.initializer:
         if init.name in full:
             init.CopyFrom(numpy_helper.from_array(full[init.name], init.name))
+        elif constants and init.name in constants:  # a float layer's corrected bias
+            value = np.asarray(constants[init.name], np.float32).reshape(tuple(init.dims))
+            init.CopyFrom(numpy_helper.from_array(value, init.name))
     return Materialized(proto, final, widened)
 
 
@@ -92,7 +97,7 @@ def _check_relu_folds(records: Any, full: dict[str, np.ndarray]) -> None:
 
 
 def _fit_biases(
-    q: Any, full: dict[str, np.ndarray], bias_of: Callable[[str], np.ndarray]
+    q: Any, full: dict[str, np.ndarray], constant_of: Callable[[str], np.ndarray]
 ) -> dict[str, int]:
     """Widen weight scales so every int32 bias and accumulation fits; bias -> channels widened.
 
@@ -100,12 +105,12 @@ def _fit_biases(
     """
     widened: dict[str, int] = {}
     for b in q.biases.values():
-        fb = bias_of(b.bias)
+        fb = constant_of(b.bias)
         products = q.float_value(b.weight).size // max(fb.size, 1)
         qmax = 2 ** (q.config.weight_bits - 1) - 1
         bound = accumulation_bound(products, qmax, b.input_dtype, full[b.input_zero_point])
         if b.weight_axis is not None and b.weight:  # per channel: dead channels free
-            wc = np.moveaxis(q.float_value(b.weight), b.weight_axis, 0)
+            wc = np.moveaxis(constant_of(b.weight), b.weight_axis, 0)
             dead = ~np.any(wc.reshape(wc.shape[0], -1), axis=1)
             full[b.weight_scale] = fit_dead_channels(
                 fb, full[b.input_scale], full[b.weight_scale], dead

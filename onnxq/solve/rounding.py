@@ -1,0 +1,281 @@
+"""Optimized weight rounding: each weight rounded so the layer's *output* error is smallest.
+
+Rounding every weight to its nearest grid point makes each weight's error small, not the
+layer's: the errors of the K weights a row sums add up in the output. With the layer's inputs
+``x`` (rows of the calibration data) the output error of one row ``w`` rounded to ``q`` is
+
+    E[((q − w)·x)²] = (q − w)ᵀ H (q − w),   H = E[x xᵀ]  (K × K)
+
+GPTQ (Frantar et al., "GPTQ: Accurate Post-Training Quantization for Generative Pre-trained
+Transformers", 2023; built on Optimal Brain Quantization) rounds the columns one at a time and
+moves each column's rounding error onto the columns not rounded yet, in the proportions that
+minimize the error above given ``H⁻¹``. Columns go in order of decreasing ``H_jj`` (inputs
+with the most energy first), and the update is applied a block of columns at a time.
+
+Rows never compete (each output channel's error is its own), so for every row the result
+keeps whichever of GPTQ and nearest rounding has the smaller error under ``H``: the pass can
+only lower the error it reports. Scales and zero points are not changed, and every value
+stays inside the grid the layer's kernel allows (±63 for 7-bit weights).
+
+Inputs are the float model's (the layer's calibration inputs). A grouped convolution has one
+``H`` per group (a depthwise convolution: one 9 × 9 matrix per channel), so the arrays here
+are batched over groups: weights ``(G, M, K)`` and Hessians ``(G, K, K)``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+#: dampening added to H's diagonal, as a fraction of its mean (keeps H⁻¹ well conditioned)
+DAMPING = 0.01
+#: columns rounded between two updates of the remaining columns
+BLOCK = 128
+
+
+@dataclass(frozen=True)
+class Grid:
+    """The integer grid of one weight: per row scale and zero point, and the allowed values."""
+
+    scale: np.ndarray  # (G, M)
+    zero_point: np.ndarray  # (G, M)
+    lo: int
+    hi: int
+
+    def round(self, w: np.ndarray, col: int | None = None) -> np.ndarray:
+        """Nearest grid integers of ``w`` ((G, M) column ``col`` or the whole (G, M, K))."""
+        s = self.scale if col is not None else self.scale[..., None]
+        z = self.zero_point if col is not None else self.zero_point[..., None]
+        return np.clip(np.round(w / s) + z, self.lo, self.hi)
+
+    def value(self, q: np.ndarray, col: int | None = None) -> np.ndarray:
+        """The real value of grid integers ``q``."""
+        s = self.scale if col is not None else self.scale[..., None]
+        z = self.zero_point if col is not None else self.zero_point[..., None]
+        return (q - z) * s
+
+
+@dataclass(frozen=True)
+class Rounded:
+    """The integers chosen for one weight and the output error before and after."""
+
+    q: np.ndarray  # (G, M, K) grid integers
+    #: relative output error E[(Δw·x)²] / E[(w·x)²] of nearest rounding and of the result
+    error_nearest: float
+    error: float
+    #: rows where GPTQ's rounding was kept (the rest kept nearest rounding)
+    rows_changed: int
+
+
+def output_error(w: np.ndarray, dq: np.ndarray, h: np.ndarray) -> np.ndarray:
+    """Per row ``(dq − w)ᵀ H (dq − w)``, shape (G, M)."""
+    d = dq - w
+    return np.einsum("gmk,gkl,gml->gm", d, h, d, optimize=True)
+
+
+def gptq(w: np.ndarray, h: np.ndarray, grid: Grid) -> np.ndarray:
+    """GPTQ's grid integers for weights ``w`` (G, M, K) under Hessians ``h`` (G, K, K)."""
+    w = np.array(w, np.float64)
+    h = np.array(h, np.float64)
+    groups, _, k = w.shape
+    diag = np.einsum("gkk->gk", h)
+    dead = diag <= 0
+    # an input that never varies: its column rounds to nearest and moves no error elsewhere
+    h[:, np.arange(k), np.arange(k)] += np.where(dead, 1.0, 0.0)
+    damp = DAMPING * np.mean(np.einsum("gkk->gk", h), axis=1)
+    h[:, np.arange(k), np.arange(k)] += damp[:, None]
+    order = np.argsort(-np.einsum("gkk->gk", h), axis=1, kind="stable")
+    w = np.take_along_axis(w, order[:, None, :], axis=2)
+    h = np.take_along_axis(np.take_along_axis(h, order[:, :, None], axis=1), order[:, None], 2)
+    # U: the upper Cholesky factor of H⁻¹ (its rows give each column's update)
+    u = np.swapaxes(np.linalg.cholesky(np.linalg.inv(h)), 1, 2)
+    q = np.empty_like(w)
+    for start in range(0, k, BLOCK):
+        stop = min(start + BLOCK, k)
+        errors = np.empty((groups, w.shape[1], stop - start))
+        for j in range(start, stop):
+            col = w[:, :, j]
+            qj = grid.round(col, j)
+            q[:, :, j] = qj
+            err = (col - grid.value(qj, j)) / u[:, j, j][:, None]
+            w[:, :, j + 1 : stop] -= err[:, :, None] * u[:, None, j, j + 1 : stop]
+            errors[:, :, j - start] = err
+        if stop < k:
+            w[:, :, stop:] -= np.matmul(errors, u[:, start:stop, stop:])
+    inverse = np.argsort(order, axis=1, kind="stable")
+    return np.take_along_axis(q, inverse[:, None, :], axis=2)
+
+
+def round_weight(w: np.ndarray, h: np.ndarray, grid: Grid) -> Rounded:
+    """The better of GPTQ and nearest rounding per row of ``w`` (G, M, K) under ``h``."""
+    w = np.asarray(w, np.float64)
+    h = np.asarray(h, np.float64)
+    nearest = grid.round(w)
+    optimized = gptq(w, h, grid)
+    e_near = output_error(w, grid.value(nearest), h)
+    e_opt = output_error(w, grid.value(optimized), h)
+    better = e_opt < e_near
+    q = np.where(better[..., None], optimized, nearest)
+    signal = float(np.einsum("gmk,gkl,gml->", w, h, w, optimize=True))
+    scale = max(signal, 1e-30)
+    return Rounded(
+        q,
+        float(e_near.sum()) / scale,
+        float(np.where(better, e_opt, e_near).sum()) / scale,
+        int(np.count_nonzero(better)),
+    )
+
+
+@dataclass(frozen=True)
+class ConvShape:
+    """What turns a Conv's input into the rows its weight multiplies."""
+
+    kernel: tuple[int, ...]
+    strides: tuple[int, ...]
+    dilations: tuple[int, ...]
+    #: begin pads then end pads, as ONNX writes them
+    pads: tuple[int, ...]
+    group: int
+
+
+#: multiply-adds one layer's Hessian may cost (G·K² per row), and rows per weight input: they
+#: bound the rows it takes in all
+MAC_BUDGET = 1 << 34
+ROWS_PER_INPUT_TOTAL = 16384
+#: rows one batch gives a Hessian when the number of batches is unknown: ROWS_PER_INPUT per
+#: weight input, within [MIN_ROWS, MAX_ROWS] (a strided sample of the output positions past it)
+ROWS_PER_INPUT = 16
+MIN_ROWS, MAX_ROWS = 256, 4096
+#: rows buffered before they are added to the Hessian (one product for many small batches),
+#: and the most bytes one layer's buffer holds (every layer of the model buffers at once)
+FLUSH_ROWS = 4096
+FLUSH_BYTES = 4 << 20
+
+
+def row_cap(k: int) -> int:
+    """Rows one batch contributes to a Hessian of ``k`` inputs (number of batches unknown)."""
+    return int(min(MAX_ROWS, max(MIN_ROWS, ROWS_PER_INPUT * k)))
+
+
+def total_rows(groups: int, k: int) -> int:
+    """Rows a Hessian of ``groups`` × ``k`` × ``k`` takes in all.
+
+    The multiply-add budget, at most :data:`ROWS_PER_INPUT_TOTAL` per input (a depthwise 9 × 9
+    Hessian is settled long before), at least 2k.
+    """
+    return int(max(2 * k, min(MAC_BUDGET // max(groups * k * k, 1), ROWS_PER_INPUT_TOTAL * k)))
+
+
+def conv_patches(x: np.ndarray, conv: ConvShape, cap: int) -> np.ndarray:
+    """The input patches a Conv reads, ``(G, C/G · prod(kernel), rows)`` in its weight's order.
+
+    At most about ``cap`` output positions: a regular grid over space (and samples).
+    """
+    x = np.asarray(x)
+    n, c = x.shape[:2]
+    spatial = len(conv.kernel)
+    begin, end = conv.pads[:spatial], conv.pads[spatial:]
+    x = np.pad(x, [(0, 0), (0, 0), *zip(begin, end, strict=True)])
+    extent = tuple((k - 1) * d + 1 for k, d in zip(conv.kernel, conv.dilations, strict=True))
+    axes = tuple(range(2, 2 + spatial))
+    win = np.lib.stride_tricks.sliding_window_view(x, extent, axis=axes)
+    win = win[(slice(None), slice(None), *(slice(None, None, s) for s in conv.strides))]
+    dilated: tuple[Any, ...] = (Ellipsis, *(slice(None, None, d) for d in conv.dilations))
+    win = win[dilated]
+    out_shape = win.shape[2 : 2 + spatial]
+    positions = int(np.prod(out_shape))
+    if n * positions > cap:  # a regular grid of positions, then of samples
+        step = int(np.ceil((n * positions / cap) ** (1 / spatial)))
+        win = win[(slice(None), slice(None), *(slice(None, None, step),) * spatial)]
+        kept = int(np.prod(win.shape[2 : 2 + spatial]))
+        win = win[:: max(1, -(-n * kept // cap))]
+    order = (1, *range(2 + spatial, 2 + 2 * spatial), 0, *range(2, 2 + spatial))
+    patches = win.transpose(order)  # (C, *kernel, N, *out): positions innermost, as stored
+    k = c // conv.group * int(np.prod(conv.kernel))
+    return patches.reshape(conv.group, k, -1)
+
+
+def dense_patches(x: np.ndarray, cap: int) -> np.ndarray:
+    """The rows a MatMul/Gemm weight multiplies, as ``(1, K, rows)``, strided past ``cap``."""
+    rows = np.asarray(x).reshape(-1, np.shape(x)[-1])
+    return rows[:: max(1, -(-len(rows) // cap))][:cap].T[None]
+
+
+class HessianObserver:
+    """Accumulates ``H = E[x xᵀ]`` per group from a layer's input batches.
+
+    ``groups`` × ``inputs``: the Hessian's shape (G, K); ``batches``: how many batches the data
+    has, when known. The layer takes :func:`total_rows` rows in all, spread evenly over the
+    batches (else :func:`row_cap` per batch until the total is reached). Batches are buffered
+    (a convolution's raw input, a dense layer's sampled rows) up to :data:`FLUSH_BYTES` or
+    :data:`FLUSH_ROWS` rows; each flush builds the patches once and adds one float32 product
+    per group (relative error ~1e-7) to a float64 sum, so many small batches cost few calls.
+    """
+
+    def __init__(
+        self, conv: ConvShape | None, groups: int, inputs: int, batches: int | None = None
+    ):
+        self.conv = conv
+        self.total = total_rows(groups, inputs)
+        per_batch = row_cap(inputs) if not batches else -(-self.total // batches)
+        self.per_batch = int(min(MAX_ROWS, max(1, per_batch)))
+        self.sum: np.ndarray | None = None
+        self.rows = 0
+        self._pending: list[np.ndarray] = []
+        self._pending_rows = 0  # rows the buffered batches give (at most their caps)
+        self._pending_bytes = 0
+
+    def observe(self, x: np.ndarray) -> None:
+        """Add one batch of the layer's input (nothing once the layer has its rows)."""
+        cap = min(self.per_batch, self.total - self.rows - self._pending_rows)
+        if cap <= 0:
+            return
+        x = np.asarray(x, np.float32)
+        if self.conv is None:
+            part = dense_patches(x, cap)
+            rows = part.shape[2]
+        else:
+            if self._pending and self._pending[0].shape[1:] != x.shape[1:]:
+                self._flush()  # another spatial size: its patches are built apart
+            part, rows = x, min(cap, x.shape[0] * self._positions(x.shape))
+        self._pending.append(part)
+        self._pending_rows += rows
+        self._pending_bytes += part.nbytes
+        if self._pending_rows >= FLUSH_ROWS or self._pending_bytes >= FLUSH_BYTES:
+            self._flush()
+
+    def _positions(self, shape: tuple[int, ...]) -> int:
+        """Output positions per sample of a Conv over an input of ``shape``."""
+        conv = self.conv
+        assert conv is not None
+        spatial = len(conv.kernel)
+        out = 1
+        for i in range(spatial):
+            extent = (conv.kernel[i] - 1) * conv.dilations[i] + 1
+            size = shape[2 + i] + conv.pads[i] + conv.pads[spatial + i]
+            out *= max(0, (size - extent) // conv.strides[i] + 1)
+        return out
+
+    def _flush(self) -> None:
+        if not self._pending:
+            return
+        if self.conv is None:
+            cols = np.concatenate(self._pending, axis=2)  # (1, K, n)
+        else:
+            cols = conv_patches(np.concatenate(self._pending), self.conv, self._pending_rows)
+        part = np.matmul(cols, np.swapaxes(cols, 1, 2)).astype(np.float64)
+        self.sum = part if self.sum is None else self.sum + part
+        self.rows += cols.shape[2]
+        self._pending, self._pending_rows, self._pending_bytes = [], 0, 0
+
+    def hessian(self) -> np.ndarray | None:
+        """The mean ``x xᵀ`` per group, or None before any batch."""
+        self._flush()
+        return None if self.sum is None else self.sum / max(self.rows, 1)
+
+    def nbytes(self) -> int:
+        """Memory held."""
+        pending = sum(p.nbytes for p in self._pending)
+        return pending + (0 if self.sum is None else int(self.sum.nbytes))

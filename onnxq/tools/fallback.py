@@ -1,0 +1,243 @@
+"""Accuracy-driven fallback: the fewest quantized groups returned to float to meet ``max_drop``.
+
+``quantize(..., max_drop=X)`` holds back every 8th calibration batch (never calibrated on),
+quantizes on the rest and measures the metric on the held-back batches: by default the mean
+cosine of every float output with fp32, per sample, as a percentage (so ``max_drop=0.5`` allows
+0.5 points); ``metric="module:function"`` names the user's own evaluation instead, called with
+the path of a model file and returning a number where higher is better (it reads its own data).
+When the drop is over the bar, the :data:`CANDIDATES` groups that lose the most SQNR in
+themselves on the held-back batches (``onnxq compare``'s drop) are each tried alone in float
+(the whole group: a Conv with its folded Relu); those that raise the metric, best first, then go
+back to float together, 2, 4, ... of them until the bar is met, and bisection finds the
+fewest. Every trial is a full quantization with those nodes excluded, so each algorithm runs
+as it would for the user. The best model found is returned (and written): the fewest groups
+meeting the bar, else the best metric. ``report.fallback`` lists every trial: the float groups,
+the metric, the drop and the int8 latency on the held-back batches.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Any
+
+import numpy as np
+import onnx
+
+from onnxq.calibrate.dataset import model_inputs
+from onnxq.calibrate.sources import as_dataset
+from onnxq.errors import ConfigError, DataError
+from onnxq.io.graph import load_model, save_model
+from onnxq.io.loader import load_object
+from onnxq.io.session import make_session
+from onnxq.options import QuantizeOptions, spell
+from onnxq.passes.manager import State, run_passes
+from onnxq.passes.pipeline import build
+from onnxq.report import QuantizeReport, build_report
+from onnxq.tools.compare import compare
+
+#: every HOLDOUT-th calibration batch is held back to measure the drop
+HOLDOUT = 8
+#: groups (the largest SQNR losses) whose effect alone is measured before combining them
+CANDIDATES = 8
+
+Metric = Callable[[onnx.ModelProto], float]
+
+
+@dataclass
+class Trial:
+    """One quantization of the search."""
+
+    groups: int
+    excluded: list[str]
+    metric: float
+    drop: float
+    int8_ms: float
+    model: onnx.ModelProto
+    report: QuantizeReport
+
+    def row(self) -> dict[str, Any]:
+        """JSON-ready, without the model."""
+        return {
+            "float_groups": self.groups,
+            "excluded": self.excluded,
+            "metric": round(self.metric, 6),
+            "drop": round(self.drop, 6),
+            "int8_ms": round(self.int8_ms, 3),
+        }
+
+
+def split(data: Any, model: onnx.ModelProto, o: QuantizeOptions) -> tuple[list[Any], list[Any]]:
+    """(calibration batches, held-back batches): every :data:`HOLDOUT`-th batch held back."""
+    ds = as_dataset(data, model_inputs(model), o.batch_size, o.samples, o.preprocess)
+    feeds = [dict(f) for f in ds.batches()]
+    if len(feeds) < 2:
+        raise DataError(
+            f"{spell('max_drop', o.cli)} holds back every {HOLDOUT}th calibration batch to "
+            f"measure the drop, but the data has {len(feeds)} batch(es); give more samples or "
+            f"a smaller {spell('batch_size', o.cli)}"
+        )
+    if len(feeds) < HOLDOUT:
+        return feeds[:-1], feeds[-1:]
+    held = feeds[HOLDOUT - 1 :: HOLDOUT]
+    return [f for i, f in enumerate(feeds) if i % HOLDOUT != HOLDOUT - 1], held
+
+
+def output_cosine(float_model: onnx.ModelProto, held: list[Any]) -> Metric:
+    """The default metric: mean cosine with fp32 of every float output per sample, in %."""
+    session = make_session(float_model)
+    names = [o.name for o in session.get_outputs()]
+    reference = [session.run(names, f) for f in held]
+
+    def metric(model: onnx.ModelProto) -> float:
+        q = make_session(model)
+        cosines = []
+        for feed, ref in zip(held, reference, strict=True):
+            for r, g in zip(ref, q.run(names, feed), strict=True):
+                r = np.asarray(r, np.float64)
+                g = np.asarray(g, np.float64)
+                if not np.issubdtype(r.dtype, np.floating) or r.ndim == 0:
+                    continue
+                r, g = r.reshape(len(r), -1), g.reshape(len(g), -1)
+                den = np.linalg.norm(r, axis=1) * np.linalg.norm(g, axis=1)
+                same = np.all(r == g, axis=1)
+                cos = np.where(den > 0, (r * g).sum(1) / np.where(den > 0, den, 1), same * 1.0)
+                cosines.extend(cos.tolist())
+        return 100.0 * float(np.mean(cosines)) if cosines else 100.0
+
+    return metric
+
+
+def user_metric(ref: str, cli: bool) -> Metric:
+    """``module:function`` called with a model file's path; returns higher-is-better."""
+    option = spell("metric", cli)
+    fn = load_object(ref, option)
+    if not callable(fn):
+        raise ConfigError(f"{option} {ref!r} is not a function")
+
+    def metric(model: onnx.ModelProto) -> float:
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, "model.onnx")
+            save_model(model, path)
+            try:
+                value = fn(path)
+            except Exception as exc:  # the user's evaluation failed
+                raise ConfigError(f"{option} {ref!r} raised {type(exc).__name__}: {exc}") from None
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            raise ConfigError(
+                f"{option} {ref!r} returned {value!r}; it must return a number (higher is better)"
+            ) from None
+
+    return metric
+
+
+def _latency_ms(model: onnx.ModelProto, held: list[Any]) -> float:
+    session = make_session(model, threads=1)
+    times = []
+    for _ in range(3):
+        start = time.perf_counter()
+        for feed in held:
+            session.run(None, feed)
+        times.append((time.perf_counter() - start) * 1e3 / len(held))
+    return statistics.median(times)
+
+
+def search(
+    model: Any, data: Any, options: QuantizeOptions, quantize_branch: Any
+) -> tuple[onnx.ModelProto, QuantizeReport]:
+    """Quantize ``model`` meeting ``options.max_drop`` with the fewest float groups."""
+    source = model if isinstance(model, onnx.ModelProto) else load_model(model)
+    calib, held = split(data, source, options)
+    base = replace(options, max_drop=None, metric=None, output=None, latency_check=False)
+    metric = (
+        user_metric(options.metric, options.cli) if options.metric else output_cosine(source, held)
+    )
+    fp32 = metric(source)
+    bar = float(options.max_drop or 0.0)
+
+    def run(groups: list[list[str]]) -> tuple[Trial, State]:
+        excluded = sorted({n for g in groups for n in g})
+        opts = replace(base, exclude=tuple(base.exclude) + tuple(excluded))
+        state = run_passes(State(opts, source, calib), build(opts, quantize_branch))
+        value = metric(state.model)
+        latency = _latency_ms(state.model, held)
+        drop = fp32 - value
+        t = Trial(len(groups), excluded, value, drop, latency, state.model, build_report(state))
+        return t, state
+
+    def trial(groups: list[list[str]]) -> Trial:
+        return run(groups)[0]
+
+    first, state = run([])
+    trials = [first]
+    ranked = _ranked_groups(state, held)[:CANDIDATES] if first.drop > bar else []
+    del state
+    # each candidate alone: a group's own SQNR loss does not say that making it float helps
+    # (its output is still quantized for its int8 readers, and a float layer has no bias
+    # correction), so the order is the measured gain, and groups that do not help are dropped
+    singles = []
+    for group in ranked:
+        t = trial([group])
+        trials.append(t)
+        singles.append((t, group))
+        if t.drop <= bar:
+            break
+    helpful = [g for t, g in sorted(singles, key=lambda p: -p[0].metric) if t.metric > first.metric]
+    met = any(t.drop <= bar for t in trials)
+    lo, hi = 1, None
+    k = 2
+    while not met and k <= len(helpful):
+        t = trial(helpful[:k])
+        trials.append(t)
+        if t.drop <= bar:
+            met, hi = True, k
+            break
+        lo = k
+        k = len(helpful) if k < len(helpful) < 2 * k else 2 * k
+    while hi is not None and hi - lo > 1:  # the fewest groups between a miss and a hit
+        mid = (lo + hi) // 2
+        t = trial(helpful[:mid])
+        trials.append(t)
+        if t.drop <= bar:
+            hi = mid
+        else:
+            lo = mid
+    meeting = [t for t in trials if t.drop <= bar]
+    best = min(meeting, key=lambda t: t.groups) if meeting else max(trials, key=lambda t: t.metric)
+    report = best.report
+    report.fallback = {
+        "metric": options.metric or "output cosine with fp32 (%)",
+        "held_back_batches": len(held),
+        "fp32": round(fp32, 6),
+        "max_drop": bar,
+        "met": bool(meeting),
+        "chosen": best.groups,
+        "chosen_excluded": best.excluded,
+        "fp32_ms": round(_latency_ms(source, held), 3),
+        "trials": [t.row() for t in trials],
+    }
+    if options.output is not None:
+        save_model(best.model, options.output)
+    return best.model, report
+
+
+def _ranked_groups(state: State, held: list[Any]) -> list[list[str]]:
+    """The quantized groups, the one losing the most SQNR in itself (held-back data) first."""
+    q = state.quantizer
+    group_of = {n: list(rec.nodes) for rec in q.records for n in rec.nodes}
+    comparison = compare(q.float_model, state.model, as_dataset(held, model_inputs(q.float_model)))
+    ranked: list[list[str]] = []
+    seen: set[str] = set()
+    for layer in comparison.layers:
+        group = group_of.get(layer.node)
+        if group is None or group[0] in seen or layer.drop_db <= 0:
+            continue
+        seen.add(group[0])
+        ranked.append(group)
+    return ranked

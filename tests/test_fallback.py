@@ -1,0 +1,123 @@
+"""Accuracy-driven fallback: a model with one fragile layer meets --max-drop with that layer
+float and the rest int8; the user's metric; the errors."""
+
+import json
+
+import numpy as np
+import onnx
+import pytest
+from helpers import QUANTIZED_OPS, make_model, ops, rng, run
+from onnx import helper as h
+
+import onnxq
+from onnxq.errors import ConfigError, DataError
+
+
+def _fragile_mlp():
+    """x → A → Relu → B → Relu → C. Input column 0 spans ±1000 but A barely reads it: an int8
+    grid over x leaves the other columns a step of 8 (A's output is noise). A float, the rest
+    quantizes well."""
+    r = rng(11)
+    wa = r.normal(0, 0.3, (16, 32))
+    wa[0] = 1e-5
+    nodes = [
+        h.make_node("Gemm", ["x", "WA", "BA"], ["a"], name="A"),
+        h.make_node("Relu", ["a"], ["a1"], name="reluA"),
+        h.make_node("Gemm", ["a1", "WB", "BB"], ["b"], name="B"),
+        h.make_node("Relu", ["b"], ["b1"], name="reluB"),
+        h.make_node("Gemm", ["b1", "WC", "BC"], ["y"], name="C"),
+    ]
+    inits = {
+        "WA": wa, "BA": r.normal(0, 0.1, 32), "WB": r.normal(0, 0.3, (32, 32)),
+        "BB": r.normal(0, 0.1, 32), "WC": r.normal(0, 0.3, (32, 8)), "BC": r.normal(0, 0.1, 8),
+    }  # fmt: skip
+    inits = {k: v.astype(np.float32) for k, v in inits.items()}
+    model = make_model(nodes, [("x", ["N", 16])], [("y", ["N", 8])], inits)
+    x = r.normal(0, 1, (256, 16))
+    x[:, 0] = r.uniform(-1000, 1000, 256)
+    return model, {"x": x.astype(np.float32)}
+
+
+KW = dict(progress=False, batch_size=16, rounding="nearest")
+
+
+def test_the_fragile_layer_goes_float_and_the_rest_stays_int8():
+    model, data = _fragile_mlp()
+    plain, _ = onnxq.quantize(model, data, **KW)
+    q, report = onnxq.quantize(model, data, max_drop=0.5, **KW)
+    fb = report.fallback
+    assert fb["met"] and fb["chosen"] == 1 and fb["held_back_batches"] == 2
+    first = fb["trials"][0]
+    assert first["float_groups"] == 0 and first["drop"] > 0.5  # all int8 misses the bar
+    chosen = next(t for t in fb["trials"] if t["float_groups"] == 1)
+    assert "A" in chosen["excluded"] and "B" not in chosen["excluded"]
+    assert chosen["drop"] <= 0.5
+    assert sum(op in QUANTIZED_OPS for op in ops(q)) == 2  # B and C stay int8
+    assert "Gemm" in ops(q)
+    # on data it never saw, the chosen model is far closer to fp32 than the all-int8 one
+    x = _fragile_mlp()[1]["x"][::3] * 1.01
+    ref = run(model, {"x": x})[0]
+    err = [float(np.mean((run(m, {"x": x})[0] - ref) ** 2)) for m in (plain, q)]
+    assert err[1] < 0.01 * err[0]
+    assert "fallback:" in report.summary() and "with 1 group(s) float" in report.summary()
+    assert report.to_dict()["fallback"]["chosen"] == 1
+
+
+def test_user_metric_and_the_written_file(tmp_path, monkeypatch):
+    model, data = _fragile_mlp()
+    src = tmp_path / "m.onnx"
+    onnx.save(model, str(src))
+    held = data["x"][:64]
+    np.save(tmp_path / "held.npy", held)
+    (tmp_path / "mymetric.py").write_text(
+        "import numpy as np, onnxruntime as ort\n"
+        "def score(path):\n"
+        "    x = np.load('held.npy')\n"
+        "    f = ort.InferenceSession('m.onnx').run(None, {'x': x})[0]\n"
+        "    q = ort.InferenceSession(path).run(None, {'x': x})[0]\n"
+        "    return -100 * float(np.mean((f - q) ** 2) / np.mean(f ** 2))\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    out = tmp_path / "q.onnx"
+    _, report = onnxq.quantize(
+        str(src), data, max_drop=1.0, metric="mymetric:score", output=out, **KW
+    )
+    fb = report.fallback
+    assert fb["metric"] == "mymetric:score" and fb["met"] and fb["fp32"] == 0.0
+    assert out.is_file()
+    written = onnx.load(str(out))
+    assert sum(op in QUANTIZED_OPS for op in ops(written)) == 2
+
+
+def test_met_at_once_is_one_trial():
+    model, data = _fragile_mlp()
+    _, report = onnxq.quantize(model, data, max_drop=100.0, **KW)
+    assert report.fallback["chosen"] == 0 and len(report.fallback["trials"]) == 1
+
+
+def test_errors_name_the_option(tmp_path, monkeypatch):
+    model, data = _fragile_mlp()
+    with pytest.raises(ConfigError, match="max_drop=-1"):
+        onnxq.quantize(model, data, max_drop=-1, **KW)
+    with pytest.raises(ConfigError, match="add max_drop"):
+        onnxq.quantize(model, data, metric="m:f", **KW)
+    with pytest.raises(DataError, match="holds back every 8th calibration batch"):
+        onnxq.quantize(model, {"x": data["x"][:16]}, max_drop=1.0, **KW)
+    (tmp_path / "badmetric.py").write_text("def score(path):\n    return 'good'\n")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError, match="must return a number"):
+        onnxq.quantize(model, data, max_drop=1.0, metric="badmetric:score", **KW)
+
+
+def test_cli(tmp_path):
+    from onnxq.cli import main
+
+    model, data = _fragile_mlp()
+    src, npz, out, rep = (tmp_path / n for n in ("m.onnx", "c.npz", "q.onnx", "r.json"))
+    onnx.save(model, str(src))
+    np.savez(npz, x=data["x"])
+    args = ["quantize", str(src), "--data", str(npz), "-o", str(out), "--quiet"]
+    args += ["--batch-size", "16", "--no-latency-check"]
+    assert main([*args, "--max-drop", "0.5", "--report", str(rep)]) == 0 and out.is_file()
+    assert json.loads(rep.read_text())["fallback"]["chosen"] == 1
+    assert main([*args, "--max-drop", "-2"]) == 2

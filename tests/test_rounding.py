@@ -1,0 +1,288 @@
+"""Optimized weight rounding: the solver against numpy, the patches against onnxruntime, and the
+pass end to end (the error it reports drops, the model it writes is closer to fp32)."""
+
+import numpy as np
+import onnx
+import pytest
+from helpers import make_model, rng, run
+from onnx import helper as h
+from onnx import numpy_helper as nh
+
+import onnxq
+from onnxq.errors import ConfigError
+from onnxq.solve.rounding import (
+    ConvShape,
+    Grid,
+    HessianObserver,
+    conv_patches,
+    gptq,
+    output_error,
+    round_weight,
+)
+
+
+def _correlated(r, rows, k):
+    """Rows whose inputs are strongly correlated (what makes rounding errors add up)."""
+    mix = r.normal(0, 1, (k, k)) * 0.3 + np.eye(k)
+    return r.normal(0, 1, (rows, k)) @ mix + r.normal(0.5, 0.2, k)
+
+
+def _grid(w, bits=7):
+    qmax = 2 ** (bits - 1) - 1
+    s = np.abs(w).max(axis=2) / qmax
+    return Grid(s, np.zeros_like(s), -qmax, qmax)
+
+
+@pytest.mark.parametrize("groups,rows_per_group,k", [(1, 24, 40), (6, 2, 9)])
+def test_rounding_lowers_the_output_error_on_the_data_it_measures(groups, rows_per_group, k):
+    r = rng(1)
+    x = np.stack([_correlated(r, 3000, k) for _ in range(groups)], axis=1)  # (n, G, K)
+    hess = np.einsum("ngk,ngl->gkl", x, x) / len(x)
+    w = r.normal(0, 0.4, (groups, rows_per_group, k))
+    grid = _grid(w)
+    result = round_weight(w, hess, grid)
+    nearest = grid.round(w)
+
+    # the error it reports is the mean squared output error, relative to the output's power
+    def measured(q):
+        out = np.einsum("ngk,gmk->ngm", x, w)
+        err = np.einsum("ngk,gmk->ngm", x, grid.value(q) - w)
+        return float((err**2).sum() / (out**2).sum())
+
+    assert np.isclose(result.error_nearest, measured(nearest), rtol=1e-6)
+    assert np.isclose(result.error, measured(result.q), rtol=1e-6)
+    assert result.error < 0.8 * result.error_nearest  # correlated inputs: a clear gain
+    # per row never worse than nearest, and always on the 7-bit grid
+    per_row = output_error(w, grid.value(result.q), hess)
+    assert np.all(per_row <= output_error(w, grid.value(nearest), hess) + 1e-12)
+    assert result.q.min() >= -63 and result.q.max() <= 63
+    assert np.array_equal(result.q, np.round(result.q))
+
+
+def test_gptq_with_uncorrelated_inputs_is_nearest_rounding():
+    """With H diagonal no error can be moved anywhere: every weight rounds to nearest."""
+    r = rng(2)
+    w = r.normal(0, 1, (1, 5, 12))
+    hess = np.diag(r.uniform(0.5, 2, 12))[None]
+    grid = _grid(w)
+    assert np.array_equal(gptq(w, hess, grid), grid.round(w))
+
+
+def test_dead_inputs_keep_nearest_rounding_and_no_nan():
+    r = rng(3)
+    x = _correlated(r, 500, 10)
+    x[:, [2, 7]] = 0.0  # two inputs that never fire
+    hess = (x.T @ x / len(x))[None]
+    w = r.normal(0, 1, (1, 4, 10))
+    grid = _grid(w)
+    q = gptq(w, hess, grid)
+    assert np.all(np.isfinite(q))
+    assert np.array_equal(q[..., [2, 7]], grid.round(w)[..., [2, 7]])
+
+
+def _conv_model(c, m, group, kernel, strides, dilations, pads, weight):
+    node = h.make_node(
+        "Conv", ["x", "W"], ["y"], kernel_shape=list(kernel), strides=list(strides),
+        dilations=list(dilations), pads=list(pads), group=group,
+    )  # fmt: skip
+    spatial = ["H"] * len(kernel)
+    return make_model([node], [("x", ["N", c, *spatial])], [("y", None)], {"W": weight})
+
+
+@pytest.mark.parametrize(
+    "c,m,group,kernel,strides,dilations,pads",
+    [
+        (4, 6, 2, (3, 3), (2, 1), (1, 2), (1, 0, 2, 1)),
+        (8, 8, 8, (3, 3), (1, 1), (1, 1), (1, 1, 1, 1)),
+        (3, 5, 1, (3,), (2,), (1,), (1, 1)),
+    ],
+    ids=["grouped-strided-dilated", "depthwise", "conv1d"],
+)
+def test_patches_times_the_weight_is_what_onnxruntime_computes(
+    c, m, group, kernel, strides, dilations, pads
+):
+    r = rng(4)
+    x = r.normal(0, 1, (2, c, *([9] * len(kernel)))).astype(np.float32)
+    w = r.normal(0, 1, (m, c // group, *kernel)).astype(np.float32)
+    y = run(_conv_model(c, m, group, kernel, strides, dilations, pads, w), {"x": x})[0]
+    patches = conv_patches(x, ConvShape(kernel, strides, dilations, pads, group), cap=10**6)
+    out = np.einsum("gkr,gmk->rgm", patches, w.reshape(group, m // group, -1))
+    ref = np.moveaxis(y, 1, -1).reshape(-1, m)
+    np.testing.assert_allclose(out.reshape(len(ref), m), ref, atol=1e-4)
+
+
+def test_hessian_observer_is_the_mean_outer_product_over_batches():
+    r = rng(5)
+    batches = [r.normal(0, 1, (3, 7, 5)).astype(np.float32) for _ in range(4)]  # dense input
+    obs = HessianObserver(None, groups=1, inputs=5)
+    for b in batches:
+        obs.observe(b)
+    rows = np.concatenate([b.reshape(-1, 5) for b in batches]).astype(np.float64)
+    np.testing.assert_allclose(obs.hessian()[0], rows.T @ rows / len(rows), rtol=1e-5)
+    assert obs.rows == len(rows)
+
+
+def _small_cnn():
+    """Conv → Relu → depthwise Conv → Relu → pointwise Conv → pool → Gemm, correlated inputs."""
+    r = rng(6)
+    nodes = [
+        h.make_node("Conv", ["x", "W1", "B1"], ["a"], name="conv", pads=[1, 1, 1, 1]),
+        h.make_node("Relu", ["a"], ["a1"], name="relu1"),
+        h.make_node("Conv", ["a1", "W2", "B2"], ["b"], name="dw", group=16, pads=[1, 1, 1, 1]),
+        h.make_node("Relu", ["b"], ["b1"], name="relu2"),
+        h.make_node("Conv", ["b1", "W3", "B3"], ["c"], name="pw"),
+        h.make_node("GlobalAveragePool", ["c"], ["p"], name="pool"),
+        h.make_node("Flatten", ["p"], ["f"], name="flat"),
+        h.make_node("Gemm", ["f", "W4", "B4"], ["y"], name="fc", transB=1),
+    ]
+    inits = {
+        "W1": r.normal(0, 0.3, (16, 4, 3, 3)), "B1": r.normal(0, 0.1, 16),
+        "W2": r.normal(0, 0.5, (16, 1, 3, 3)), "B2": r.normal(0, 0.1, 16),
+        "W3": r.normal(0, 0.3, (8, 16, 1, 1)), "B3": r.normal(0, 0.1, 8),
+        "W4": r.normal(0, 0.5, (5, 8)), "B4": r.normal(0, 0.1, 5),
+    }  # fmt: skip
+    inits = {k: v.astype(np.float32) for k, v in inits.items()}
+    model = make_model(nodes, [("x", ["N", 4, 10, 10])], [("y", None)], inits)
+
+    def data(seed, n):
+        g = rng(seed)
+        base = g.normal(0, 1, (n, 1, 10, 10))  # one shared component: channels correlate
+        return {"x": (base + 0.5 * g.normal(0, 1, (n, 4, 10, 10))).astype(np.float32)}
+
+    return model, data(7, 96), data(8, 64)
+
+
+@pytest.fixture(scope="module")
+def cnn_runs():
+    model, calib, held_out = _small_cnn()
+    kw = dict(progress=False, weight_bits=7, method="minmax", bias_correction="none")
+    out = {}
+    for fmt in ("qoperator", "qdq", "openvino"):
+        for rounding in ("nearest", "optimized"):
+            out[fmt, rounding] = onnxq.quantize(model, calib, format=fmt, rounding=rounding, **kw)
+    return model, calib, held_out, out
+
+
+def test_optimized_rounding_brings_the_model_closer_to_fp32(cnn_runs):
+    model, _, held_out, out = cnn_runs
+    ref = run(model, held_out)[0]
+
+    def err(q):
+        return float(np.mean((run(q, held_out)[0] - ref) ** 2))
+
+    for fmt in ("qoperator", "qdq"):
+        nearest, optimized = out[fmt, "nearest"][0], out[fmt, "optimized"][0]
+        assert err(optimized) < 0.8 * err(nearest), fmt
+    report = out["qoperator", "optimized"][1]
+    assert set(report.rounding) == {"conv", "dw", "pw", "fc"}
+    for layer, entry in report.rounding.items():
+        if "skipped" in entry:  # the Gemm sees 96 rows for 8 inputs: rounded too
+            pytest.fail(f"{layer}: {entry['skipped']}")
+        assert entry["sqnr_db"] >= entry["sqnr_nearest_db"], layer
+    assert "layers rounded for least output error" in report.algorithms["rounding"]
+    assert report.to_dict()["rounding"] == report.rounding
+    assert out["qoperator", "nearest"][1].rounding == {}
+
+
+def test_weights_stay_on_the_seven_bit_grid_in_every_format(cnn_runs):
+    _, _, _, out = cnn_runs
+    q = out["qoperator", "optimized"][0]
+    weights = [
+        nh.to_array(i) for i in q.graph.initializer if i.name.endswith("_quantized")
+        and nh.to_array(i).dtype == np.int8
+    ]  # fmt: skip
+    assert weights and all(np.abs(w).max() <= 63 for w in weights)
+
+
+def test_openvino_form_holds_the_same_rounded_weights(cnn_runs):
+    """The FakeQuantize form is rebuilt from the float model: it must write the rounded weights."""
+    _, _, _, out = cnn_runs
+    qop = {i.name: nh.to_array(i) for i in out["qoperator", "optimized"][0].graph.initializer}
+    fq = {i.name: nh.to_array(i) for i in out["openvino", "optimized"][0].graph.initializer}
+    nearest_fq = {i.name: nh.to_array(i) for i in out["openvino", "nearest"][0].graph.initializer}
+    for name in ("W1", "W2", "W3", "W4"):
+        scale = qop[f"{name}_scale"].reshape(-1, *[1] * (qop[f"{name}_quantized"].ndim - 1))
+        rounded = qop[f"{name}_quantized"].astype(np.float64) * scale
+        np.testing.assert_allclose(fq[name], rounded, rtol=1e-6, atol=1e-9)
+        assert not np.allclose(fq[name], nearest_fq[name])  # not the original weights
+
+
+def test_openvino_runs_the_rounded_model_like_onnxruntime(cnn_runs):
+    ov = pytest.importorskip("openvino", reason="needs the OpenVINO runtime: pip install openvino")
+    model, _, held_out, out = cnn_runs
+    core = ov.Core()
+    fq = out["openvino", "optimized"][0]
+    got = core.compile_model(core.read_model(fq.SerializeToString()), "CPU")(held_out)[0]
+    ref = run(model, held_out)[0]
+    qdq = run(out["qdq", "optimized"][0], held_out)[0]
+    # the same grid and weights: OpenVINO and onnxruntime agree far better than int8 and fp32
+    assert np.mean((got - qdq) ** 2) < 0.25 * np.mean((qdq - ref) ** 2)
+
+
+def test_deterministic(cnn_runs):
+    model, calib, _, out = cnn_runs
+    again, _ = onnxq.quantize(
+        model, calib, progress=False, weight_bits=7, method="minmax", bias_correction="none",
+        rounding="optimized",
+    )  # fmt: skip
+    first = out["qoperator", "optimized"][0]
+    assert again.SerializeToString() == first.SerializeToString()
+
+
+def test_auto_rounds_a_cnn_and_the_skips_say_why():
+    model, calib, _ = _small_cnn()
+    # W3 read by a second Conv too: a shared weight keeps nearest rounding
+    extra = h.make_node("Conv", ["b1", "W3"], ["c2"], name="pw2")
+    model.graph.node.insert(5, extra)
+    model.graph.output.append(
+        h.make_tensor_value_info("c2", onnx.TensorProto.FLOAT, ["N", 8, 10, 10])
+    )
+    _, report = onnxq.quantize(model, {"x": calib["x"][:2]}, progress=False)
+    assert report.model_kind == "cnn"
+    assert "shared by 2 nodes" in report.rounding["pw"]["skipped"]
+    # two samples: the Gemm has 2 rows for 8 inputs, too few to fit anything
+    assert "2 calibration rows for 8 weight inputs" in report.rounding["fc"]["skipped"]
+    assert "sqnr_db" in report.rounding["dw"]
+
+
+def test_off_for_other_kinds_with_loaded_ranges_and_a_bad_value(tmp_path):
+    model, calib, _ = _small_cnn()
+    _, report = onnxq.quantize(model, calib, progress=False, model_kind="other")
+    assert report.algorithms["rounding"] == "off (auto, other model)"
+    table = tmp_path / "ranges.json"
+    onnxq.quantize(model, calib, progress=False, save_ranges=table)
+    _, report = onnxq.quantize(model, None, progress=False, load_ranges=table)
+    assert report.algorithms["rounding"].startswith("off (ranges loaded")
+    with pytest.raises(ConfigError, match="rounding='adaround'"):
+        onnxq.quantize(model, calib, progress=False, rounding="adaround")
+
+
+def test_cli_takes_the_flag(tmp_path):
+    from onnxq.cli import main
+
+    model, calib, _ = _small_cnn()
+    src, npz, out, rep = (tmp_path / n for n in ("m.onnx", "c.npz", "q.onnx", "r.json"))
+    onnx.save(model, str(src))
+    np.savez(npz, x=calib["x"])
+    args = ["quantize", str(src), "--data", str(npz), "-o", str(out), "--quiet"]
+    assert main([*args, "--rounding", "optimized", "--report", str(rep)]) == 0
+    assert "dw" in __import__("json").loads(rep.read_text())["rounding"]
+    with pytest.raises(SystemExit) as info:
+        main([*args, "--rounding", "best"])
+    assert info.value.code == 2
+
+
+def test_hessian_rows_are_bounded_and_spread_over_the_batches():
+    from onnxq.solve.rounding import MAC_BUDGET, ROWS_PER_INPUT_TOTAL
+
+    big = 2048  # a 2048-input dense layer: the budget allows few rows per batch
+    obs = HessianObserver(None, groups=1, inputs=big, batches=40)
+    assert obs.total == max(2 * big, min(MAC_BUDGET // big**2, ROWS_PER_INPUT_TOTAL * big))
+    x = rng(9).normal(0, 1, (16, 64, big)).astype(np.float32)  # 1024 rows a batch
+    for _ in range(40):
+        obs.observe(x)
+    assert obs.hessian() is not None
+    assert obs.rows == obs.total and obs.per_batch < 1024  # every batch gave its share
+    conv = ConvShape((3, 3), (1, 1), (1, 1), (1, 1, 1, 1), 1)
+    patches = conv_patches(rng(10).normal(0, 1, (2, 4, 40, 40)), conv, cap=200)
+    assert 100 <= patches.shape[2] <= 260  # a grid of positions near the cap, both samples
