@@ -60,6 +60,8 @@ def test_the_fragile_layer_goes_float_and_the_rest_stays_int8():
     err = [float(np.mean((run(m, {"x": x})[0] - ref) ** 2)) for m in (plain, q)]
     assert err[1] < 0.01 * err[0]
     assert "fallback:" in report.summary() and "with 1 group(s) float" in report.summary()
+    # one model kept: the trials that were not chosen dropped theirs
+    assert report.fallback["chosen_excluded"] == chosen["excluded"]
     assert report.to_dict()["fallback"]["chosen"] == 1
 
 
@@ -101,6 +103,8 @@ def test_errors_name_the_option(tmp_path, monkeypatch):
         onnxq.quantize(model, data, max_drop=-1, **KW)
     with pytest.raises(ConfigError, match="add max_drop"):
         onnxq.quantize(model, data, metric="m:f", **KW)
+    with pytest.raises(ConfigError, match="measures each trial with onnxruntime"):
+        onnxq.quantize(model, data, max_drop=1.0, format="openvino", **KW)
     with pytest.raises(DataError, match="holds back every 8th calibration batch"):
         onnxq.quantize(model, {"x": data["x"][:16]}, max_drop=1.0, **KW)
     (tmp_path / "badmetric.py").write_text("def score(path):\n    return 'good'\n")

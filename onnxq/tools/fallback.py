@@ -57,8 +57,9 @@ class Trial:
     metric: float
     drop: float
     int8_ms: float
-    model: onnx.ModelProto
-    report: QuantizeReport
+    #: kept only while this trial could still be the one returned (see _best)
+    model: onnx.ModelProto | None
+    report: QuantizeReport | None
 
     def row(self) -> dict[str, Any]:
         """JSON-ready, without the model."""
@@ -152,6 +153,12 @@ def search(
     model: Any, data: Any, options: QuantizeOptions, quantize_branch: Any
 ) -> tuple[onnx.ModelProto, QuantizeReport]:
     """Quantize ``model`` meeting ``options.max_drop`` with the fewest float groups."""
+    if options.output_format.runtime != "onnxruntime":
+        raise ConfigError(
+            f"{spell('max_drop', options.cli)} measures each trial with onnxruntime; use "
+            f"{spell('format', options.cli, 'qoperator')} or {spell('format', options.cli, 'qdq')}"
+            " and convert the chosen model (onnxq convert)"
+        )
     source = model if isinstance(model, onnx.ModelProto) else load_model(model)
     calib, held = split(data, source, options)
     base = replace(options, max_drop=None, metric=None, output=None, latency_check=False)
@@ -171,20 +178,24 @@ def search(
         t = Trial(len(groups), excluded, value, drop, latency, state.model, build_report(state))
         return t, state
 
+    trials: list[Trial] = []
+
     def trial(groups: list[list[str]]) -> Trial:
-        return run(groups)[0]
+        t = run(groups)[0]
+        trials.append(t)
+        _best(trials, bar)  # drops the models that can no longer be returned
+        return t
 
     first, state = run([])
-    trials = [first]
+    trials.append(first)
     ranked = _ranked_groups(state, held)[:CANDIDATES] if first.drop > bar else []
     del state
     # each candidate alone: a group's own SQNR loss does not say that making it float helps
-    # (its output is still quantized for its int8 readers, and a float layer has no bias
-    # correction), so the order is the measured gain, and groups that do not help are dropped
+    # (its output is still quantized for its int8 readers), so the order is the measured gain,
+    # and groups that do not help are dropped
     singles = []
     for group in ranked:
         t = trial([group])
-        trials.append(t)
         singles.append((t, group))
         if t.drop <= bar:
             break
@@ -194,7 +205,6 @@ def search(
     k = 2
     while not met and k <= len(helpful):
         t = trial(helpful[:k])
-        trials.append(t)
         if t.drop <= bar:
             met, hi = True, k
             break
@@ -203,20 +213,19 @@ def search(
     while hi is not None and hi - lo > 1:  # the fewest groups between a miss and a hit
         mid = (lo + hi) // 2
         t = trial(helpful[:mid])
-        trials.append(t)
         if t.drop <= bar:
             hi = mid
         else:
             lo = mid
-    meeting = [t for t in trials if t.drop <= bar]
-    best = min(meeting, key=lambda t: t.groups) if meeting else max(trials, key=lambda t: t.metric)
+    best = _best(trials, bar)
+    assert best.model is not None and best.report is not None
     report = best.report
     report.fallback = {
         "metric": options.metric or "output cosine with fp32 (%)",
         "held_back_batches": len(held),
         "fp32": round(fp32, 6),
         "max_drop": bar,
-        "met": bool(meeting),
+        "met": best.drop <= bar,
         "chosen": best.groups,
         "chosen_excluded": best.excluded,
         "fp32_ms": round(_latency_ms(source, held), 3),
@@ -225,6 +234,19 @@ def search(
     if options.output is not None:
         save_model(best.model, options.output)
     return best.model, report
+
+
+def _best(trials: list[Trial], bar: float) -> Trial:
+    """The trial to return: the fewest float groups meeting the bar, else the best metric.
+
+    The other trials' models and reports are dropped (a search keeps one model in memory).
+    """
+    meeting = [t for t in trials if t.drop <= bar]
+    best = min(meeting, key=lambda t: t.groups) if meeting else max(trials, key=lambda t: t.metric)
+    for t in trials:
+        if t is not best:
+            t.model = t.report = None
+    return best
 
 
 def _ranked_groups(state: State, held: list[Any]) -> list[list[str]]:
