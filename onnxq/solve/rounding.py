@@ -274,8 +274,3 @@ class HessianObserver:
         """The mean ``x xᵀ`` per group, or None before any batch."""
         self._flush()
         return None if self.sum is None else self.sum / max(self.rows, 1)
-
-    def nbytes(self) -> int:
-        """Memory held."""
-        pending = sum(p.nbytes for p in self._pending)
-        return pending + (0 if self.sum is None else int(self.sum.nbytes))
