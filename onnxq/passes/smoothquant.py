@@ -15,16 +15,13 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 import onnx
 from onnx import numpy_helper
 
-from onnxq.calibrate.dataset import model_inputs
-from onnxq.calibrate.sources import as_dataset
-from onnxq.io.session import make_session
 from onnxq.passes.manager import PassResult, State
+from onnxq.passes.stream import float_batches
 from onnxq.solve.smoothquant import Smoothing, choose
 
 #: rows of each input kept for choosing alpha (a strided sample of every batch)
@@ -141,18 +138,10 @@ def _as_kn(init: onnx.TensorProto, transposed: bool) -> np.ndarray:
 
 def _collect(state: State, model: onnx.ModelProto, tensors: list[str]) -> dict[str, _Stats]:
     """Per-channel |max|, min, max and a row sample of each tensor over the calibration data."""
-    o = state.options
-    ds = as_dataset(state.data, model_inputs(model), o.batch_size, o.samples, o.preprocess)
-    state.dataset = ds
-    feeds: list[dict[str, Any]] | None = None if ds.replayable else []
-    session = make_session(model, expose=tensors)
     stats: dict[str, _Stats] = {}
-    for feed in ds.batches():
-        if feeds is not None:
-            feeds.append(feed)
-        values = dict(zip(tensors, session.run(tensors, feed), strict=True))
+    for values in float_batches(state, model, tensors):
         for t in tensors:
-            v = np.asarray(values[t])
+            v = values[t]
             if v.ndim < 1 or not np.issubdtype(v.dtype, np.floating):
                 continue
             # statistics in the tensor's own dtype (exact), float64 only for the kept rows
@@ -170,10 +159,6 @@ def _collect(state: State, model: onnx.ModelProto, tensors: list[str]) -> dict[s
                 take = rows[::step][:room].astype(np.float64)
                 st.rows.append(take)
                 st.seen += len(take)
-    if feeds is not None:  # a one-shot source: calibration reads the kept batches
-        state.dataset = as_dataset(feeds, model_inputs(model))
-    else:
-        ds.reset()
     return stats
 
 
@@ -211,15 +196,3 @@ def _apply(model: onnx.ModelProto, x: str, readers: list[_Reader], choice: Smoot
     first = min(i for i, n in enumerate(g.node) if n.name in reader_names)
     g.node.insert(first, mul)
     return f"Mul '{name}'"
-
-
-def describe(smoothing: dict[str, Any]) -> str:
-    """One line for the summary."""
-    done = [v for v in smoothing.values() if v["alpha"] is not None]
-    if not done:
-        return ""
-    gain = [v["error_before"] / max(v["error_after"], 1e-12) for v in done]
-    return (
-        f"SmoothQuant smoothed {len(done)} of {len(smoothing)} MatMul/Gemm inputs "
-        f"(output error down {min(gain):.1f}x to {max(gain):.1f}x)"
-    )
