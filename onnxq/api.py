@@ -57,6 +57,7 @@ def quantize(
     latency_check: bool = False,
     bias_correction: str = "auto",
     smoothquant: str = "auto",
+    equalization: str = "auto",
     rounding: str = "auto",
     model_kind: str = "auto",
     max_drop: float | None = None,
@@ -83,10 +84,14 @@ def quantize(
     ``bias_correction="fast"`` subtracts from each Conv/Gemm/MatMul bias the mean output shift
     its weight rounding causes (from the calibration data's per-channel input means).
     ``smoothquant="on"`` moves activation outliers of MatMul/Gemm inputs into their weights,
-    alpha chosen per layer. ``rounding="optimized"`` rounds each Conv/Gemm/MatMul weight for the
-    least output error on the layer's calibration inputs (GPTQ-style) instead of to nearest.
-    All three default to ``"auto"``: what helps the model's kind, read from its graph (bias
-    correction for CNNs, SmoothQuant for transformers, optimized rounding for both;
+    alpha chosen per layer. ``equalization="on"`` equalizes the channel ranges of Conv →
+    [Relu/Clip/Pad] → Conv chains and absorbs activation offsets into the next bias (exact in
+    float; a Clip's bound becomes per channel). ``rounding="optimized"`` rounds each
+    Conv/Gemm/MatMul weight for the least output error on the layer's calibration inputs
+    (GPTQ-style) instead of to nearest.
+    All four default to ``"auto"``: what helps the model's kind, read from its graph (bias
+    correction for CNNs, equalization for CNNs with per-tensor weights, SmoothQuant for
+    transformers, optimized rounding for both;
     ``model_kind`` overrides the detection: ``cnn``, ``transformer``, ``rnn`` or ``other``).
     The report's ``algorithms`` says what ran. ``max_drop`` turns on the accuracy-driven
     fallback (onnxq.tools.fallback): every 8th calibration batch is held back, and the fewest

@@ -26,7 +26,7 @@ from onnxq.io.graph import load_model, save_model, write_text_atomic
 from onnxq.io.loader import load_object
 from onnxq.lower.convert import convert
 from onnxq.lower.formats import get_format
-from onnxq.options import BIAS_CORRECTIONS, ROUNDINGS, SMOOTHQUANT, resolve
+from onnxq.options import BIAS_CORRECTIONS, EQUALIZATIONS, ROUNDINGS, SMOOTHQUANT, resolve
 from onnxq.passes.load import refuse_quantized
 from onnxq.passes.manager import op_histogram
 from onnxq.passes.verify import verify
@@ -133,6 +133,14 @@ def _quantize_io(q: argparse.ArgumentParser) -> None:
         choices=list(SMOOTHQUANT),
         help="move activation outliers of MatMul/Gemm inputs into their weights (alpha per "
         "layer, kept only where the int8 error drops); auto (default): on for transformers",
+    )
+    q.add_argument(
+        "--equalization",
+        default="auto",
+        choices=list(EQUALIZATIONS),
+        help="cross-layer equalization: balance the channel ranges of Conv → [Relu/Clip/Pad] → "
+        "Conv chains and absorb activation offsets into the next bias (exact in float); auto "
+        "(default): on for CNNs with --per-tensor weights",
     )
     q.add_argument(
         "--rounding",
@@ -460,6 +468,7 @@ def _quantize(args: argparse.Namespace) -> int:
             latency_check=not args.no_latency_check,
             bias_correction=args.bias_correction,
             smoothquant=args.smoothquant,
+            equalization=args.equalization,
             rounding=args.rounding,
             max_drop=args.max_drop,
             metric=args.metric,

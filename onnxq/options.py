@@ -45,6 +45,8 @@ def spell(option: str, cli: bool, value: Any = _FLAG) -> str:
 #: the bias corrections quantize() runs after solving
 BIAS_CORRECTIONS = ("auto", "none", "fast", "layerwise")
 SMOOTHQUANT = ("auto", "on", "off")
+#: cross-layer equalization of Conv chains (onnxq.passes.equalize)
+EQUALIZATIONS = ("auto", "on", "off")
 #: how weights are rounded to their grid (onnxq.solve.rounding)
 ROUNDINGS = ("auto", "nearest", "optimized")
 
@@ -56,6 +58,7 @@ _PARAMETERS: dict[str, tuple[str, ...] | None] = {
     "method": METHODS,
     "bias-correction": BIAS_CORRECTIONS,
     "smoothquant": SMOOTHQUANT,
+    "equalization": EQUALIZATIONS,
     "rounding": ROUNDINGS,
     "model-kind": KINDS,
     "weight-bits": (),
@@ -141,6 +144,8 @@ class QuantizeOptions:
     bias_correction: str = "auto"
     #: SmoothQuant before annotation: "auto" (on for transformers), "on" or "off"
     smoothquant: str = "auto"
+    #: cross-layer equalization: "auto" (on for CNNs with per-tensor weights), "on" or "off"
+    equalization: str = "auto"
     #: weight rounding: "auto" (optimized for CNNs and transformers), "nearest" or "optimized"
     rounding: str = "auto"
     #: accuracy-driven fallback: the largest metric drop allowed (None: off) and the metric
@@ -227,6 +232,7 @@ def resolve(
     for key, allowed in (
         ("bias_correction", BIAS_CORRECTIONS),
         ("smoothquant", SMOOTHQUANT),
+        ("equalization", EQUALIZATIONS),
         ("rounding", ROUNDINGS),
         ("model_kind", KINDS),
     ):

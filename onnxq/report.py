@@ -54,6 +54,9 @@ class QuantizeReport:
     algorithms: dict[str, str] = field(default_factory=dict)
     #: SmoothQuant per input tensor: alpha (None: left alone), readers, errors, where 1/s went
     smoothing: dict[str, Any] = field(default_factory=dict)
+    #: cross-layer equalization per Conv pair: the path between, the channel range spread of
+    #: the first weight (largest over median) before and after, the channels absorbed
+    equalization: dict[str, Any] = field(default_factory=dict)
     #: optimized rounding per layer: output SQNR of nearest and of the chosen rounding (dB),
     #: rows changed, or why the layer kept nearest rounding
     rounding: dict[str, Any] = field(default_factory=dict)
@@ -135,6 +138,7 @@ class QuantizeReport:
             "model_kind_reason": self.model_kind_reason,
             "algorithms": self.algorithms,
             "smoothing": self.smoothing,
+            "equalization": self.equalization,
             "rounding": self.rounding,
             "fallback": self.fallback,
         }
@@ -165,6 +169,7 @@ def build_report(state: State) -> QuantizeReport:
         model_kind_reason=state.kind_reason,
         algorithms=algorithms(state),
         smoothing=dict(state.smoothing),
+        equalization=dict(state.equalization),
         rounding=dict(state.rounding),
     )
     explain_constraints(report.decisions, sol)
@@ -175,6 +180,7 @@ def build_report(state: State) -> QuantizeReport:
 
 #: the optional algorithms, by pass name, and the option that switches each
 ALGORITHMS = {
+    "equalization": "equalization",
     "smoothquant": "smoothquant",
     "rounding": "rounding",
     "bias-correction": "bias_correction",

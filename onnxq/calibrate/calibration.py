@@ -67,6 +67,13 @@ def _saturates(
     # per layer the HardSwish outputs gained 0.1-0.5 dB early and lost up to 0.9 dB later
     if op == "Relu":
         return 0.0, np.inf
+    if op in ("Min", "Max") and len(node.input) == 2 and node.input[1] in consts:
+        # x against a constant (a Clip whose bound is per channel, after equalization):
+        # every x beyond the constant's extreme gives the same output
+        c = onnx.numpy_helper.to_array(consts[node.input[1]])
+        if c.size == 0 or not np.issubdtype(c.dtype, np.floating) or node.input[0] in consts:
+            return None
+        return (-np.inf, float(c.max())) if op == "Min" else (float(c.min()), np.inf)
     if op == "Clip":
         if "min" in attrs or "max" in attrs:  # opset < 11
             lo, hi = attrs.get("min"), attrs.get("max")
@@ -95,8 +102,9 @@ def _read_in_subgraphs(graph: onnx.GraphProto) -> set[str]:
 def saturation_bounds(model: onnx.ModelProto) -> dict[str, tuple[float, float]]:
     """{tensor: interval} for tensors whose every reader is constant outside the interval.
 
-    Sigmoid, Tanh (both sides), Clip with constant bounds (its bounds), Relu (below 0). Graph
-    outputs and tensors with any other reader get none.
+    Sigmoid, Tanh (both sides), Clip with constant bounds (its bounds), Relu (below 0), Min
+    and Max against a constant (beyond its extreme). Graph outputs and tensors with any other
+    reader get none.
     """
     consts = {t.name: t for t in model.graph.initializer}
     for node in model.graph.node:
@@ -116,6 +124,33 @@ def saturation_bounds(model: onnx.ModelProto) -> dict[str, tuple[float, float]]:
             lo, hi = bounds.get(name, interval)
             bounds[name] = (min(lo, interval[0]), max(hi, interval[1]))
     return {k: v for k, v in bounds.items() if np.isfinite(v[0]) or np.isfinite(v[1])}
+
+
+def clamped_by_reader(model: onnx.ModelProto) -> dict[str, tuple[str, np.ndarray]]:
+    """{tensor: (op, constant)} for tensors whose one reader is Min or Max against a constant.
+
+    The reader sees ``op(tensor, constant)`` only: values beyond the constant, channel by
+    channel (a Clip whose bound became per channel in cross-layer equalization), need no
+    grid. Calibration observes the tensor as its reader sees it.
+    """
+    consts = {t.name: t for t in model.graph.initializer}
+    readers: dict[str, list[onnx.NodeProto]] = {}
+    for node in model.graph.node:
+        for name in node.input:
+            readers.setdefault(name, []).append(node)
+    outputs = {o.name for o in model.graph.output} | _read_in_subgraphs(model.graph)
+    out: dict[str, tuple[str, np.ndarray]] = {}
+    for name, nodes in readers.items():
+        n = nodes[0]
+        if len(nodes) != 1 or name in outputs or n.op_type not in ("Min", "Max"):
+            continue
+        if n.domain not in ("", "ai.onnx") or len(n.input) != 2 or n.input[0] != name:
+            continue
+        if n.input[1] in consts and n.input[0] != n.input[1]:
+            c = onnx.numpy_helper.to_array(consts[n.input[1]])
+            if c.size > 0 and np.issubdtype(c.dtype, np.floating):
+                out[name] = (n.op_type, c)
+    return out
 
 
 @dataclass
@@ -307,6 +342,7 @@ class Calibrator:
         keep = max((getattr(self.callback_for(r), "feeds_needed", 0) for r in records), default=0)
         batches = self.dataset_manager.batches()
         bar = _progress(batches, self.dataset_manager.num_batches(), self.progress)
+        clamps = clamped_by_reader(self.quantizer.float_model)
         for feeds in bar:
             outs = run_checked(session, fetch, feeds, self.report.batches)
             if len(self.reference) < self.reference_batches:
@@ -327,6 +363,9 @@ class Calibrator:
                     arr = arr[np.isfinite(arr)]
                     if arr.size == 0:
                         continue
+                clamp = clamps.get(name)
+                if clamp is not None and finite and by_tensor.get(name):
+                    arr = (np.minimum if clamp[0] == "Min" else np.maximum)(arr, clamp[1])
                 for obs in by_tensor.get(name, ()):
                     obs.observe(arr)
                 if name in self.channel_axes:

@@ -12,6 +12,7 @@ from onnxq.passes.bias_correction import BiasCorrection, requests
 from onnxq.passes.branches import Branches, BranchQuantizer
 from onnxq.passes.calibrate import Calibrate
 from onnxq.passes.check import Check
+from onnxq.passes.equalize import Equalize
 from onnxq.passes.float_outputs import FloatOutputs
 from onnxq.passes.int4 import Int4Weights, WeightOnlyInt4
 from onnxq.passes.load import Load
@@ -32,6 +33,8 @@ def build(options: QuantizeOptions, quantize_branch: BranchQuantizer) -> list[Pa
         return [Load(raise_opsets=False), WeightOnlyInt4(), Verify(), Save()]
     fmt = options.output_format
     passes: list[Pass] = [Load()]
+    if options.equalization != "off" and options.load_ranges is None:
+        passes.append(Equalize())
     if options.smoothquant != "off" and options.load_ranges is None:
         passes.append(SmoothQuant())
     passes += [Annotate(), Calibrate(requests, taps), Solve()]
