@@ -272,13 +272,26 @@ def keras_h5(src: Path, dst: Path) -> None:
                 raise ValueError(f"layer '{cfg['name']}': {cls} is not exported")
         output = _history(config["output_layers"])[0]
     out_name, (n_out, _, _) = k.tensors[output]
-    c, h, w = k.tensors[graph_input][1]
+    name = str(config.get("name", "keras"))
+    _save(k.nodes, k.inits, name, (graph_input, k.tensors[graph_input][1]), (out_name, n_out), dst)
+
+
+def _save(
+    nodes: list[onnx.NodeProto],
+    inits: list[onnx.TensorProto],
+    name: str,
+    image: tuple[str, tuple[int, int, int]],
+    scores: tuple[str, int],
+    dst: Path,
+) -> None:
+    """Write a classifier graph: ``image`` (name, CHW) in, ``scores`` (name, classes) out."""
+    (inp, (c, h, w)), (out, n_out) = image, scores
     graph = helper.make_graph(
-        k.nodes,
-        str(config.get("name", "keras")),
-        [helper.make_tensor_value_info(graph_input, TensorProto.FLOAT, ["N", c, h, w])],
-        [helper.make_tensor_value_info(out_name, TensorProto.FLOAT, ["N", n_out])],
-        k.inits,
+        nodes,
+        name,
+        [helper.make_tensor_value_info(inp, TensorProto.FLOAT, ["N", c, h, w])],
+        [helper.make_tensor_value_info(out, TensorProto.FLOAT, ["N", n_out])],
+        inits,
     )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)])
     model.ir_version = 8
@@ -449,18 +462,8 @@ def torch_efficientnet_lite(src: Path, dst: Path) -> None:
     ]
     n_out = int(t.w["_fc.weight"].shape[0])
     in_size = _LITE_VARIANTS[variant][1]
-    graph = helper.make_graph(
-        t.nodes,
-        f"efficientnet-{variant}",
-        [helper.make_tensor_value_info("input", TensorProto.FLOAT, ["N", 3, in_size, in_size])],
-        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["N", n_out])],
-        t.inits,
-    )
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)])
-    model.ir_version = 8
-    model.producer_name = "onnxq models/exporters.py"
-    onnx.checker.check_model(model)
-    onnx.save(model, str(dst))
+    image = ("input", (3, in_size, in_size))
+    _save(t.nodes, t.inits, f"efficientnet-{variant}", image, ("logits", n_out), dst)
 
 
 #: exporter name (the manifest's ``export``) -> function(source file, destination .onnx)

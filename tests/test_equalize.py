@@ -144,13 +144,22 @@ def _sqnr(ref: np.ndarray, got: np.ndarray) -> float:
     return float(10 * np.log10(np.sum(ref**2) / np.sum((ref - got) ** 2)))
 
 
-def test_equalization_raises_the_accuracy_of_per_tensor_weights():
+def _both(option: str, values: tuple[str, str], **common) -> tuple:
+    """The chain model quantized per tensor twice (``option`` at each of ``values``): fp32's
+    outputs on evaluation data, the data, and each (model, report)."""
     model = _chain_model(relu_link=False)
     calib, evaluation = _data(64, 5), _data(32, 6)
-    ref = run(model, evaluation)[0]
-    common = dict(per_channel=False, rounding="nearest", bias_correction="none")
-    off, _ = onnxq.quantize(model, calib, equalization="off", **common)
-    on, report = onnxq.quantize(model, calib, equalization="on", **common)
+    runs = [
+        onnxq.quantize(model, calib, per_channel=False, rounding="nearest", **{option: v}, **common)
+        for v in values
+    ]
+    return run(model, evaluation)[0], evaluation, runs
+
+
+def test_equalization_raises_the_accuracy_of_per_tensor_weights():
+    ref, evaluation, [(off, _), (on, report)] = _both(
+        "equalization", ("off", "on"), bias_correction="none"
+    )
     gain = _sqnr(ref, run(on, evaluation)[0]) - _sqnr(ref, run(off, evaluation)[0])
     assert gain > 3.0, gain
     assert report.algorithms["equalization"].startswith("2 Conv pairs equalized")
@@ -186,12 +195,7 @@ def test_equalization_output_is_byte_identical_across_runs():
 
 def test_the_openvino_form_of_an_equalized_model_runs_there():
     ov = pytest.importorskip("openvino", reason="needs the OpenVINO runtime: pip install openvino")
-    model = _chain_model(relu_link=False)
-    calib, evaluation = _data(64, 5), _data(16, 6)
-    ref = run(model, evaluation)[0]
-    common = dict(per_channel=False, equalization="on", rounding="nearest")
-    fq, _ = onnxq.quantize(model, calib, format="openvino", **common)
-    qdq, _ = onnxq.quantize(model, calib, format="qdq", **common)
+    ref, evaluation, [(fq, _), (qdq, _)] = _both("format", ("openvino", "qdq"), equalization="on")
     core = ov.Core()
     got = core.compile_model(core.read_model(fq.SerializeToString()), "CPU")(evaluation["x"])[0]
     assert "Min" in [n.op_type for n in fq.graph.node]
