@@ -58,7 +58,12 @@ SETTINGS: dict[str, dict[str, Any]] = {
 
 #: options of algorithms that change the numbers on purpose, pinned off on both sides (a side
 #: whose quantize() has no such parameter gets none): the guard compares the rest
-PINNED = {"bias_correction": "none", "smoothquant": "off", "rounding": "nearest"}
+PINNED = {
+    "bias_correction": "none",
+    "smoothquant": "off",
+    "equalization": "off",
+    "rounding": "nearest",
+}
 
 #: the worker each side runs: only ``onnxq.quantize`` of whichever onnxq is on its path
 WORKER = """
