@@ -201,3 +201,16 @@ def test_the_openvino_form_of_an_equalized_model_runs_there():
     assert "Min" in [n.op_type for n in fq.graph.node]
     assert abs(_sqnr(ref, got) - _sqnr(ref, run(qdq, evaluation)[0])) < 1.5
     assert _sqnr(ref, got) > 20
+
+
+def test_a_range_table_of_an_equalized_model_is_refused_not_misapplied(tmp_path):
+    model, calib = _chain_model(relu_link=False), _data(16, 9)
+    table = tmp_path / "ranges.json"
+    onnxq.quantize(model, calib, per_channel=False, save_ranges=table)  # auto: equalized
+    with pytest.raises(ConfigError, match="as equalization rewrote it") as info:
+        onnxq.quantize(model, None, per_channel=False, load_ranges=table)
+    assert "equalization='off'" in str(info.value) or "--equalization off" in str(info.value)
+    plain = tmp_path / "plain.json"
+    onnxq.quantize(model, calib, per_channel=False, equalization="off", save_ranges=plain)
+    b, _ = onnxq.quantize(model, None, per_channel=False, load_ranges=plain, rounding="nearest")
+    assert _sqnr(run(model, _data(8, 1))[0], run(b, _data(8, 1))[0]) > 20

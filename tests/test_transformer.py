@@ -210,6 +210,15 @@ def test_smoothquant_lowers_the_error_on_outlier_channels_and_is_reported():
     assert errors["on"] < errors["off"]
 
 
+def test_a_range_table_of_a_smoothed_model_is_refused(tmp_path):
+    model, calib = _encoder(outlier=40.0), _padded(16, 1)
+    table = tmp_path / "ranges.json"
+    _, report = onnxq.quantize(model, calib, progress=False, smoothquant="on", save_ranges=table)
+    assert report.smoothing["x"]["alpha"] is not None
+    with pytest.raises(ConfigError, match="as smoothquant rewrote it"):
+        onnxq.quantize(model, None, progress=False, load_ranges=table)
+
+
 def test_float_outputs_keep_int8_math_and_fold_the_bias():
     """dense → bias Add → residual: only float ops read it, so it writes float
     (MatMulIntegerToFloat with the bias inside); the QDQ form has no Q after it."""

@@ -2,11 +2,16 @@
 
     {"format": "onnxq-ranges", "version": 1, "method": "entropy",
      "tensors": {"input": [0.0, 1.0], "conv1_out": [0.0, 6.2], ...},
-     "channel_means": {"conv1_out": [0.3, 1.2, ...], ...}}
+     "channel_means": {"conv1_out": [0.3, 1.2, ...], ...},
+     "float_rewrites": ["equalization"]}
 
 Calibrate once with ``--save-ranges``; try formats and options in seconds with
 ``--load-ranges`` (no data pass). Weights are always re-derived from the model; bias correction
 reads the per-channel input means the table keeps (``channel_means``, when it ran).
+``float_rewrites`` names the passes that rewrote the float model from the calibration data
+before it was calibrated (cross-layer equalization, SmoothQuant): a run without that data
+cannot redo them, so such a table is refused by ``--load-ranges`` rather than applied to
+tensors whose values it does not describe.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ def write_ranges(
     ranges: Mapping[str, tuple[float, float]],
     method: str,
     channel_means: Mapping[str, Any] | None = None,
+    float_rewrites: list[str] | None = None,
 ) -> None:
     """Write the table atomically, tensors sorted by name (deterministic)."""
     doc: dict[str, Any] = {
@@ -43,6 +49,8 @@ def write_ranges(
             k: [float(v) for v in np.asarray(m, np.float64).reshape(-1)]
             for k, m in sorted(channel_means.items())
         }
+    if float_rewrites:
+        doc["float_rewrites"] = sorted(float_rewrites)
     write_text_atomic(path, json.dumps(doc, indent=1) + "\n")
 
 
@@ -97,4 +105,12 @@ def read_ranges(path: str | os.PathLike[str]) -> dict[str, tuple[float, float]]:
                 "[min, max] with finite min <= max"
             )
         out[name] = (float(pair[0]), float(pair[1]))
+    rewrites = doc.get("float_rewrites", [])
+    if rewrites:
+        flags = " ".join(f"--{r} off" for r in rewrites)
+        raise ConfigError(
+            f"range table '{path}' was saved from the model as {' and '.join(rewrites)} "
+            "rewrote it with scales from the calibration data, which --load-ranges cannot "
+            f"redo; save the table again with {flags}, or quantize with --data"
+        )
     return out

@@ -26,6 +26,8 @@ class Save:
             method = o.method if o.callback is None else "callback"
             cal = state.calibrator
             means = {t: cal.channel_mean(t) for t in sorted(cal.channel_sums)}
-            write_ranges(o.save_ranges, cal.ranges, method, means)
+            smoothed = any(v["alpha"] is not None for v in state.smoothing.values())
+            rewrites = ["equalization"] * bool(state.equalization) + ["smoothquant"] * smoothed
+            write_ranges(o.save_ranges, cal.ranges, method, means, rewrites)
             wrote.append(str(o.save_ranges))
         return PassResult(f"wrote {', '.join(wrote)}" if wrote else "")
