@@ -281,18 +281,22 @@ class MSEObserver(Histogram):
         if self.total == 0 or self.half_range == 0.0:
             return 0.0, 0.0
         lo, hi = min(self.min, 0.0), max(self.max, 0.0)
-        errors = [self.error(a * lo, a * hi, dtype, symmetric) for a in self.alphas]
+        errors = self.errors(self.alphas * lo, self.alphas * hi, dtype, symmetric)
         a = float(self.alphas[int(np.argmin(errors))])
         return a * lo, a * hi
 
-    def error(self, lo: float, hi: float, dtype: str, symmetric: bool) -> float:
-        """Expected squared error of quantizing the histogram with range [lo, hi]."""
-        qp = params_from_range(lo, hi, dtype, symmetric)
+    def errors(self, lo: np.ndarray, hi: np.ndarray, dtype: str, symmetric: bool) -> np.ndarray:
+        """Expected squared error of quantizing the histogram with each range [lo_i, hi_i].
+
+        One (ranges × bins) array: the whole grid costs one numpy pass, not one per range.
+        """
+        qp = params_from_range(np.asarray(lo), np.asarray(hi), dtype, symmetric, axis=0)
         qmin, qmax = qrange(dtype)
-        c = self.centers()
-        scale, zp = float(qp.scale), float(qp.zero_point)
+        c = self.centers()[None, :]
+        scale = qp.scale.astype(np.float64).reshape(-1, 1)
+        zp = qp.zero_point.astype(np.float64).reshape(-1, 1)
         dq = (np.clip(np.round(c / scale) + zp, qmin, qmax) - zp) * scale
-        return float(np.sum(self.counts * (c - dq) ** 2))
+        return np.sum(self.counts * (c - dq) ** 2, axis=1)
 
 
 class PercentileCallback(ObserverCallback):

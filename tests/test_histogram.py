@@ -114,6 +114,19 @@ def test_entropy_differs_from_minmax_on_skewed_data():
     assert e_lo == m_lo == 0.0 and e_hi < 0.7 * m_hi
 
 
+@pytest.mark.parametrize("dtype, symmetric", [("uint8", False), ("int8", True), ("int8", False)])
+def test_mse_errors_of_the_whole_grid_match_one_range_at_a_time(dtype, symmetric):
+    x = np.concatenate([R.normal(-1, 2, 30000), R.normal(5, 0.3, 3000)]).astype(np.float32)
+    obs = feed(MSEObserver(bins=512, grid=40), [x])
+    lo, hi = obs.alphas * obs.min, obs.alphas * obs.max
+    c = obs.centers()
+    for i in (0, 7, 39):  # the bin centres quantized by the real kernel formula
+        qp = params_from_range(lo[i], hi[i], dtype, symmetric)
+        ref = np.sum(obs.counts * (c - dequantize(quantize(c, qp), qp)) ** 2)
+        got = obs.errors(lo, hi, dtype, symmetric)[i]
+        assert got == pytest.approx(ref, rel=1e-6)  # dequantize works in float32
+
+
 def test_mse_finds_the_error_minimum_of_a_known_distribution():
     x = R.laplace(0, 1, 100000).astype(np.float32)
     obs = feed(MSEObserver(bins=4096, grid=50), [x])
