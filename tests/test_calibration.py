@@ -478,3 +478,26 @@ def test_inputs_of_saturating_gates_get_a_finer_grid(op, monkeypatch):
     unbounded, _ = onnxq.quantize(model, calib, progress=False)
     assert sqnr(bounded) >= sqnr(unbounded) + 1.0
     assert sqnr(bounded) >= 30.0
+
+
+def test_run_ahead_keeps_the_batch_order_and_names_a_failing_batch():
+    import threading
+
+    from onnxq.calibrate.calibration import run_ahead
+
+    seen_threads = set()
+
+    class Session:
+        def run(self, names, feeds):
+            seen_threads.add(threading.get_ident())
+            if feeds["x"][0] == 3:
+                raise RuntimeError("bad shape")
+            return [feeds["x"] * 2]
+
+    batches = [{"x": np.array([i])} for i in range(3)]
+    got = [(f["x"][0], int(o[0][0])) for f, o in run_ahead(Session(), ["y"], batches)]
+    assert got == [(0, 0), (1, 2), (2, 4)]
+    assert threading.get_ident() not in seen_threads  # inference ran beside the caller
+    with pytest.raises(CalibrationError, match="calibration batch 3 "):
+        list(run_ahead(Session(), ["y"], [*batches, {"x": np.array([3])}]))
+    assert list(run_ahead(Session(), ["y"], [])) == []

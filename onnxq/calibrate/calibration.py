@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import sys
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -343,8 +344,7 @@ class Calibrator:
         batches = self.dataset_manager.batches()
         bar = _progress(batches, self.dataset_manager.num_batches(), self.progress)
         clamps = clamped_by_reader(self.quantizer.float_model)
-        for feeds in bar:
-            outs = run_checked(session, fetch, feeds, self.report.batches)
+        for feeds, outs in run_ahead(session, fetch, bar):
             if len(self.reference) < self.reference_batches:
                 got = dict(zip(fetch, outs))
                 self.reference.append((dict(feeds), {r: got[r] for r in refs}))
@@ -458,6 +458,29 @@ def _float_outputs(model: onnx.ModelProto) -> list[str]:
     return [
         o.name for o in model.graph.output if o.type.tensor_type.elem_type == onnx.TensorProto.FLOAT
     ]
+
+
+def run_ahead(
+    session: Any, names: list[str], batches: Iterable[Mapping[str, np.ndarray]]
+) -> Iterator[tuple[Mapping[str, np.ndarray], list[np.ndarray]]]:
+    """Each batch with ``names`` computed, the next batch already running.
+
+    onnxruntime releases the GIL while it runs, so the caller's numpy work on one batch
+    (observers, Hessians) overlaps the inference of the next: one batch in flight, so at most
+    two batches' outputs are alive. The caller still sees the batches in order (deterministic).
+    """
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="onnxq-calibrate") as pool:
+        it = iter(batches)
+        current = next(it, None)
+        if current is None:
+            return
+        job = pool.submit(run_checked, session, names, current, 0)
+        for index, upcoming in enumerate(it, start=1):
+            outs = job.result()
+            job = pool.submit(run_checked, session, names, upcoming, index)
+            yield current, outs
+            current = upcoming
+        yield current, job.result()
 
 
 def run_checked(
