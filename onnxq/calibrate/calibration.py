@@ -15,9 +15,9 @@
 from __future__ import annotations
 
 import sys
+import threading
 import time
 from collections.abc import Iterable, Iterator, Mapping
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -461,26 +461,51 @@ def _float_outputs(model: onnx.ModelProto) -> list[str]:
 
 
 def run_ahead(
-    session: Any, names: list[str], batches: Iterable[Mapping[str, np.ndarray]]
-) -> Iterator[tuple[Mapping[str, np.ndarray], list[np.ndarray]]]:
+    session: Any, names: list[str], batches: Iterable[dict[str, np.ndarray]]
+) -> Iterator[tuple[dict[str, np.ndarray], list[np.ndarray]]]:
     """Each batch with ``names`` computed, the next batch already running.
 
     onnxruntime releases the GIL while it runs, so the caller's numpy work on one batch
     (observers, Hessians) overlaps the inference of the next: one batch in flight, so at most
     two batches' outputs are alive. The caller still sees the batches in order (deterministic).
+    The run is a daemon thread: Ctrl-C in the caller exits at once, not after the batch.
     """
-    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="onnxq-calibrate") as pool:
-        it = iter(batches)
-        current = next(it, None)
-        if current is None:
-            return
-        job = pool.submit(run_checked, session, names, current, 0)
-        for index, upcoming in enumerate(it, start=1):
-            outs = job.result()
-            job = pool.submit(run_checked, session, names, upcoming, index)
-            yield current, outs
-            current = upcoming
-        yield current, job.result()
+    it = iter(batches)
+    current = next(it, None)
+    if current is None:
+        return
+    job = _Run(session, names, current, 0)
+    for index, upcoming in enumerate(it, start=1):
+        outs = job.result()
+        job = _Run(session, names, upcoming, index)
+        yield current, outs
+        current = upcoming
+    yield current, job.result()
+
+
+class _Run:
+    """One :func:`run_checked` call on a daemon thread."""
+
+    def __init__(self, session: Any, names: list[str], feeds: Mapping[str, Any], index: int):
+        self._outs: list[np.ndarray] = []
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(
+            target=self._work, args=(session, names, feeds, index), daemon=True
+        )
+        self._thread.start()
+
+    def _work(self, session: Any, names: list[str], feeds: Mapping[str, Any], index: int) -> None:
+        try:
+            self._outs = run_checked(session, names, feeds, index)
+        except BaseException as exc:  # handed to the caller's thread
+            self._error = exc
+
+    def result(self) -> list[np.ndarray]:
+        """The outputs (the thread's exception raised here)."""
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self._outs
 
 
 def run_checked(
