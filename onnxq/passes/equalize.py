@@ -118,9 +118,13 @@ class Equalize:
         absorbed = _absorb(chains, links, layers, ranges)
         for c, link in zip(chains, links, strict=True):
             if c.clip is not None:
-                _per_channel_clip(model, c, link.scale, absorbed.get(c.first.name))
+                rank = layers[c.first.name].weight.ndim
+                _per_channel_clip(model, c, link.scale, absorbed.get(c.first.name), rank)
+        _drop_unread(model, {t for c in chains if c.clip for t in c.clip[0].input[1:]})
+        nodes = {n.name: n for n in model.graph.node}
+        inits = {i.name: i for i in model.graph.initializer}
         for name, layer in layers.items():
-            _write(model, name, layer)
+            _write(model, nodes[name], layer, inits)
         for c in chains:
             a = c.first.name
             c_abs = absorbed.get(a)
@@ -288,7 +292,11 @@ def _absorb(
 
 
 def _per_channel_clip(
-    model: onnx.ModelProto, chain: _Chain, scale: np.ndarray, absorbed: np.ndarray | None
+    model: onnx.ModelProto,
+    chain: _Chain,
+    scale: np.ndarray,
+    absorbed: np.ndarray | None,
+    rank: int,
 ) -> None:
     """Replace the link's Clip by Relu (if it had a minimum) → Min(bound per channel)."""
     assert chain.clip is not None
@@ -296,7 +304,6 @@ def _per_channel_clip(
     if lo is None and hi is None:
         return  # a Clip without bounds passes every value
     g = model.graph
-    rank = len(next(i for i in g.initializer if i.name == chain.first.input[1]).dims)
     shift = np.zeros_like(scale) if absorbed is None else absorbed
     at = list(g.node).index(clip)
     new: list[onnx.NodeProto] = []
@@ -319,25 +326,31 @@ def _per_channel_clip(
     del g.node[at]
     for i, n in enumerate(new):
         g.node.insert(at + i, n)
+
+
+def _drop_unread(model: onnx.ModelProto, names: set[str]) -> None:
+    """Remove the initializers among ``names`` that no node reads any more (Clip bounds)."""
+    g = model.graph
     read = {t for n in g.node for t in n.input}
-    for t in clip.input[1:]:
-        init = next((i for i in g.initializer if i.name == t), None)
-        if init is not None and t not in read:
-            g.initializer.remove(init)
+    for init in [i for i in g.initializer if i.name in names and i.name not in read]:
+        g.initializer.remove(init)
 
 
-def _write(model: onnx.ModelProto, conv_name: str, layer: Layer) -> None:
+def _write(
+    model: onnx.ModelProto,
+    conv: onnx.NodeProto,
+    layer: Layer,
+    inits: dict[str, onnx.TensorProto],
+) -> None:
     """Store the layer's equalized weight and bias (a bias input is added where there was none)."""
     g = model.graph
-    conv = next(n for n in g.node if n.name == conv_name)
-    inits = {i.name: i for i in g.initializer}
     w = conv.input[1]
     inits[w].CopyFrom(numpy_helper.from_array(layer.weight.astype(np.float32), w))
     if len(conv.input) > 2 and conv.input[2]:
         b = conv.input[2]
         inits[b].CopyFrom(numpy_helper.from_array(layer.bias.astype(np.float32), b))
     elif np.any(layer.bias):
-        b = f"{conv_name}_equalized_bias"
+        b = f"{conv.name}_equalized_bias"
         g.initializer.append(numpy_helper.from_array(layer.bias.astype(np.float32), b))
         while len(conv.input) < 3:
             conv.input.append("")
