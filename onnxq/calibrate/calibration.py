@@ -68,13 +68,6 @@ def _saturates(
     # per layer the HardSwish outputs gained 0.1-0.5 dB early and lost up to 0.9 dB later
     if op == "Relu":
         return 0.0, np.inf
-    if op in ("Min", "Max") and len(node.input) == 2 and node.input[1] in consts:
-        # x against a constant (a Clip whose bound is per channel, after equalization):
-        # every x beyond the constant's extreme gives the same output
-        c = onnx.numpy_helper.to_array(consts[node.input[1]])
-        if c.size == 0 or not np.issubdtype(c.dtype, np.floating) or node.input[0] in consts:
-            return None
-        return (-np.inf, float(c.max())) if op == "Min" else (float(c.min()), np.inf)
     if op == "Clip":
         if "min" in attrs or "max" in attrs:  # opset < 11
             lo, hi = attrs.get("min"), attrs.get("max")
@@ -103,9 +96,9 @@ def _read_in_subgraphs(graph: onnx.GraphProto) -> set[str]:
 def saturation_bounds(model: onnx.ModelProto) -> dict[str, tuple[float, float]]:
     """{tensor: interval} for tensors whose every reader is constant outside the interval.
 
-    Sigmoid, Tanh (both sides), Clip with constant bounds (its bounds), Relu (below 0), Min
-    and Max against a constant (beyond its extreme). Graph outputs and tensors with any other
-    reader get none.
+    Sigmoid, Tanh (both sides), Clip with constant bounds (its bounds), Relu (below 0). Graph
+    outputs and tensors with any other reader get none (Min/Max against a constant: see
+    :func:`clamped_by_reader`, which clips the data itself, channel by channel).
     """
     consts = {t.name: t for t in model.graph.initializer}
     for node in model.graph.node:
