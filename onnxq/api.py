@@ -95,7 +95,8 @@ def quantize(
     ``model_kind`` overrides the detection: ``cnn``, ``transformer``, ``rnn`` or ``other``).
     The report's ``algorithms`` says what ran. ``max_drop`` turns on the accuracy-driven
     fallback (onnxq.tools.fallback): every 8th calibration batch is held back, and the fewest
-    groups, ranked by the SQNR each loses, go back to float until the metric (``metric``:
+    groups, ranked by the output error each causes (onnxq.tools.sensitivity), go back to float
+    until the metric (``metric``:
     ``"module:function"`` called with a model file's path, higher is better; by default the
     mean output cosine with fp32 in %) is at most ``max_drop`` below fp32's; ``report.fallback``
     lists every trial.
@@ -136,6 +137,30 @@ def quantize_with(
     state = run_passes(State(options, model, data), pipeline.build(options, quantize_with))
     report = _int4_report(state) if options.weight_dtype == "int4" else build_report(state)
     return state.model, report
+
+
+def quantize_state(
+    model: str | os.PathLike[str] | onnx.ModelProto, data: Any, **kwargs: Any
+) -> State:
+    """Run ``quantize(model, data, **kwargs)``'s passes and return their whole state.
+
+    For tools that need more than the model and report: the annotation (``state.quantizer``),
+    the chosen scales (``state.values``) and replaced constants, e.g. onnxq.tools.emulate.
+    The accuracy-driven fallback (``max_drop``) is not run.
+    """
+    import inspect
+
+    args = {
+        k: p.default
+        for k, p in inspect.signature(quantize).parameters.items()
+        if p.default is not inspect.Parameter.empty
+    }
+    unknown = set(kwargs) - set(args)
+    if unknown:
+        raise ConfigError(f"quantize() has no parameter {sorted(unknown)[0]!r}")
+    args.update(kwargs, max_drop=None, metric=None)
+    options = resolve_call(args)
+    return run_passes(State(options, model, data), pipeline.build(options, quantize_with))
 
 
 def _int4_report(state: State) -> QuantizeReport:

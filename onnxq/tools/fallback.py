@@ -5,8 +5,9 @@ quantizes on the rest and measures the metric on the held-back batches: by defau
 cosine of every float output with fp32, per sample, as a percentage (so ``max_drop=0.5`` allows
 0.5 points); ``metric="module:function"`` names the user's own evaluation instead, called with
 the path of a model file and returning a number where higher is better (it reads its own data).
-When the drop is over the bar, the :data:`CANDIDATES` groups that lose the most SQNR in
-themselves on the held-back batches (``onnxq compare``'s drop) are each tried alone in float
+When the drop is over the bar, the :data:`CANDIDATES` groups ranked first by the
+sensitivity ranking on the held-back batches (onnxq.tools.sensitivity, the ranking ``onnxq
+debug`` prints: each group alone quantized and alone left float) are each tried alone in float
 (the whole group: a Conv with its folded Relu); those that raise the metric, best first, then go
 back to float together, 2, 4, ... of them until the bar is met, and bisection finds the
 fewest. Every trial is a full quantization with those nodes excluded, so each algorithm runs
@@ -38,12 +39,15 @@ from onnxq.options import QuantizeOptions, spell
 from onnxq.passes.manager import State, run_passes
 from onnxq.passes.pipeline import build
 from onnxq.report import QuantizeReport, build_report
-from onnxq.tools.compare import compare
+from onnxq.tools.emulate import emulate
+from onnxq.tools.sensitivity import rank
 
 #: every HOLDOUT-th calibration batch is held back to measure the drop
 HOLDOUT = 8
-#: groups (the largest SQNR losses) whose effect alone is measured before combining them
+#: groups (the best-ranked) whose effect alone is measured before combining them
 CANDIDATES = 8
+#: seconds the sensitivity ranking of the candidates may take
+RANKING_BUDGET_S = 60.0
 
 Metric = Callable[[onnx.ModelProto], float]
 
@@ -250,16 +254,10 @@ def _best(trials: list[Trial], bar: float) -> Trial:
 
 
 def _ranked_groups(state: State, held: list[Any]) -> list[list[str]]:
-    """The quantized groups, the one losing the most SQNR in itself (held-back data) first."""
-    q = state.quantizer
-    group_of = {n: list(rec.nodes) for rec in q.records for n in rec.nodes}
-    comparison = compare(q.float_model, state.model, as_dataset(held, model_inputs(q.float_model)))
-    ranked: list[list[str]] = []
-    seen: set[str] = set()
-    for layer in comparison.layers:
-        group = group_of.get(layer.node)
-        if group is None or group[0] in seen or layer.drop_db <= 0:
-            continue
-        seen.add(group[0])
-        ranked.append(group)
-    return ranked
+    """The quantized groups that cost output accuracy, the largest cost first.
+
+    The ranking of ``onnxq debug`` (onnxq.tools.sensitivity) on the held-back batches: each
+    group alone quantized and alone left float, on the emulation of this quantization.
+    """
+    ranking = rank(emulate(state), held, budget=RANKING_BUDGET_S)
+    return [list(g.nodes) for g in ranking.groups if g.score > 0]

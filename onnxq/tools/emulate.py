@@ -1,0 +1,357 @@
+"""The quantized model emulated in float, with a switch on every quantizer.
+
+``onnxq debug`` and the accuracy-driven fallback ask one question many times: how far from fp32
+are the outputs when only these groups are quantized? Quantizing once per question would take
+minutes per question; this module answers each with one onnxruntime run instead. It starts from
+the FakeQuantize form of the quantization (onnxq.lower.fakequantize: the float graph with a
+FakeQuantize on every quantized edge and weight, with the scales, zero points, rounded weights
+and corrected biases the pipeline chose) and puts each quantizer behind a switch, an If on
+``flags[k]`` (only the branch taken runs):
+
+* activation: QuantizeLinear → DequantizeLinear on its 8-bit grid (uint8 with zero point
+  −low/step), else the same grid in arithmetic; off: the tensor as it is;
+* weight: the op that reads it, once on its quantized weight (and its bias rounded to the
+  int32 grid s_x·s_w, as QDQ and integer kernels hold it) and once on the float weight and
+  bias; the switch picks which one runs;
+* a replaced constant of a float op: the new or the original value.
+
+``flags`` is one boolean input of the emulation model; each group of the annotation (a Conv with
+its folded Relu, a MatMul, an Add, ...) owns the switches of its weights and biases and of the
+activations it quantizes: its output, and the inputs no quantized group produces (graph inputs,
+float producers). All switches on is the fake-quantized model (QDQ semantics, computed in float
+by onnxruntime); all off is the float model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import onnx
+from onnx import helper, numpy_helper
+
+from onnxq.lower.fakequantize import OV_DOMAIN, to_fakequantize
+
+#: the emulation model's input that holds the switches
+FLAGS = "onnxq_debug_flags"
+
+
+@dataclass(frozen=True)
+class Switch:
+    """One quantizer of the emulation."""
+
+    #: the float tensor it quantizes (a weight, a bias or an activation)
+    tensor: str
+    kind: str  # "weight" | "bias" | "activation"
+    #: indices of the groups that own it (several for a graph input read by several groups)
+    groups: tuple[int, ...]
+
+
+@dataclass
+class Group:
+    """One quantized group of the annotation and its switches."""
+
+    #: the float node the group is named by (the name --config and --exclude take)
+    node: str
+    op: str
+    nodes: tuple[str, ...]
+    weights: list[int] = field(default_factory=list)
+    activations: list[int] = field(default_factory=list)
+
+    @property
+    def switches(self) -> list[int]:
+        """All of the group's switches."""
+        return self.weights + self.activations
+
+
+@dataclass
+class Emulation:
+    """The emulation model, its switches and the groups that own them."""
+
+    model: onnx.ModelProto
+    switches: list[Switch]
+    groups: list[Group]
+
+    def flags(self, on: Any = None) -> np.ndarray:
+        """The flags input with the switches ``on`` (indices; None: all) set."""
+        flags = np.zeros(len(self.switches), np.bool_)
+        if on is None:
+            flags[:] = True
+        else:
+            flags[list(on)] = True
+        return flags
+
+    def fixed(self, on: Any = None) -> onnx.ModelProto:
+        """The model with the switches ``on`` (None: all) as the flags' default value.
+
+        The flags stay an input backed by an initializer, so onnxruntime neither needs them fed
+        nor folds them (folded, its Q/DQ fusion would run integer kernels instead of the
+        float emulation).
+        """
+        model = onnx.ModelProto()
+        model.CopyFrom(self.model)
+        model.graph.initializer.append(numpy_helper.from_array(self.flags(on), FLAGS))
+        return model
+
+
+def _fq(x: np.ndarray, lo: np.ndarray, hi: np.ndarray, levels: int) -> np.ndarray:
+    """FakeQuantize in numpy, as the emulation computes it."""
+    step = _step(lo, hi, levels)
+    return (np.round((np.clip(x, lo, hi) - lo) / step) * step + lo).astype(np.float32)
+
+
+def _step(lo: np.ndarray, hi: np.ndarray, levels: int) -> np.ndarray:
+    width = np.asarray(hi, np.float32) - np.asarray(lo, np.float32)
+    return np.where(width > 0, width / np.float32(levels - 1), np.float32(1.0)).astype(np.float32)
+
+
+def emulate(state: Any) -> Emulation:
+    """The emulation of a finished quantization (a :class:`~onnxq.passes.manager.State`)."""
+    quantizer = state.quantizer
+    qrange = (-64, 63) if state.options.weight_bits == 7 else None
+    fq_model = to_fakequantize(quantizer, state.values, qrange, state.constants)
+    records = list(quantizer.records)
+    group_of_node = {n: i for i, rec in enumerate(records) for n in rec.nodes}
+    produced_by = {q.tensor: i for i, rec in enumerate(records) for q in rec.outputs}
+    readers: dict[str, list[int]] = {}
+    for i, rec in enumerate(records):
+        for q in rec.inputs:
+            readers.setdefault(q.tensor, []).append(i)
+    float_nodes = {n.name: n for n in quantizer.float_model.graph.node}
+    groups = [
+        Group(rec.node, float_nodes[rec.node].op_type if rec.node in float_nodes else "", rec.nodes)
+        for rec in records
+    ]
+    originals = {i.name: i for i in quantizer.float_model.graph.initializer}
+    graph = fq_model.graph
+    inits = {i.name: i for i in graph.initializer}
+    switches: list[Switch] = []
+    gates: dict[int, str] = {}
+    nodes: list[onnx.NodeProto] = []
+    new_inits: list[onnx.TensorProto] = []
+
+    def switch(tensor: str, kind: str, owners: list[int]) -> int:
+        k = len(switches)
+        owners = sorted(set(owners))
+        switches.append(Switch(tensor, kind, tuple(owners)))
+        for g in owners:
+            (groups[g].weights if kind != "activation" else groups[g].activations).append(k)
+        return k
+
+    def gate(k: int) -> str:
+        """The boolean scalar of switch ``k`` (its Gather node emitted on first use)."""
+        if k not in gates:
+            index = f"{FLAGS}/{k}"
+            new_inits.append(numpy_helper.from_array(np.array(k, np.int64), index))
+            nodes.append(helper.make_node("Gather", [FLAGS, index], [f"{index}/on"], index))
+            gates[k] = f"{index}/on"
+        return gates[k]
+
+    def constant(name: str, value: np.ndarray) -> str:
+        new_inits.append(numpy_helper.from_array(np.asarray(value, np.float32), name))
+        return name
+
+    # weights: FakeQuantize of a constant -> (switch, rounded and quantized, float)
+    weights: dict[str, tuple[int, str, str]] = {}
+    # constants an algorithm replaced that no FakeQuantize reads (corrected biases): on, off
+    replaced: dict[str, tuple[str, str]] = {}
+    fq_inputs = set()
+    # the grid step of every FakeQuantize output (activations per tensor, weights per channel)
+    steps: dict[str, np.ndarray] = {}
+    for node in graph.node:
+        if node.op_type == "FakeQuantize" and node.domain == OV_DOMAIN:
+            levels = next(a.i for a in node.attribute if a.name == "levels")
+            steps[node.output[0]] = _step(
+                numpy_helper.to_array(inits[node.input[1]]),
+                numpy_helper.to_array(inits[node.input[2]]),
+                levels,
+            )
+    for node in graph.node:
+        if node.op_type != "FakeQuantize" or node.domain != OV_DOMAIN:
+            continue
+        fq_inputs.add(node.input[0])
+        x = node.input[0]
+        if x not in inits:
+            continue
+        levels = next(a.i for a in node.attribute if a.name == "levels")
+        lo = numpy_helper.to_array(inits[node.input[1]])
+        hi = numpy_helper.to_array(inits[node.input[2]])
+        rounded = numpy_helper.to_array(inits[x])
+        float_w = numpy_helper.to_array(originals[x]) if x in originals else rounded
+        y = node.output[0]
+        steps[y] = _step(lo, hi, levels)
+        k = switch(x, "weight", readers.get(x, []))
+        weights[y] = (
+            k,
+            constant(f"{y}/on", _fq(rounded, lo, hi, levels)),
+            constant(f"{y}/off", float_w),
+        )
+    for name, init in inits.items():
+        original = originals.get(name)
+        if name in fq_inputs or original is None:
+            continue
+        if original.SerializeToString() != init.SerializeToString():
+            replaced[name] = (
+                constant(f"{name}/on", numpy_helper.to_array(init)),
+                constant(f"{name}/off", numpy_helper.to_array(original)),
+            )
+
+    for node in graph.node:
+        if node.op_type == "FakeQuantize" and node.domain == OV_DOMAIN:
+            if node.output[0] not in weights:
+                zp = _activation(node, inits, switch, gate, constant, nodes, produced_by, readers)
+                if zp is not None:
+                    new_inits.append(zp)
+            continue
+        weighted = [weights[i] for i in node.input if i in weights]
+        if weighted:  # the op on quantized or on float constants, chosen by an If
+            k = weighted[0][0]
+            branches = []
+            for which, tag in ((1, "q"), (2, "f")):
+                copy = onnx.NodeProto()
+                copy.CopyFrom(node)
+                copy.name = f"{node.name}/{tag}"
+                for j, inp in enumerate(copy.input):
+                    if inp in weights:
+                        copy.input[j] = weights[inp][which]
+                    elif inp in replaced:
+                        copy.input[j] = replaced[inp][which - 1]
+                if which == 1:  # the bias on its int32 grid, as QDQ and integer kernels hold it
+                    _int32_bias(copy, node, steps, inits, replaced, constant)
+                outs = [f"{o}/{tag}" for o in node.output]
+                del copy.output[:]
+                copy.output.extend(outs)
+                branches.append(_branch(f"{node.name}/{tag}", [copy], outs))
+            nodes.append(_if(gate(k), list(node.output), branches[0], branches[1], node.name))
+            continue
+        for j, inp in enumerate(node.input):
+            if inp in replaced:  # a replaced constant of a float op
+                owners = [group_of_node[node.name]] if node.name in group_of_node else []
+                k = switch(inp, "bias", owners)
+                out = f"{inp}/{node.name}/switched"
+                on_name, off_name = replaced[inp]
+                nodes.append(helper.make_node("Where", [gate(k), on_name, off_name], [out], out))
+                node.input[j] = out
+        nodes.append(node)
+    read = _read(nodes)
+    kept = [i for i in graph.initializer if i.name in read]
+    del graph.node[:]
+    graph.node.extend(nodes)
+    del graph.initializer[:]
+    graph.initializer.extend(kept + new_inits)
+    graph.input.append(helper.make_tensor_value_info(FLAGS, onnx.TensorProto.BOOL, [len(switches)]))
+    opsets = [d for d in fq_model.opset_import if d.domain != OV_DOMAIN]
+    del fq_model.opset_import[:]
+    fq_model.opset_import.extend(opsets)
+    return Emulation(fq_model, switches, groups)
+
+
+def _int32_bias(
+    copy: onnx.NodeProto,
+    node: onnx.NodeProto,
+    steps: dict[str, np.ndarray],
+    inits: dict[str, onnx.TensorProto],
+    replaced: dict[str, tuple[str, str]],
+    constant: Any,
+) -> None:
+    """Round a Conv/Gemm bias to the step s_x·s_w of the int32 bias that runtimes use."""
+    if node.op_type not in ("Conv", "ConvTranspose", "Gemm") or len(node.input) < 3:
+        return
+    x, w, b = node.input[0], node.input[1], node.input[2]
+    if x not in steps or w not in steps or steps[x].size != 1:
+        return
+    if b in replaced:
+        value = numpy_helper.to_array(next(i for i in _all_inits(inits) if i.name == b))
+    elif b in inits:
+        value = numpy_helper.to_array(inits[b])
+    else:
+        return
+    step = (steps[x].reshape(()) * steps[w].reshape(-1)).astype(np.float64)
+    if step.size not in (1, value.size):
+        return
+    value = np.asarray(value, np.float64).reshape(-1)
+    rounded = np.round(value / step) * step
+    copy.input[2] = constant(f"{node.name}/bias/int32", rounded.reshape(-1).astype(np.float32))
+
+
+def _all_inits(inits: dict[str, onnx.TensorProto]) -> list[onnx.TensorProto]:
+    return list(inits.values())
+
+
+def _read(nodes: list[onnx.NodeProto]) -> set[str]:
+    """Every name ``nodes`` read, their If branches included."""
+    names: set[str] = set()
+    for n in nodes:
+        names.update(n.input)
+        for a in n.attribute:
+            if a.type == onnx.AttributeProto.GRAPH:
+                names |= _read(list(a.g.node))
+    return names
+
+
+def _branch(name: str, nodes: list[onnx.NodeProto], outputs: list[str]) -> onnx.GraphProto:
+    return helper.make_graph(
+        nodes,
+        name,
+        [],
+        [helper.make_tensor_value_info(o, onnx.TensorProto.FLOAT, None) for o in outputs],
+    )
+
+
+def _if(
+    flag: str, outputs: list[str], then: onnx.GraphProto, other: onnx.GraphProto, name: str
+) -> onnx.NodeProto:
+    return helper.make_node(
+        "If", [flag], outputs, f"{name}/If", then_branch=then, else_branch=other
+    )
+
+
+def _activation(
+    node: onnx.NodeProto,
+    inits: dict[str, onnx.TensorProto],
+    switch: Any,
+    gate: Any,
+    constant: Any,
+    nodes: list[onnx.NodeProto],
+    produced_by: dict[str, int],
+    readers: dict[str, list[int]],
+) -> onnx.TensorProto | None:
+    """An activation's FakeQuantize as ONNX ops behind a Where (the zero point it adds)."""
+    x, lo, hi = node.input[0], node.input[1], node.input[2]
+    levels = next(a.i for a in node.attribute if a.name == "levels")
+    tensor = node.name[: -len("/FakeQuantize")]
+    y = node.output[0]
+    owners = [produced_by[tensor]] if tensor in produced_by else readers.get(tensor, [])
+    k = switch(tensor, "activation", owners)
+    p = f"{y}/fq"
+    lo_v, hi_v = numpy_helper.to_array(inits[lo]), numpy_helper.to_array(inits[hi])
+    step_v = _step(lo_v, hi_v, levels)
+    zero = np.round(-lo_v / step_v)
+    flag = gate(k)
+    if levels == 256 and lo_v.size == 1 and 0 <= float(zero.reshape(())) <= 255:
+        # an 8-bit grid is uint8 with zero point −lo/s, whatever the dtype that wrote it
+        sc = constant(f"{p}/scale", step_v.reshape(()))
+        zp = f"{p}/zero_point"
+        new_zp = numpy_helper.from_array(np.asarray(zero, np.uint8).reshape(()), zp)
+        on = [
+            helper.make_node("QuantizeLinear", [x, sc, zp], [f"{p}/q"], f"{p}/Q"),
+            helper.make_node("DequantizeLinear", [f"{p}/q", sc, zp], [p], f"{p}/DQ"),
+        ]
+        off = [helper.make_node("Identity", [x], [f"{p}/id"], f"{p}/Identity")]
+        nodes.append(
+            _if(flag, [y], _branch(f"{p}/on", on, [p]), _branch(f"{p}/off", off, [f"{p}/id"]), p)
+        )
+        return new_zp
+    step = constant(f"{p}/step", step_v)
+    nodes += [
+        helper.make_node("Max", [x, lo], [f"{p}/max"], f"{p}/Max"),
+        helper.make_node("Min", [f"{p}/max", hi], [f"{p}/clip"], f"{p}/Min"),
+        helper.make_node("Sub", [f"{p}/clip", lo], [f"{p}/shift"], f"{p}/Sub"),
+        helper.make_node("Div", [f"{p}/shift", step], [f"{p}/steps"], f"{p}/Div"),
+        helper.make_node("Round", [f"{p}/steps"], [f"{p}/q"], f"{p}/Round"),
+        helper.make_node("Mul", [f"{p}/q", step], [f"{p}/scaled"], f"{p}/Mul"),
+        helper.make_node("Add", [f"{p}/scaled", lo], [p], f"{p}/Add"),
+        helper.make_node("Where", [flag, p, x], [y], f"{y}/Where"),
+    ]
+    return None

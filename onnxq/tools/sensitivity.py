@@ -1,0 +1,275 @@
+"""Which quantized groups cost the accuracy: one ranking for ``onnxq debug`` and the fallback.
+
+Each group is measured on the emulation of the finished quantization (onnxq.tools.emulate), one
+onnxruntime run per question, against the fp32 outputs on the same samples:
+
+* **alone quantized**: only this group's quantizers on. The output noise this group causes by
+  itself, split into its weights (and corrected biases) alone and its activations alone;
+* **alone float**: every quantizer on but this group's. The share of the whole model's output
+  noise that returning this group to float removes.
+
+Output noise is the mean over the float outputs of Σ(f − q)² / Σ f² (its inverse in dB is the
+output SQNR). Groups are ranked by the mean of the two shares of the whole model's noise: the
+noise a group adds alone and the noise its return to float removes (they differ where errors
+interact, e.g. a coarse grid that only hurts behind another one).
+
+The cost is 1 + 4·G runs for G groups (2·G without the weight/activation split). Within
+``budget`` seconds: the samples are cut first (never below one batch), then the split is kept
+for the best-ranked groups only; the ranking says what it measured.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+
+from onnxq.io.session import make_session
+from onnxq.tools.emulate import FLAGS, Emulation
+
+#: seconds the ranking may take by default
+BUDGET_S = 120.0
+#: samples per run where the model's batch axis is free
+BATCH = 16
+
+
+@dataclass
+class GroupScore:
+    """One group's measurements (noise as a fraction of the output power; SQNR in dB)."""
+
+    node: str
+    op: str
+    nodes: tuple[str, ...]
+    #: output noise with only this group quantized; with only its weights; only its activations
+    alone: float
+    weights: float | None
+    activations: float | None
+    #: output noise with every group quantized but this one
+    without: float
+    #: shares of the whole model's noise: added alone, removed by leaving the group float
+    alone_share: float = 0.0
+    float_share: float = 0.0
+
+    @property
+    def score(self) -> float:
+        """The ranking key: the mean of the two shares."""
+        return (self.alone_share + self.float_share) / 2
+
+    @property
+    def dominant(self) -> str:
+        """``weights``, ``activations`` or ``both`` (within a factor 2), or ``?`` (not split)."""
+        if self.weights is None or self.activations is None:
+            return "?"
+        if self.weights > 2 * self.activations:
+            return "weights"
+        if self.activations > 2 * self.weights:
+            return "activations"
+        return "both"
+
+    def row(self) -> dict[str, Any]:
+        """JSON-ready."""
+        d = asdict(self)
+        d.update(
+            score=self.score,
+            dominant=self.dominant,
+            alone_db=db(self.alone),
+            without_db=db(self.without),
+            weights_db=None if self.weights is None else db(self.weights),
+            activations_db=None if self.activations is None else db(self.activations),
+        )
+        return d
+
+
+@dataclass
+class Ranking:
+    """Every group, the largest score first, and what was measured."""
+
+    #: output noise with every group quantized
+    noise: float
+    groups: list[GroupScore]
+    samples: int
+    runs: int
+    seconds: float
+    budget: float
+    #: how many of the best-ranked groups got the weight/activation split
+    split: int
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def sqnr_db(self) -> float:
+        """Output SQNR of the whole quantized model."""
+        return db(self.noise)
+
+    def table(self, limit: int = 15) -> str:
+        """A terminal table."""
+        lines = [
+            f"sensitivity on {self.samples} samples ({self.runs} runs, {self.seconds:.1f} s): "
+            f"output SQNR {self.sqnr_db:.2f} dB with every group int8",
+            f"  {'group (node)':<36} {'op':<10} {'alone dB':>9} {'weights':>8} {'activ.':>8} "
+            f"{'float →':>9} {'share':>6}  dominant",
+        ]
+        for g in self.groups[:limit]:
+            w = "-" if g.weights is None else f"{db(g.weights):.1f}"
+            a = "-" if g.activations is None else f"{db(g.activations):.1f}"
+            lines.append(
+                f"  {_short(g.node):<36} {g.op:<10} {db(g.alone):>9.2f} {w:>8} {a:>8} "
+                f"{db(g.without):>9.2f} {100 * g.score:>5.1f}%  {g.dominant}"
+            )
+        if len(self.groups) > limit:
+            lines.append(f"  ... {len(self.groups) - limit} more (see --json)")
+        lines.extend(f"  note: {n}" for n in self.notes)
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready."""
+        return {
+            "noise": self.noise,
+            "sqnr_db": self.sqnr_db,
+            "samples": self.samples,
+            "runs": self.runs,
+            "seconds": round(self.seconds, 3),
+            "budget": self.budget,
+            "split": self.split,
+            "notes": self.notes,
+            "groups": [g.row() for g in self.groups],
+        }
+
+
+def db(noise: float) -> float:
+    """Noise as a fraction of the signal power → SQNR in dB (inf for none)."""
+    if noise <= 0:
+        return math.inf
+    return -10.0 * math.log10(noise)
+
+
+def _short(name: str, width: int = 36) -> str:
+    return name if len(name) <= width else "…" + name[-(width - 1) :]
+
+
+def rebatch(
+    model: Any, feeds: Sequence[dict[str, np.ndarray]], size: int = BATCH
+) -> list[dict[str, np.ndarray]]:
+    """``feeds`` joined into batches of up to ``size`` samples, where the batch axis is free.
+
+    One run per batch costs far less than one per sample; fixed batch axes keep the feeds.
+    """
+    inits = {i.name for i in model.graph.initializer}
+    free = all(
+        len(i.type.tensor_type.shape.dim) > 0
+        and not i.type.tensor_type.shape.dim[0].HasField("dim_value")
+        for i in model.graph.input
+        if i.name not in inits and i.name != FLAGS
+    )
+    feeds = [dict(f) for f in feeds]
+    if not free or len(feeds) < 2 or any(set(f) != set(feeds[0]) for f in feeds):
+        return feeds
+    out: list[dict[str, np.ndarray]] = []
+    chunk: list[dict[str, np.ndarray]] = []
+    count = 0
+    for f in feeds:
+        n = int(next(iter(f.values())).shape[0]) if f else 0
+        if chunk and count + n > size:
+            out.append({k: np.concatenate([c[k] for c in chunk]) for k in chunk[0]})
+            chunk, count = [], 0
+        chunk.append(f)
+        count += n
+    if chunk:
+        out.append({k: np.concatenate([c[k] for c in chunk]) for k in chunk[0]})
+    return out
+
+
+def rank(
+    emulation: Emulation,
+    feeds: Sequence[dict[str, np.ndarray]],
+    budget: float = BUDGET_S,
+    progress: Callable[[int, int], None] | None = None,
+) -> Ranking:
+    """Measure and rank every group of ``emulation`` on ``feeds`` (batches of samples)."""
+    start = time.perf_counter()
+    feeds = rebatch(emulation.model, feeds)
+    session = make_session(emulation.model)
+    names = [o.name for o in session.get_outputs()]
+    groups = emulation.groups
+    notes: list[str] = []
+    runs = 0
+
+    def outputs(on: Any, batches: Sequence[dict[str, np.ndarray]]) -> list[list[np.ndarray]]:
+        nonlocal runs
+        runs += 1
+        flags = emulation.flags(on)
+        return [session.run(names, {**f, FLAGS: flags}) for f in batches]
+
+    tick = time.perf_counter()
+    reference = outputs([], feeds[:1])
+    one = time.perf_counter() - tick  # one batch, one run
+    per_run = one * len(feeds)
+    plan = 1 + 4 * len(groups)
+    batches = list(feeds)
+    if per_run * plan > budget and len(feeds) > 1:
+        keep = max(1, int(budget / (one * plan)))
+        batches = batches[:keep]
+        notes.append(
+            f"{keep} of {len(feeds)} batches used to stay within the {budget:.0f} s budget"
+        )
+    reference = outputs([], batches)
+    floating = [
+        i for i, o in enumerate(reference[0]) if np.issubdtype(np.asarray(o).dtype, np.floating)
+    ]
+    power = [
+        sum(float(np.sum(np.square(r[i], dtype=np.float64))) for r in reference) for i in floating
+    ]
+
+    def noise(on: Any) -> float:
+        got = outputs(on, batches)
+        total = 0.0
+        for j, i in enumerate(floating):
+            err = sum(
+                float(np.sum(np.square(g[i].astype(np.float64) - r[i], dtype=np.float64)))
+                for g, r in zip(got, reference, strict=True)
+            )
+            total += err / power[j] if power[j] > 0 else (0.0 if err == 0 else 1.0)
+        return total / max(1, len(floating))
+
+    every = list(range(len(emulation.switches)))
+    whole = noise(None)
+    scores = []
+    for gi, g in enumerate(groups):
+        own = set(g.switches)
+        scores.append(
+            GroupScore(
+                g.node,
+                g.op,
+                g.nodes,
+                alone=noise(sorted(own)),
+                weights=None,
+                activations=None,
+                without=noise([k for k in every if k not in own]),
+            )
+        )
+        if progress is not None:
+            progress(gi + 1, 2 * len(groups))
+    for s in scores:
+        s.alone_share = s.alone / whole if whole > 0 else 0.0
+        s.float_share = max(0.0, whole - s.without) / whole if whole > 0 else 0.0
+    scores.sort(key=lambda s: -s.score)
+    by_node = {g.node: g for g in groups}
+    split = 0
+    for n, s in enumerate(scores):
+        spent = time.perf_counter() - start
+        if n and spent + 2 * (spent / runs) > budget:
+            notes.append(
+                f"weights/activations split for the {split} best-ranked groups only (budget)"
+            )
+            break
+        g = by_node[s.node]
+        s.weights = noise(g.weights) if g.weights else 0.0
+        s.activations = noise(g.activations) if g.activations else 0.0
+        split += 1
+        if progress is not None:
+            progress(len(groups) + n + 1, 2 * len(groups))
+    samples = sum(int(next(iter(f.values())).shape[0]) for f in batches if f)
+    return Ranking(whole, scores, samples, runs, time.perf_counter() - start, budget, split, notes)
