@@ -86,6 +86,46 @@ def _parser() -> argparse.ArgumentParser:
     )
     k.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
+    g = sub.add_parser(
+        "debug",
+        help="when accuracy drops: rank the groups, find the fewest to keep float, write the "
+        "config, check the target runtime",
+    )
+    g.add_argument("model", help="the float .onnx model (never modified)")
+    g.add_argument("--data", required=True, help="calibration samples, as for quantize")
+    g.add_argument(
+        "--eval",
+        default=None,
+        metavar="MODULE:FUNCTION",
+        help="your metric: called with a model file's path, returns a number (higher is "
+        "better); default: output cosine with fp32 on the calibration samples",
+    )
+    g.add_argument("--target", default=None, help="quantize as for this target (default ort-cpu)")
+    g.add_argument("--target-file", default=None, metavar="FILE.toml")
+    g.add_argument(
+        "--recover",
+        type=float,
+        default=0.8,
+        help="share of the lost metric the fix must win back (default 0.8)",
+    )
+    g.add_argument(
+        "--budget",
+        type=float,
+        default=120.0,
+        help="seconds the sensitivity ranking may take (default 120; it uses fewer samples)",
+    )
+    g.add_argument("--samples", type=int, default=None, help="use at most N samples")
+    g.add_argument("--batch-size", type=int, default=None)
+    g.add_argument("--preprocess", default=None, help="image preprocessing, as for quantize")
+    g.add_argument(
+        "-o",
+        "--output",
+        default=None,
+        metavar="FIX.toml",
+        help="where to write the config (default MODEL_fix.toml in the current folder)",
+    )
+    g.add_argument("--json", action="store_true", help="print JSON instead of the report")
+
     t = sub.add_parser("targets", help="list the targets and their conventions")
     t.add_argument("--target-file", default=None, metavar="FILE.toml")
 
@@ -340,6 +380,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _targets(args)
         if args.command == "compare":
             return _compare(args)
+        if args.command == "debug":
+            return _debug(args)
         if args.command == "convert":
             return _convert(args)
         if args.command == "inspect":
@@ -541,6 +583,31 @@ def _compare(args: argparse.Namespace) -> int:
         print(result.table())
     if args.report:
         write_text_atomic(args.report, result.html(f"onnxq compare: {Path(args.quant_model).name}"))
+    return 0
+
+
+def _debug(args: argparse.Namespace) -> int:
+    from onnxq.tools.debug import debug
+
+    if args.target_file:
+        load_targets(args.target_file)
+    if args.budget is not None and not args.budget >= 0:
+        raise ConfigError(f"--budget {args.budget} must be ≥ 0 seconds")
+    result = debug(
+        args.model,
+        args.data,
+        eval=args.eval,
+        target=args.target,
+        recover=args.recover,
+        budget=args.budget,
+        batch_size=args.batch_size,
+        samples=args.samples,
+        preprocess=args.preprocess,
+        output=args.output,
+        data_label=args.data,
+        cli=True,
+    )
+    print(json.dumps(result.to_dict(), indent=2) if args.json else result.summary())
     return 0
 
 

@@ -253,7 +253,7 @@ def compare(
                 zp = q_inits[zp_name].astype(np.float64) if zp_name in q_inits else 0.0
                 q = (q.astype(np.float64) - zp) * scale
             stats[name].add(np.asarray(f_vals[name]), np.asarray(q))
-    _link_inputs(float_model, stats)
+    link_inputs(float_model, stats)
     producers = {o: n for n in float_model.graph.node for o in n.output}
     for name, st in stats.items():
         node = producers.get(name)
@@ -268,7 +268,7 @@ def compare(
     return Comparison(outs, layers, samples)
 
 
-def _link_inputs(model: onnx.ModelProto, stats: dict[str, TensorStats]) -> None:
+def link_inputs(model: onnx.ModelProto, stats: dict[str, TensorStats]) -> None:
     """Give each compared tensor the worst SQNR of the nearest compared tensors it reads."""
     producers = {o: n for n in model.graph.node for o in n.output}
 

@@ -9,9 +9,13 @@ TensorRT's, and the result says so.
 
 Per output and per layer (every float tensor of the float graph the target model exposes under
 the same name: a tensor name, or a quantized op's ``<tensor>_scale``), the agreement of target
-and reference is an SQNR; an int8 runtime that differs from the emulation by an occasional
-rounding step stays far above :data:`PART_DB`. The first layer in graph order below it is where
-the runtimes part: the place to look for a conversion or kernel fault.
+and reference is an SQNR. Integer kernels and the float emulation round an occasional value
+differently, and a deep network amplifies those steps layer by layer (on MobileNetV2 the
+agreement falls from 88 dB after the first layer to about 21 dB at the output, as far from the
+emulation as both are from fp32, with no layer losing more than 9 dB), so a fault is not a low
+agreement but a sudden one: the first layer in graph order whose agreement falls more than
+:data:`PART_DROP_DB` below that of the tensors it reads (both capped at 60 dB, as in ``onnxq
+compare``) is where the runtimes part, the place to look for a conversion or kernel fault.
 """
 
 from __future__ import annotations
@@ -27,10 +31,10 @@ import onnx
 from onnxq.calibrate.dataset import model_inputs
 from onnxq.calibrate.sources import as_dataset
 from onnxq.lower.fakequantize import OV_DOMAIN
-from onnxq.tools.compare import TensorStats, compare
+from onnxq.tools.compare import TensorStats, compare, link_inputs
 
-#: agreement (dB) below which target and fake-quantized reference are said to part
-PART_DB = 30.0
+#: the agreement (dB) a layer may lose against its inputs' before the runtimes are said to part
+PART_DROP_DB = 15.0
 
 
 @dataclass
@@ -40,16 +44,17 @@ class CrossCheck:
     runtime: str
     #: per output: (name, SQNR target vs reference, target vs fp32, reference vs fp32)
     outputs: list[tuple[str, float, float, float]]
-    #: per layer in graph order: (node, tensor, SQNR target vs reference)
-    layers: list[tuple[str, str, float]]
-    #: the first layer below PART_DB, or None
-    first_part: tuple[str, str, float] | None
+    #: per layer in graph order: (node, tensor, SQNR target vs reference, its drop against
+    #: the layer's inputs)
+    layers: list[tuple[str, str, float, float]]
+    #: the first layer whose drop exceeds PART_DROP_DB, or None
+    first_part: tuple[str, str, float, float] | None
     notes: list[str] = field(default_factory=list)
 
     @property
     def agrees(self) -> bool:
-        """No output and no layer below :data:`PART_DB`."""
-        return self.first_part is None and all(o[1] >= PART_DB for o in self.outputs)
+        """No layer parts (see :data:`PART_DROP_DB`)."""
+        return self.first_part is None
 
     def summary(self) -> str:
         """A few lines for the terminal."""
@@ -62,13 +67,17 @@ class CrossCheck:
                 f"(fake-quantized vs fp32 {_fmt(rf)} dB)"
             )
         if self.first_part is not None:
-            node, tensor, value = self.first_part
+            node, tensor, value, drop = self.first_part
             lines.append(
-                f"  the runtimes part first at {node} (tensor {tensor}): {_fmt(value)} dB < "
-                f"{PART_DB:.0f} dB; check its conversion and kernel"
+                f"  the runtimes part first at {node} (tensor {tensor}): {_fmt(value)} dB, "
+                f"{drop:.1f} dB below its inputs' agreement; check its conversion and kernel"
             )
         else:
-            lines.append(f"  {len(self.layers)} layers compared; all agree (≥ {PART_DB:.0f} dB)")
+            worst = max((layer[3] for layer in self.layers), default=0.0)
+            lines.append(
+                f"  {len(self.layers)} layers compared; none parts (largest drop {worst:.1f} dB "
+                f"≤ {PART_DROP_DB:.0f} dB)"
+            )
         lines.extend(f"  note: {n}" for n in self.notes)
         return "\n".join(lines)
 
@@ -76,18 +85,21 @@ class CrossCheck:
         """JSON-ready."""
         return {
             "runtime": self.runtime,
-            "part_db": PART_DB,
+            "part_drop_db": PART_DROP_DB,
             "agrees": self.agrees,
             "outputs": [
                 {"name": n, "vs_reference_db": a, "vs_fp32_db": b, "reference_vs_fp32_db": c}
                 for n, a, b, c in self.outputs
             ],
-            "layers": [{"node": n, "tensor": t, "vs_reference_db": v} for n, t, v in self.layers],
+            "layers": [dict(zip(_KEYS, layer, strict=True)) for layer in self.layers],
             "first_part": None
             if self.first_part is None
-            else dict(zip(("node", "tensor", "vs_reference_db"), self.first_part, strict=True)),
+            else dict(zip(_KEYS, self.first_part, strict=True)),
             "notes": self.notes,
         }
+
+
+_KEYS = ("node", "tensor", "vs_reference_db", "drop_db")
 
 
 def _fmt(v: float) -> str:
@@ -154,11 +166,15 @@ def cross_check(
     else:
         dataset = as_dataset(list(feeds), model_inputs(float_model))
         comparison = compare(reference, target, dataset)
+        # the reference's graph hides what its If nodes read: link through the float graph
+        link_inputs(float_model, {s.name: s for s in [*comparison.outputs, *comparison.layers]})
         graph_order = sorted(comparison.layers, key=lambda s: s.order)
         producers = {o: n.name for n in float_model.graph.node for o in n.output}
-        layers = [(producers.get(s.name, s.node), s.name, s.sqnr_db) for s in graph_order]
+        layers = [
+            (producers.get(s.name, s.node), s.name, s.sqnr_db, s.drop_db) for s in graph_order
+        ]
     layers = [layer for layer in layers if not layer[1].startswith("onnxq_debug_flags")]
-    first = next((layer for layer in layers if layer[2] < PART_DB), None)
+    first = next((layer for layer in layers if layer[3] > PART_DROP_DB), None)
     return CrossCheck(runtime, outputs, layers, first, notes)
 
 
@@ -193,7 +209,7 @@ def _openvino_layers(
     reference: onnx.ModelProto,
     target: onnx.ModelProto,
     feeds: Sequence[dict[str, np.ndarray]],
-) -> list[tuple[str, str, float]]:
+) -> list[tuple[str, str, float, float]]:
     """Per layer for a FakeQuantize model: OpenVINO's tensors against onnxruntime's."""
     from onnxq.io.session import make_session
 
@@ -210,4 +226,5 @@ def _openvino_layers(
         for name, a, b in zip(available, r, t, strict=True):
             if np.issubdtype(np.asarray(a).dtype, np.floating) and np.shape(a) == np.shape(b):
                 stats[name].add(np.asarray(a), np.asarray(b))
-    return [(producers[n].name or n, n, s.sqnr_db) for n, s in stats.items() if s.count]
+    link_inputs(float_model, stats)
+    return [(producers[n].name or n, n, s.sqnr_db, s.drop_db) for n, s in stats.items() if s.count]

@@ -16,9 +16,10 @@ and corrected biases the pipeline chose) and puts each quantizer behind a switch
 * a replaced constant of a float op: the new or the original value.
 
 ``flags`` is one boolean input of the emulation model; each group of the annotation (a Conv with
-its folded Relu, a MatMul, an Add, ...) owns the switches of its weights and biases and of the
-activations it quantizes: its output, and the inputs no quantized group produces (graph inputs,
-float producers). All switches on is the fake-quantized model (QDQ semantics, computed in float
+its folded Relu, a MatMul, an Add, ...) needs the switches of its weights and biases and of the
+activations it writes or reads int8; a switch is on while any group that needs it is int8 (as
+onnxq writes a model with some groups float: a tensor an int8 group writes stays int8 for a
+float reader). All switches on is the fake-quantized model (QDQ semantics, computed in float
 by onnxruntime); all off is the float model.
 """
 
@@ -44,7 +45,8 @@ class Switch:
     #: the float tensor it quantizes (a weight, a bias or an activation)
     tensor: str
     kind: str  # "weight" | "bias" | "activation"
-    #: indices of the groups that own it (several for a graph input read by several groups)
+    #: the groups that need it: it is quantized while any of them is int8 (an activation: the
+    #: group that writes it and those that read it; a weight or bias: the groups that read it)
     groups: tuple[int, ...]
 
 
@@ -72,6 +74,15 @@ class Emulation:
     model: onnx.ModelProto
     switches: list[Switch]
     groups: list[Group]
+
+    def without(self, groups: Any) -> list[int]:
+        """The switches on when ``groups`` (indices) are float and every other group is int8.
+
+        As onnxq writes such a model: a float group's weights are float, and so is a tensor
+        no int8 group writes or reads.
+        """
+        floating = set(groups)
+        return [k for k, s in enumerate(self.switches) if set(s.groups) - floating]
 
     def flags(self, on: Any = None) -> np.ndarray:
         """The flags input with the switches ``on`` (indices; None: all) set."""
@@ -322,8 +333,9 @@ def _activation(
     levels = next(a.i for a in node.attribute if a.name == "levels")
     tensor = node.name[: -len("/FakeQuantize")]
     y = node.output[0]
-    owners = [produced_by[tensor]] if tensor in produced_by else readers.get(tensor, [])
-    k = switch(tensor, "activation", owners)
+    # quantized while any group that writes it int8 or reads it int8 is int8
+    needers = [produced_by[tensor]] if tensor in produced_by else []
+    k = switch(tensor, "activation", needers + readers.get(tensor, []))
     p = f"{y}/fq"
     lo_v, hi_v = numpy_helper.to_array(inits[lo]), numpy_helper.to_array(inits[hi])
     step_v = _step(lo_v, hi_v, levels)

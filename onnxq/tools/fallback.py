@@ -117,9 +117,9 @@ def output_cosine(float_model: onnx.ModelProto, held: list[Any]) -> Metric:
     return metric
 
 
-def user_metric(ref: str, cli: bool) -> Metric:
+def user_metric(ref: str, cli: bool, name: str = "metric") -> Metric:
     """``module:function`` called with a model file's path; returns higher-is-better."""
-    option = spell("metric", cli)
+    option = spell(name, cli)
     fn = load_object(ref, option)
     if not callable(fn):
         raise ConfigError(f"{option} {ref!r} is not a function")
@@ -204,23 +204,8 @@ def search(
         if t.drop <= bar:
             break
     helpful = [g for t, g in sorted(singles, key=lambda p: -p[0].metric) if t.metric > first.metric]
-    met = any(t.drop <= bar for t in trials)
-    lo, hi = 1, None
-    k = 2
-    while not met and k <= len(helpful):
-        t = trial(helpful[:k])
-        if t.drop <= bar:
-            met, hi = True, k
-            break
-        lo = k
-        k = len(helpful) if k < len(helpful) < 2 * k else 2 * k
-    while hi is not None and hi - lo > 1:  # the fewest groups between a miss and a hit
-        mid = (lo + hi) // 2
-        t = trial(helpful[:mid])
-        if t.drop <= bar:
-            hi = mid
-        else:
-            lo = mid
+    if not any(t.drop <= bar for t in trials):
+        fewest(len(helpful), lambda k: trial(helpful[:k]).drop <= bar, start=2)
     best = _best(trials, bar)
     assert best.model is not None and best.report is not None
     report = best.report
@@ -238,6 +223,30 @@ def search(
     if options.output is not None:
         save_model(best.model, options.output)
     return best.model, report
+
+
+def fewest(count: int, meets: Callable[[int], bool], start: int = 1) -> int | None:
+    """The smallest ``k`` in [start, count] with ``meets(k)``, taking more as never worse.
+
+    ``k`` doubles from ``start`` (the last step is ``count``) until it meets, then bisection
+    between the last miss and the hit: about 2·log2(count) calls. None when ``count`` misses.
+    """
+    lo, k = start - 1, start
+    while True:
+        if k > count:
+            return None
+        if meets(k):
+            hi = k
+            break
+        lo = k
+        k = count if k < count < 2 * k else 2 * k
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if meets(mid):
+            hi = mid
+        else:
+            lo = mid
+    return hi
 
 
 def _best(trials: list[Trial], bar: float) -> Trial:

@@ -3,10 +3,12 @@
 Each group is measured on the emulation of the finished quantization (onnxq.tools.emulate), one
 onnxruntime run per question, against the fp32 outputs on the same samples:
 
-* **alone quantized**: only this group's quantizers on. The output noise this group causes by
-  itself, split into its weights (and corrected biases) alone and its activations alone;
-* **alone float**: every quantizer on but this group's. The share of the whole model's output
-  noise that returning this group to float removes.
+* **alone quantized**: only the quantizers this group needs on (its weights and corrected
+  biases, the activations it reads and writes). The output noise this group causes by itself,
+  split into its weights alone and its activations alone;
+* **alone float**: every other group int8, this one float, as onnxq would write it (a tensor an
+  int8 neighbour writes or reads stays quantized). The share of the whole model's output noise
+  that returning this group to float removes.
 
 Output noise is the mean over the float outputs of Σ(f − q)² / Σ f² (its inverse in dB is the
 output SQNR). Groups are ranked by the mean of the two shares of the whole model's noise: the
@@ -234,7 +236,6 @@ def rank(
             total += err / power[j] if power[j] > 0 else (0.0 if err == 0 else 1.0)
         return total / max(1, len(floating))
 
-    every = list(range(len(emulation.switches)))
     whole = noise(None)
     scores = []
     for gi, g in enumerate(groups):
@@ -247,7 +248,7 @@ def rank(
                 alone=noise(sorted(own)),
                 weights=None,
                 activations=None,
-                without=noise([k for k in every if k not in own]),
+                without=noise(emulation.without([gi])),
             )
         )
         if progress is not None:

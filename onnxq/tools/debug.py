@@ -1,0 +1,334 @@
+"""``onnxq debug``: from "it lost accuracy" to a config that wins it back.
+
+One command, five steps, each on the same samples:
+
+1. **Quantize** the model as ``onnxq quantize`` would for the target and measure the metric:
+   the user's ``--eval module:function`` (called with a model file's path, higher is better),
+   else the mean output cosine with fp32 on the calibration samples, in % (in-sample: prefer
+   ``--eval`` on held-out data).
+2. **Rank** every quantized group (onnxq.tools.sensitivity: each group alone quantized and alone
+   left float on an emulation of this quantization, weights and activations apart).
+3. **Bisect** over the ranking: the fewest best-ranked groups whose return to float recovers
+   ``recover`` (default 80%) of the lost metric, each step a full quantization with those groups
+   float (k doubles, then bisection: about 2·log2(:data:`MAX_GROUPS`) quantizations at most).
+4. **Write the fix** as a ``--config`` TOML (``keep_float`` per node, a comment with each
+   group's measured share of the output noise), **apply it** with ``quantize --config`` and
+   measure again: the promised figure is the applied one.
+5. **Cross-check** the target runtime against the fake-quantized model
+   (onnxq.tools.crosscheck).
+
+Time: two quantizations, at most 2·log2(:data:`MAX_GROUPS`) more, and the ranking's budget
+(``budget`` seconds; it cuts its samples to stay within it).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shlex
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import onnx
+
+from onnxq.api import quantize_state
+from onnxq.calibrate.dataset import model_inputs
+from onnxq.calibrate.sources import as_dataset
+from onnxq.errors import ConfigError, DataError
+from onnxq.io.graph import load_model, write_text_atomic
+from onnxq.passes.load import refuse_quantized
+from onnxq.report import build_report
+from onnxq.tools.crosscheck import CrossCheck, cross_check
+from onnxq.tools.emulate import emulate
+from onnxq.tools.fallback import Metric, fewest, output_cosine, user_metric
+from onnxq.tools.sensitivity import BUDGET_S, GroupScore, Ranking, db, rank
+
+#: the most best-ranked groups the bisection may return to float
+MAX_GROUPS = 32
+#: batches the default metric and the cross-runtime check run on
+CHECK_BATCHES = 32
+
+
+@dataclass
+class Step:
+    """One quantization of the bisection."""
+
+    groups: int
+    metric: float
+
+    def row(self) -> dict[str, Any]:
+        """JSON-ready."""
+        return {"float_groups": self.groups, "metric": self.metric}
+
+
+@dataclass
+class DebugResult:
+    """What ``onnxq debug`` found."""
+
+    model: str
+    target: str
+    metric: str
+    fp32: float
+    int8: float
+    ranking: Ranking
+    steps: list[Step]
+    #: the groups the fix returns to float, best-ranked first
+    chosen: list[GroupScore]
+    #: the metric with the written config applied (None: nothing to fix)
+    fixed: float | None
+    recover: float
+    config: str | None
+    command: str | None
+    check: CrossCheck
+    int8_nodes: int
+    int8_nodes_fixed: int
+    seconds: float
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def loss(self) -> float:
+        """Metric points int8 loses against fp32."""
+        return self.fp32 - self.int8
+
+    @property
+    def recovered(self) -> float | None:
+        """The share of the loss the fix wins back (None without a loss or a fix)."""
+        if self.fixed is None or self.loss <= 0:
+            return None
+        return (self.fixed - self.int8) / self.loss
+
+    def summary(self) -> str:
+        """The terminal report."""
+        lines = [
+            f"onnxq debug {self.model} (target {self.target}; {self.seconds:.0f} s)",
+            f"metric: {self.metric}",
+            f"  fp32 {self.fp32:.4f}, int8 {self.int8:.4f} (loss {self.loss:.4f})",
+            "",
+            self.ranking.table(),
+            "",
+        ]
+        if self.fixed is None:
+            lines.append("nothing to fix: int8 loses nothing on this metric")
+        else:
+            rec = self.recovered
+            kept = self.int8_nodes_fixed / self.int8_nodes if self.int8_nodes else 0.0
+            lines += [
+                f"bisection: {len(self.steps)} quantizations ("
+                + ", ".join(f"{s.groups} float → {s.metric:.4f}" for s in self.steps)
+                + ")",
+                f"fix: {len(self.chosen)} group(s) float ("
+                + ", ".join(g.node for g in self.chosen)
+                + f"): metric {self.int8:.4f} → {self.fixed:.4f} (fp32 "
+                f"{self.fp32:.4f}; recovers {100 * rec:.0f}% of the loss, goal "
+                f"{100 * self.recover:.0f}%), {self.int8_nodes_fixed} of {self.int8_nodes} int8 "
+                f"nodes kept ({100 * kept:.0f}%)"
+                if rec is not None
+                else "fix: none found",
+                f"config: {self.config}",
+                f"apply:  {self.command}",
+            ]
+        lines += ["", self.check.summary()]
+        lines.extend(f"note: {n}" for n in self.notes)
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready."""
+        return {
+            "model": self.model,
+            "target": self.target,
+            "metric": self.metric,
+            "fp32": self.fp32,
+            "int8": self.int8,
+            "loss": self.loss,
+            "recover": self.recover,
+            "fixed": self.fixed,
+            "recovered": self.recovered,
+            "chosen": [g.node for g in self.chosen],
+            "steps": [s.row() for s in self.steps],
+            "config": self.config,
+            "command": self.command,
+            "int8_nodes": self.int8_nodes,
+            "int8_nodes_fixed": self.int8_nodes_fixed,
+            "seconds": round(self.seconds, 3),
+            "ranking": self.ranking.to_dict(),
+            "cross_check": self.check.to_dict(),
+            "notes": self.notes,
+        }
+
+
+def debug(
+    model: str | os.PathLike[str] | onnx.ModelProto,
+    data: Any,
+    *,
+    eval: str | None = None,
+    target: str | None = None,
+    recover: float = 0.8,
+    budget: float = BUDGET_S,
+    batch_size: int | None = None,
+    samples: int | None = None,
+    preprocess: str | None = None,
+    output: str | os.PathLike[str] | None = None,
+    data_label: str = "CALIB",
+    cli: bool = False,
+) -> DebugResult:
+    """Rank, bisect, write and check; see the module docstring. ``output``: the config file."""
+    start = time.perf_counter()
+    if not 0 < recover <= 1:
+        raise ConfigError(f"{_flag('recover', cli)} {recover} must be in (0, 1]")
+    name = str(model) if not isinstance(model, onnx.ModelProto) else "model.onnx"
+    source = model if isinstance(model, onnx.ModelProto) else load_model(model)
+    refuse_quantized(source, f"'{name}'", "debug")
+    feeds = [
+        dict(f)
+        for f in as_dataset(data, model_inputs(source), batch_size, samples, preprocess).batches()
+    ]
+    if not feeds:
+        raise DataError(f"{_flag('data', cli)} gave no samples")
+    kw: dict[str, Any] = {"target": target, "progress": False}
+    state = quantize_state(source, feeds, **kw)
+    int8_model = state.model
+    int8_nodes = len(build_report(state).quantized_nodes)
+    check_feeds = feeds[:CHECK_BATCHES]
+    if eval is not None:
+        metric: Metric = user_metric(eval, cli, "eval")
+        metric_name = f"{eval} (higher is better)"
+    else:
+        metric = output_cosine(source, check_feeds)
+        metric_name = (
+            f"output cosine with fp32 (%) on {len(check_feeds)} calibration batch(es) "
+            f"(in-sample; {_flag('eval', cli)} module:function measures your own metric)"
+        )
+    fp32 = metric(source)
+    int8 = metric(int8_model)
+    emulation = emulate(state)
+    ranking = rank(emulation, feeds, budget)
+    check = cross_check(
+        state.quantizer.float_model,
+        emulation.fixed(),
+        int8_model,
+        check_feeds,
+        state.options.target.name,
+    )
+    del state, emulation
+    target_name = target or "ort-cpu"
+    loss = fp32 - int8
+    steps: list[Step] = []
+    chosen: list[GroupScore] = []
+    fixed = config_path = command = None
+    int8_fixed = int8_nodes
+    notes: list[str] = []
+    if loss > 0:
+        candidates = [g for g in ranking.groups if g.score > 0][:MAX_GROUPS]
+        goal = int8 + recover * loss
+        measured: dict[int, float] = {0: int8}
+
+        def quantized_with(k: int) -> float:
+            if k not in measured:
+                excluded = tuple(n for g in candidates[:k] for n in g.nodes)
+                trial = quantize_state(source, feeds, exclude=excluded, **kw)
+                measured[k] = metric(trial.model)
+                steps.append(Step(k, measured[k]))
+            return measured[k]
+
+        k = fewest(len(candidates), lambda k: quantized_with(k) >= goal)
+        if k is None:
+            k = max(measured, key=lambda n: (measured[n], -n))
+            notes.append(
+                f"no set of up to {len(candidates)} best-ranked groups recovers "
+                f"{100 * recover:.0f}% of the loss; the config holds the best one measured"
+            )
+        chosen = candidates[:k]
+        config_path = Path(output) if output is not None else Path(_default_output(name))
+        text = _config_text(
+            name, target_name, metric_name, fp32, int8, measured[k], chosen, ranking
+        )
+        write_text_atomic(config_path, text)
+        same = "".join(
+            f" --{flag} {shlex.quote(str(value))}"
+            for flag, value in (
+                ("batch-size", batch_size),
+                ("samples", samples),
+                ("preprocess", preprocess),
+            )
+            if value is not None
+        )
+        command = (
+            f"onnxq quantize {shlex.quote(name)} --data {shlex.quote(data_label)}{same} "
+            f"--target {target_name} --config {shlex.quote(str(config_path))} "
+            f"-o {shlex.quote(Path(name).stem + '_int8.onnx')}"
+        )
+        applied = quantize_state(source, feeds, config=str(config_path), **kw)
+        fixed = metric(applied.model)
+        int8_fixed = len(build_report(applied).quantized_nodes)
+        if not math.isclose(fixed, measured[k], rel_tol=1e-9, abs_tol=1e-9):
+            notes.append(
+                f"the written config measured {fixed:.6f}, the bisection {measured[k]:.6f}"
+            )
+    return DebugResult(
+        name,
+        target_name,
+        metric_name,
+        fp32,
+        int8,
+        ranking,
+        steps,
+        chosen,
+        fixed,
+        recover,
+        None if config_path is None else str(config_path),
+        command,
+        check,
+        int8_nodes,
+        int8_fixed,
+        time.perf_counter() - start,
+        notes,
+    )
+
+
+def _flag(option: str, cli: bool) -> str:
+    return f"--{option}" if cli else option
+
+
+def _default_output(model: str) -> str:
+    return f"{Path(model).stem}_fix.toml"
+
+
+def _config_text(
+    model: str,
+    target: str,
+    metric: str,
+    fp32: float,
+    int8: float,
+    fixed: float,
+    chosen: list[GroupScore],
+    ranking: Ranking,
+) -> str:
+    """The fix as ``--config`` TOML, every entry with what it was measured to do."""
+    lines = [
+        f"# onnxq debug: {len(chosen)} group(s) of {Path(model).name} back to float "
+        f"(target {target})",
+        f"# metric: {metric}",
+        f"# fp32 {fp32:.6f}; int8 {int8:.6f}; with this config {fixed:.6f}",
+        f"# output SQNR with every group int8: {ranking.sqnr_db:.2f} dB "
+        f"({ranking.samples} samples)",
+        "",
+    ]
+    for g in chosen:
+        split = (
+            ""
+            if g.weights is None or g.activations is None
+            else f"; alone, its weights {db(g.weights):.1f} dB and its activations "
+            f"{db(g.activations):.1f} dB"
+        )
+        lines.append(
+            f"# {g.node} ({g.op}): {100 * g.float_share:.1f}% of the output noise goes when it "
+            f"is float (output SQNR {ranking.sqnr_db:.2f} → {db(g.without):.2f} dB); alone "
+            f"quantized {db(g.alone):.2f} dB{split}"
+        )
+        for node in g.nodes:
+            lines += [f"[node.{json.dumps(node)}]", "keep_float = true"]
+        lines.append("")
+    return "\n".join(lines)
