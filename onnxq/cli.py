@@ -12,6 +12,7 @@ import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from onnxq import __version__
 from onnxq.annotate.quantizer import Quantizer
@@ -123,6 +124,12 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         metavar="FIX.toml",
         help="where to write the config (default MODEL_fix.toml in the current folder)",
+    )
+    g.add_argument(
+        "--report",
+        default=None,
+        metavar="FILE.html",
+        help="also write a self-contained HTML report (charts, ranking, decisions, check)",
     )
     g.add_argument("--json", action="store_true", help="print JSON instead of the report")
 
@@ -356,7 +363,13 @@ def _quantize_run(q: argparse.ArgumentParser) -> None:
         help="calibration batch size for models with a dynamic batch axis",
     )
     q.add_argument("--samples", type=int, default=None, help="use at most N calibration samples")
-    q.add_argument("--report", default=None, help="write the quantization report as JSON here")
+    q.add_argument(
+        "--report",
+        default=None,
+        metavar="FILE",
+        help="write the quantization report here: HTML (charts, decisions) for a .html name, "
+        "else JSON",
+    )
     q.add_argument("--quiet", action="store_true", help="no progress bar or summary")
     q.add_argument(
         "--no-latency-check",
@@ -518,8 +531,10 @@ def _quantize(args: argparse.Namespace) -> int:
         ),
         cli=True,
     )
-    _, report = quantize_with(str(src), args.data, options)
-    if args.report:
+    qmodel, report = quantize_with(str(src), args.data, options)
+    if args.report and str(args.report).lower().endswith((".html", ".htm")):
+        _quantize_html(args, src, qmodel, report)
+    elif args.report:
         write_text_atomic(args.report, json.dumps(report.to_dict(), indent=2))
     if not args.quiet:
         print(report.summary())
@@ -528,6 +543,24 @@ def _quantize(args: argparse.Namespace) -> int:
         for w in report.warnings:
             print(f"onnxq: warning: {w}", file=sys.stderr)
     return 0
+
+
+def _quantize_html(args: argparse.Namespace, src: Path, qmodel: Any, report: Any) -> None:
+    """Quantize --report F.html: the float and int8 models compared on a few batches."""
+    from onnxq.tools.html import quantize_page
+
+    float_model = load_model(str(src))
+    feeds: list[Any] = []
+    if args.data is not None:
+        dataset = as_dataset(
+            args.data, model_inputs(float_model), args.batch_size, args.samples, args.preprocess
+        )
+        for feed in dataset.batches():
+            feeds.append(dict(feed))
+            if len(feeds) == 8:
+                break
+    page = quantize_page(f"onnxq quantize: {src.name}", float_model, qmodel, report, feeds)
+    write_text_atomic(args.report, page)
 
 
 def _output_path(model: str, output: str) -> Path:
@@ -582,7 +615,13 @@ def _compare(args: argparse.Namespace) -> int:
     else:
         print(result.table())
     if args.report:
-        write_text_atomic(args.report, result.html(f"onnxq compare: {Path(args.quant_model).name}"))
+        from itertools import islice
+
+        from onnxq.tools.html import compare_page
+
+        feeds = [dict(f) for f in islice(dataset.batches(), 8)]  # for the range histograms
+        title = f"onnxq compare: {Path(args.quant_model).name}"
+        write_text_atomic(args.report, compare_page(title, float_model, quant_model, result, feeds))
     return 0
 
 
@@ -605,6 +644,7 @@ def _debug(args: argparse.Namespace) -> int:
         preprocess=args.preprocess,
         output=args.output,
         data_label=args.data,
+        report=args.report,
         cli=True,
     )
     print(json.dumps(result.to_dict(), indent=2) if args.json else result.summary())

@@ -107,10 +107,16 @@ def test_ranking_names_the_fragile_weight_first():
 def test_ranking_keeps_to_its_budget():
     model, calib, feeds = _digits()
     state = quantize_state(model, calib, progress=False)
-    ranking = rank(emulate(state), feeds * 8, budget=0.0)
-    assert ranking.samples == 32  # one batch left
-    assert ranking.split == 1  # the split only for the best-ranked group
-    assert any("budget" in n for n in ranking.notes)
+    emulation = emulate(state)
+    ranking = rank(emulation, feeds * 8, budget=0.0)
+    assert ranking.samples == 1  # one sample left
+    # the screening is complete; alone float and the split only for the first group
+    assert len(ranking.groups) == len(emulation.groups) == 4
+    assert [g.without is not None for g in ranking.groups].count(True) == 1
+    assert ranking.split == 1
+    assert sum("budget" in n for n in ranking.notes) == 3
+    full = rank(emulation, feeds)
+    assert full.samples == 128 and full.split == 4 and not full.notes
 
 
 @pytest.mark.parametrize("fmt", ["qoperator", "qdq"])
@@ -127,9 +133,12 @@ def test_cross_check_finds_a_broken_fakequantize_conversion():
     pytest.importorskip("openvino", reason="pip install openvino")
     model, calib, feeds = _digits()
     state = quantize_state(model, calib, progress=False, format="openvino")
-    reference = emulate(state).fixed()
+    emulation = emulate(state)
+    reference = emulation.fixed()
+    quantized = {s.tensor for s in emulation.switches if s.kind == "activation"}
+    assert "r2" in quantized
     float_model = state.quantizer.float_model
-    sound = cross_check(float_model, reference, state.model, feeds)
+    sound = cross_check(float_model, reference, state.model, feeds, quantized=quantized)
     assert sound.agrees and sound.runtime == "openvino", sound.summary()
     # a conversion that writes the wrong output range for relu2's output (r2): the dequantized
     # values come out 1.5× too large
@@ -141,7 +150,7 @@ def test_cross_check_finds_a_broken_fakequantize_conversion():
         numpy_helper.from_array(numpy_helper.to_array(high) * 1.5, "r2/output_high")
     )
     fq.input[4] = "r2/output_high"
-    check = cross_check(float_model, reference, broken, feeds)
+    check = cross_check(float_model, reference, broken, feeds, quantized=quantized)
     assert not check.agrees
     node, tensor, value, drop = check.first_part
     assert node == "relu2" and tensor == "r2" and drop > PART_DROP_DB

@@ -16,7 +16,6 @@ is where to look (``--exclude`` it, or try another calibration method).
 
 from __future__ import annotations
 
-import html
 import math
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -147,42 +146,6 @@ class Comparison:
             "outputs": [s.row() for s in self.outputs],
             "layers": [s.row() for s in self.layers],
         }
-
-    def html(self, title: str) -> str:
-        """A standalone HTML report with a per-layer SQNR chart (inline SVG)."""
-        by_order = sorted(self.layers, key=lambda s: s.order)
-        finite = [s.sqnr_db for s in by_order if math.isfinite(s.sqnr_db)]
-        top = max(finite + [1.0])
-        bar_h, width = 16, 520
-        bars = []
-        for i, s in enumerate(by_order):
-            v = s.sqnr_db if math.isfinite(s.sqnr_db) else top
-            w = max(1.0, width * max(v, 0.0) / top)
-            colour = "#c0392b" if v < 20 else "#e67e22" if v < 30 else "#27ae60"
-            y = i * (bar_h + 4)
-            bars.append(
-                f'<rect x="260" y="{y}" width="{w:.1f}" height="{bar_h}" '
-                f'fill="{colour}"/><text x="255" y="{y + 12}" text-anchor="end" '
-                f'font-size="11">{html.escape(short(s.node or s.name))}</text>'
-                f'<text x="{265 + w:.1f}"'
-                f' y="{y + 12}" font-size="11">{v:.1f} dB</text>'
-            )
-        height = max(1, len(by_order)) * (bar_h + 4)
-        rows = "".join(
-            f"<tr><td>{html.escape(s.node)}</td><td>{html.escape(s.op)}</td>"
-            f"<td>{html.escape(s.name)}</td><td>{s.sqnr_db:.2f}</td><td>{s.cosine:.5f}</td></tr>"
-            for s in [*self.outputs, *self.layers]
-        )
-        return (
-            f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(title)}"
-            f"</title></head><body><h1>{html.escape(title)}</h1><p>{self.samples} samples. "
-            "SQNR per layer in graph order (red &lt; 20 dB, orange &lt; 30 dB).</p>"
-            f"<svg width='{width + 340}' height='{height}'>{''.join(bars)}</svg>"
-            "<h2>Outputs, then layers worst first</h2><table border='1' cellpadding='3'>"
-            "<tr><th>node</th><th>op</th><th>tensor</th><th>SQNR dB</th><th>cosine</th></tr>"
-            f"{rows}</table>"
-            "</body></html>"
-        )
 
 
 def _initializers(model: onnx.ModelProto) -> dict[str, np.ndarray]:

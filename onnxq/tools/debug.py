@@ -41,9 +41,10 @@ from onnxq.errors import ConfigError, DataError
 from onnxq.io.graph import load_model, write_text_atomic
 from onnxq.passes.load import refuse_quantized
 from onnxq.report import build_report
+from onnxq.tools.compare import compare
 from onnxq.tools.crosscheck import CrossCheck, cross_check
 from onnxq.tools.emulate import emulate
-from onnxq.tools.fallback import Metric, fewest, output_cosine, user_metric
+from onnxq.tools.fallback import Metric, fewest, latency_ms, output_cosine, user_metric
 from onnxq.tools.sensitivity import BUDGET_S, GroupScore, Ranking, db, rank
 
 #: the most best-ranked groups the bisection may return to float
@@ -58,10 +59,12 @@ class Step:
 
     groups: int
     metric: float
+    #: int8 latency per batch, 1 thread, median of 3 passes over a few batches
+    ms: float
 
     def row(self) -> dict[str, Any]:
         """JSON-ready."""
-        return {"float_groups": self.groups, "metric": self.metric}
+        return {"float_groups": self.groups, "metric": self.metric, "ms": round(self.ms, 3)}
 
 
 @dataclass
@@ -116,8 +119,8 @@ class DebugResult:
             rec = self.recovered
             kept = self.int8_nodes_fixed / self.int8_nodes if self.int8_nodes else 0.0
             lines += [
-                f"bisection: {len(self.steps)} quantizations ("
-                + ", ".join(f"{s.groups} float → {s.metric:.4f}" for s in self.steps)
+                f"bisection: {len(self.steps) - 1} quantizations ("
+                + ", ".join(f"{s.groups} float → {s.metric:.4f}" for s in self.steps[1:])
                 + ")",
                 f"fix: {len(self.chosen)} group(s) float ("
                 + ", ".join(g.node for g in self.chosen)
@@ -172,9 +175,13 @@ def debug(
     preprocess: str | None = None,
     output: str | os.PathLike[str] | None = None,
     data_label: str = "CALIB",
+    report: str | os.PathLike[str] | None = None,
     cli: bool = False,
 ) -> DebugResult:
-    """Rank, bisect, write and check; see the module docstring. ``output``: the config file."""
+    """Rank, bisect, write and check; see the module docstring.
+
+    ``output``: the config file; ``report``: an HTML report (onnxq.tools.html) to write.
+    """
     start = time.perf_counter()
     if not 0 < recover <= 1:
         raise ConfigError(f"{_flag('recover', cli)} {recover} must be in (0, 1]")
@@ -190,7 +197,8 @@ def debug(
     kw: dict[str, Any] = {"target": target, "progress": False}
     state = quantize_state(source, feeds, **kw)
     int8_model = state.model
-    int8_nodes = len(build_report(state).quantized_nodes)
+    int8_report = build_report(state)
+    int8_nodes = len(int8_report.quantized_nodes)
     check_feeds = feeds[:CHECK_BATCHES]
     if eval is not None:
         metric: Metric = user_metric(eval, cli, "eval")
@@ -211,11 +219,13 @@ def debug(
         int8_model,
         check_feeds,
         state.options.target.name,
+        {s.tensor for s in emulation.switches if s.kind == "activation"},
     )
     del state, emulation
     target_name = target or "ort-cpu"
     loss = fp32 - int8
-    steps: list[Step] = []
+    timing = check_feeds[:4]
+    steps = [Step(0, int8, latency_ms(int8_model, timing))]
     chosen: list[GroupScore] = []
     fixed = config_path = command = None
     int8_fixed = int8_nodes
@@ -230,7 +240,7 @@ def debug(
                 excluded = tuple(n for g in candidates[:k] for n in g.nodes)
                 trial = quantize_state(source, feeds, exclude=excluded, **kw)
                 measured[k] = metric(trial.model)
-                steps.append(Step(k, measured[k]))
+                steps.append(Step(k, measured[k], latency_ms(trial.model, timing)))
             return measured[k]
 
         k = fewest(len(candidates), lambda k: quantized_with(k) >= goal)
@@ -267,7 +277,7 @@ def debug(
             notes.append(
                 f"the written config measured {fixed:.6f}, the bisection {measured[k]:.6f}"
             )
-    return DebugResult(
+    result = DebugResult(
         name,
         target_name,
         metric_name,
@@ -286,6 +296,88 @@ def debug(
         time.perf_counter() - start,
         notes,
     )
+    if report is not None:
+        write_text_atomic(report, _html(result, source, int8_model, int8_report, check_feeds))
+    return result
+
+
+def _html(
+    result: DebugResult,
+    source: onnx.ModelProto,
+    int8_model: onnx.ModelProto,
+    int8_report: Any,
+    feeds: list[dict[str, Any]],
+) -> str:
+    """The HTML report of a debug run."""
+    from onnxq.tools import html
+
+    page = html.Report(f"onnxq debug: {Path(result.model).name}")
+    rec = result.recovered
+    page.summary = [
+        ("model", result.model),
+        ("target", result.target),
+        ("metric", result.metric),
+        ("fp32", f"{result.fp32:.4f}"),
+        ("int8", f"{result.int8:.4f} (loss {result.loss:.4f})"),
+        (
+            "fix",
+            "nothing to fix"
+            if result.fixed is None
+            else f"{len(result.chosen)} group(s) float → {result.fixed:.4f}"
+            + ("" if rec is None else f" (recovers {100 * rec:.0f}% of the loss)")
+            + f"; {result.int8_nodes_fixed} of {result.int8_nodes} int8 nodes kept",
+        ),
+        ("config", result.config or "-"),
+        ("apply", result.command or "-"),
+        ("cross-runtime check", result.check.summary().splitlines()[-1].strip()),
+        ("time", f"{result.seconds:.0f} s"),
+    ]
+    r = result.ranking
+    page.add(
+        "Sensitivity ranking",
+        f"Each group alone quantized and alone left float on the emulation of this "
+        f"quantization ({r.samples} samples, {r.runs} runs, {r.seconds:.0f} s); output SQNR "
+        f"with every group int8: {r.sqnr_db:.2f} dB. " + " ".join(r.notes),
+        html.ranking_chart(r.groups)
+        + html.table(
+            ["group", "op", "alone dB", "weights dB", "activations dB", "float → dB", "share %"],
+            [
+                (
+                    g.node,
+                    g.op,
+                    db(g.alone),
+                    "-" if g.weights is None else db(g.weights),
+                    "-" if g.activations is None else db(g.activations),
+                    "-" if g.without is None else db(g.without),
+                    100 * g.score,
+                )
+                for g in r.groups
+            ],
+        ),
+    )
+    if len(result.steps) > 1:
+        page.add(
+            "Accuracy and latency of the bisection's steps",
+            "Each step is a full quantization with the best-ranked groups float; latency: int8 "
+            "per batch, 1 thread, onnxruntime CPU.",
+            html.tradeoff_chart([(s.groups, s.metric, s.ms) for s in result.steps], result.fp32),
+        )
+    comparison = compare(source, int8_model, as_dataset(feeds, model_inputs(source)))
+    html.comparison_sections(page, source, int8_model, comparison, feeds)
+    c = result.check
+    page.add(
+        "Cross-runtime check",
+        c.summary().replace("\n", " "),
+        html.table(
+            ["node", "tensor", "agreement dB", "drop dB"],
+            [(n, t, v, d) for n, t, v, d in c.layers],
+        ),
+    )
+    page.decisions = [
+        (d.node, d.op, "int8" if d.quantized else "float", d.pattern, d.reason)
+        for d in int8_report.decisions
+    ]
+    return page.html()
 
 
 def _flag(option: str, cli: bool) -> str:
@@ -323,10 +415,15 @@ def _config_text(
             else f"; alone, its weights {db(g.weights):.1f} dB and its activations "
             f"{db(g.activations):.1f} dB"
         )
+        floated = (
+            "not measured alone float (budget)"
+            if g.without is None or g.float_share is None
+            else f"{100 * g.float_share:.1f}% of the output noise goes when it is float (output "
+            f"SQNR {ranking.sqnr_db:.2f} → {db(g.without):.2f} dB)"
+        )
         lines.append(
-            f"# {g.node} ({g.op}): {100 * g.float_share:.1f}% of the output noise goes when it "
-            f"is float (output SQNR {ranking.sqnr_db:.2f} → {db(g.without):.2f} dB); alone "
-            f"quantized {db(g.alone):.2f} dB{split}"
+            f"# {g.node} ({g.op}): {100 * g.alone_share:.1f}% of the output noise comes back "
+            f"when it alone is int8 ({db(g.alone):.2f} dB); {floated}{split}"
         )
         for node in g.nodes:
             lines += [f"[node.{json.dumps(node)}]", "keep_float = true"]

@@ -15,9 +15,12 @@ output SQNR). Groups are ranked by the mean of the two shares of the whole model
 noise a group adds alone and the noise its return to float removes (they differ where errors
 interact, e.g. a coarse grid that only hurts behind another one).
 
-The cost is 1 + 4·G runs for G groups (2·G without the weight/activation split). Within
-``budget`` seconds: the samples are cut first (never below one batch), then the split is kept
-for the best-ranked groups only; the ranking says what it measured.
+The cost is 2 + 4·G runs for G groups. Within ``budget`` seconds: the samples are cut so that
+the screening (every group alone quantized, 2 + G runs) takes at most half the budget (never
+below one sample); then "alone float" is measured for the groups that add the most noise alone,
+and the weight/activation split for the best-ranked, while the budget lasts. The screening is
+always complete, so a tiny budget still ranks every group (by the noise it adds alone); the
+ranking's notes say what was cut.
 """
 
 from __future__ import annotations
@@ -50,15 +53,17 @@ class GroupScore:
     alone: float
     weights: float | None
     activations: float | None
-    #: output noise with every group quantized but this one
-    without: float
+    #: output noise with every group quantized but this one (None: not measured, budget)
+    without: float | None
     #: shares of the whole model's noise: added alone, removed by leaving the group float
     alone_share: float = 0.0
-    float_share: float = 0.0
+    float_share: float | None = None
 
     @property
     def score(self) -> float:
-        """The ranking key: the mean of the two shares."""
+        """The ranking key: the mean of the two shares (the first alone if not both)."""
+        if self.float_share is None:
+            return self.alone_share
         return (self.alone_share + self.float_share) / 2
 
     @property
@@ -79,7 +84,7 @@ class GroupScore:
             score=self.score,
             dominant=self.dominant,
             alone_db=db(self.alone),
-            without_db=db(self.without),
+            without_db=None if self.without is None else db(self.without),
             weights_db=None if self.weights is None else db(self.weights),
             activations_db=None if self.activations is None else db(self.activations),
         )
@@ -117,9 +122,10 @@ class Ranking:
         for g in self.groups[:limit]:
             w = "-" if g.weights is None else f"{db(g.weights):.1f}"
             a = "-" if g.activations is None else f"{db(g.activations):.1f}"
+            f = "-" if g.without is None else f"{db(g.without):.2f}"
             lines.append(
                 f"  {_short(g.node):<36} {g.op:<10} {db(g.alone):>9.2f} {w:>8} {a:>8} "
-                f"{db(g.without):>9.2f} {100 * g.score:>5.1f}%  {g.dominant}"
+                f"{f:>9} {100 * g.score:>5.1f}%  {g.dominant}"
             )
         if len(self.groups) > limit:
             lines.append(f"  ... {len(self.groups) - limit} more (see --json)")
@@ -159,13 +165,7 @@ def rebatch(
 
     One run per batch costs far less than one per sample; fixed batch axes keep the feeds.
     """
-    inits = {i.name for i in model.graph.initializer}
-    free = all(
-        len(i.type.tensor_type.shape.dim) > 0
-        and not i.type.tensor_type.shape.dim[0].HasField("dim_value")
-        for i in model.graph.input
-        if i.name not in inits and i.name != FLAGS
-    )
+    free = _free_batch(model)
     feeds = [dict(f) for f in feeds]
     if not free or len(feeds) < 2 or any(set(f) != set(feeds[0]) for f in feeds):
         return feeds
@@ -205,17 +205,18 @@ def rank(
         flags = emulation.flags(on)
         return [session.run(names, {**f, FLAGS: flags}) for f in batches]
 
+    outputs([], feeds[:1])  # warm-up
     tick = time.perf_counter()
-    reference = outputs([], feeds[:1])
-    one = time.perf_counter() - tick  # one batch, one run
-    per_run = one * len(feeds)
-    plan = 1 + 4 * len(groups)
+    outputs([], feeds[:1])
+    per_sample = (time.perf_counter() - tick) / max(1, _count(feeds[:1]))
+    total = _count(feeds)
+    # the screening (every group alone quantized) gets at most half the budget
+    want = max(1, int(0.5 * budget / ((2 + len(groups)) * per_sample)))
     batches = list(feeds)
-    if per_run * plan > budget and len(feeds) > 1:
-        keep = max(1, int(budget / (one * plan)))
-        batches = batches[:keep]
+    if want < total:
+        batches = _take(batches, want, _free_batch(emulation.model))
         notes.append(
-            f"{keep} of {len(feeds)} batches used to stay within the {budget:.0f} s budget"
+            f"{_count(batches)} of {total} samples used to stay within the {budget:.0f} s budget"
         )
     reference = outputs([], batches)
     floating = [
@@ -236,41 +237,79 @@ def rank(
             total += err / power[j] if power[j] > 0 else (0.0 if err == 0 else 1.0)
         return total / max(1, len(floating))
 
-    whole = noise(None)
-    scores = []
-    for gi, g in enumerate(groups):
-        own = set(g.switches)
-        scores.append(
-            GroupScore(
-                g.node,
-                g.op,
-                g.nodes,
-                alone=noise(sorted(own)),
-                weights=None,
-                activations=None,
-                without=noise(emulation.without([gi])),
-            )
-        )
-        if progress is not None:
-            progress(gi + 1, 2 * len(groups))
-    for s in scores:
-        s.alone_share = s.alone / whole if whole > 0 else 0.0
-        s.float_share = max(0.0, whole - s.without) / whole if whole > 0 else 0.0
-    scores.sort(key=lambda s: -s.score)
-    by_node = {g.node: g for g in groups}
-    split = 0
-    for n, s in enumerate(scores):
+    def affordable() -> bool:  # one more run fits in the budget
         spent = time.perf_counter() - start
-        if n and spent + 2 * (spent / runs) > budget:
+        return spent + spent / runs <= budget
+
+    whole = noise(None)
+    index = {g.node: i for i, g in enumerate(groups)}
+    scores = []
+    for g in groups:  # every group alone quantized: the screening, always complete
+        alone = noise(sorted(set(g.switches)))
+        share = alone / whole if whole > 0 else 0.0
+        scores.append(GroupScore(g.node, g.op, g.nodes, alone, None, None, None, share))
+        if progress is not None:
+            progress(len(scores), 3 * len(groups))
+    scores.sort(key=lambda s: -s.alone_share)
+    floated = 0
+    for s in scores:  # alone float, the best-screened first, while the budget lasts
+        if floated and not affordable():
+            notes.append(
+                f"alone float measured for the {floated} groups that add the most noise alone "
+                f"of {len(groups)} (budget); the others rank by that noise"
+            )
+            break
+        s.without = noise(emulation.without([index[s.node]]))
+        s.float_share = max(0.0, whole - s.without) / whole if whole > 0 else 0.0
+        floated += 1
+        if progress is not None:
+            progress(len(groups) + floated, 3 * len(groups))
+    scores.sort(key=lambda s: -s.score)
+    split = 0
+    for s in scores:
+        if split and not affordable():
             notes.append(
                 f"weights/activations split for the {split} best-ranked groups only (budget)"
             )
             break
-        g = by_node[s.node]
+        g = groups[index[s.node]]
         s.weights = noise(g.weights) if g.weights else 0.0
         s.activations = noise(g.activations) if g.activations else 0.0
         split += 1
         if progress is not None:
-            progress(len(groups) + n + 1, 2 * len(groups))
-    samples = sum(int(next(iter(f.values())).shape[0]) for f in batches if f)
-    return Ranking(whole, scores, samples, runs, time.perf_counter() - start, budget, split, notes)
+            progress(len(groups) + floated + split, 3 * len(groups))
+    return Ranking(
+        whole, scores, _count(batches), runs, time.perf_counter() - start, budget, split, notes
+    )
+
+
+def _count(batches: Sequence[dict[str, np.ndarray]]) -> int:
+    return sum(int(next(iter(f.values())).shape[0]) for f in batches if f)
+
+
+def _free_batch(model: Any) -> bool:
+    inits = {i.name for i in model.graph.initializer}
+    return all(
+        len(i.type.tensor_type.shape.dim) > 0
+        and not i.type.tensor_type.shape.dim[0].HasField("dim_value")
+        for i in model.graph.input
+        if i.name not in inits and i.name != FLAGS
+    )
+
+
+def _take(
+    batches: list[dict[str, np.ndarray]], samples: int, free: bool
+) -> list[dict[str, np.ndarray]]:
+    """The first ``samples`` samples (whole batches where the batch axis is fixed; ≥ 1 batch)."""
+    out: list[dict[str, np.ndarray]] = []
+    left = samples
+    for f in batches:
+        n = _count([f])
+        if left <= 0:
+            break
+        if n > left and free:
+            out.append({k: v[:left] for k, v in f.items()})
+            break
+        out.append(f)
+        left -= n
+    return out
