@@ -125,3 +125,27 @@ def test_the_report_renders_in_chromium_and_its_filter_works(report):
     assert not errors, errors
     assert (ARTIFACTS / "report.png").stat().st_size > 10_000
     assert os.access(ARTIFACTS / "report.png", os.R_OK)
+
+
+def test_quantize_and_compare_write_html_reports(tmp_path):
+    from test_fallback import _fragile_mlp
+
+    model, data = _fragile_mlp()
+    src, npz = tmp_path / "m.onnx", tmp_path / "d.npz"
+    onnx.save(model, str(src))
+    np.savez(npz, **data)
+    q, page = tmp_path / "q.onnx", tmp_path / "q.html"
+    assert main(["quantize", str(src), "--data", str(npz), "--batch-size", "16", "--max-drop",
+                 "0.5", "-o", str(q), "--report", str(page), "--quiet"]) == 0  # fmt: skip
+    text = page.read_text()
+    for wanted in ("Decisions", "Per-layer SQNR", "Accuracy and latency of the fallback"):
+        assert wanted in text
+    assert text.count("<svg") >= 2 and "<tr class='int8'>" in text
+    # a JSON report is still JSON
+    assert main(["quantize", str(src), "--data", str(npz), "-o", str(q), "--report",
+                 str(tmp_path / "r.json"), "--quiet"]) == 0  # fmt: skip
+    assert (tmp_path / "r.json").read_text().lstrip().startswith("{")
+    cmp = tmp_path / "c.html"
+    assert main(["compare", str(src), str(q), "--data", str(npz), "--report", str(cmp)]) == 0
+    text = cmp.read_text()
+    assert "Ranges of the worst tensors" in text and "Per-layer SQNR" in text
