@@ -79,12 +79,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     k.add_argument("--samples", type=int, default=None, help="use at most N samples")
     k.add_argument("--batch-size", type=int, default=None)
-    k.add_argument(
-        "--report",
-        default=None,
-        metavar="FILE.html",
-        help="write an HTML report with a per-layer chart",
-    )
+    _html_report(k, "a per-layer chart, the layers table, the worst tensors' ranges")
     k.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
     g = sub.add_parser(
@@ -125,12 +120,7 @@ def _parser() -> argparse.ArgumentParser:
         metavar="FIX.toml",
         help="where to write the config (default MODEL_fix.toml in the current folder)",
     )
-    g.add_argument(
-        "--report",
-        default=None,
-        metavar="FILE.html",
-        help="also write a self-contained HTML report (charts, ranking, decisions, check)",
-    )
+    _html_report(g, "the ranking, the bisection, the layers, the decisions, the check")
     g.add_argument("--json", action="store_true", help="print JSON instead of the report")
 
     t = sub.add_parser("targets", help="list the targets and their conventions")
@@ -147,6 +137,15 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("-o", "--output", default=None, help="also write the int8 demo model here")
     d.add_argument("--runs", type=int, default=300, help="latency runs per model (default 300)")
     return p
+
+
+def _html_report(parser: argparse.ArgumentParser, holds: str) -> None:
+    parser.add_argument(
+        "--report",
+        default=None,
+        metavar="FILE.html",
+        help=f"also write a self-contained HTML report ({holds}; opens without a network)",
+    )
 
 
 def _quantize_io(q: argparse.ArgumentParser) -> None:

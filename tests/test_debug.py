@@ -7,7 +7,7 @@ import pytest
 from helpers import make_model, rng, run
 from onnx import helper as h
 from onnx import numpy_helper
-from test_fallback import _fragile_mlp
+from test_fallback import _fragile_mlp, three_gemms
 
 from onnxq.api import quantize_state
 from onnxq.io.session import make_session
@@ -45,15 +45,7 @@ def _weight_outlier_mlp():
         "WA": r.normal(0, 0.3, (16, 32)), "BA": r.normal(0, 0.1, 32), "WB": wb,
         "BB": r.normal(0, 0.1, 32), "WC": r.normal(0, 0.3, (32, 8)), "BC": r.normal(0, 0.1, 8),
     }  # fmt: skip
-    nodes = [
-        h.make_node("Gemm", ["x", "WA", "BA"], ["a"], name="A"),
-        h.make_node("Relu", ["a"], ["a1"], name="reluA"),
-        h.make_node("Gemm", ["a1", "WB", "BB"], ["b"], name="B"),
-        h.make_node("Relu", ["b"], ["b1"], name="reluB"),
-        h.make_node("Gemm", ["b1", "WC", "BC"], ["y"], name="C"),
-    ]
-    inits = {k: v.astype(np.float32) for k, v in inits.items()}
-    model = make_model(nodes, [("x", ["N", 16])], [("y", ["N", 8])], inits)
+    model = three_gemms(inits)
     x = r.normal(0, 1, (256, 16)).astype(np.float32)
     return model, {"x": x}
 

@@ -13,13 +13,9 @@ import onnxq
 from onnxq.errors import ConfigError, DataError
 
 
-def _fragile_mlp():
-    """x → A → Relu → B → Relu → C. Input column 0 spans ±1000 but A barely reads it: an int8
-    grid over x leaves the other columns a step of 8 (A's output is noise). A float, the rest
-    quantizes well."""
-    r = rng(11)
-    wa = r.normal(0, 0.3, (16, 32))
-    wa[0] = 1e-5
+def three_gemms(inits):
+    """x[N,16] → A → Relu → B → Relu → C → y[N,8] with the Gemm weights and biases ``inits``
+    (WA, BA, WB, BB, WC, BC)."""
     nodes = [
         h.make_node("Gemm", ["x", "WA", "BA"], ["a"], name="A"),
         h.make_node("Relu", ["a"], ["a1"], name="reluA"),
@@ -27,12 +23,22 @@ def _fragile_mlp():
         h.make_node("Relu", ["b"], ["b1"], name="reluB"),
         h.make_node("Gemm", ["b1", "WC", "BC"], ["y"], name="C"),
     ]
+    inits = {k: v.astype(np.float32) for k, v in inits.items()}
+    return make_model(nodes, [("x", ["N", 16])], [("y", ["N", 8])], inits)
+
+
+def _fragile_mlp():
+    """x → A → Relu → B → Relu → C. Input column 0 spans ±1000 but A barely reads it: an int8
+    grid over x leaves the other columns a step of 8 (A's output is noise). A float, the rest
+    quantizes well."""
+    r = rng(11)
+    wa = r.normal(0, 0.3, (16, 32))
+    wa[0] = 1e-5
     inits = {
         "WA": wa, "BA": r.normal(0, 0.1, 32), "WB": r.normal(0, 0.3, (32, 32)),
         "BB": r.normal(0, 0.1, 32), "WC": r.normal(0, 0.3, (32, 8)), "BC": r.normal(0, 0.1, 8),
     }  # fmt: skip
-    inits = {k: v.astype(np.float32) for k, v in inits.items()}
-    model = make_model(nodes, [("x", ["N", 16])], [("y", ["N", 8])], inits)
+    model = three_gemms(inits)
     x = r.normal(0, 1, (256, 16))
     x[:, 0] = r.uniform(-1000, 1000, 256)
     return model, {"x": x.astype(np.float32)}
