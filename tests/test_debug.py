@@ -117,8 +117,8 @@ def test_cross_check_agrees_on_a_sound_onnxruntime_model(fmt):
     state = quantize_state(model, calib, progress=False, format=fmt)
     check = cross_check(state.quantizer.float_model, emulate(state).fixed(), state.model, feeds)
     assert check.agrees and check.runtime == "onnxruntime", check.summary()
-    assert len(check.layers) >= 3 and all(drop <= PART_DROP_DB for *_, drop in check.layers)
-    assert min(v for _, _, v, _ in check.layers) > 60  # integer kernels = the emulation here
+    assert len(check.layers) >= 3 and all(x.drop_db <= PART_DROP_DB for x in check.layers)
+    assert min(x.agreement_db for x in check.layers) > 60  # integer kernels = the emulation
 
 
 def test_cross_check_finds_a_broken_fakequantize_conversion():
@@ -127,8 +127,8 @@ def test_cross_check_finds_a_broken_fakequantize_conversion():
     state = quantize_state(model, calib, progress=False, format="openvino")
     emulation = emulate(state)
     reference = emulation.fixed()
-    quantized = {s.tensor for s in emulation.switches if s.kind == "activation"}
-    assert "r2" in quantized
+    quantized = emulation.steps()
+    assert "r2" in quantized and quantized["r2"] > 0
     float_model = state.quantizer.float_model
     sound = cross_check(float_model, reference, state.model, feeds, quantized=quantized)
     assert sound.agrees and sound.runtime == "openvino", sound.summary()
@@ -144,8 +144,9 @@ def test_cross_check_finds_a_broken_fakequantize_conversion():
     fq.input[4] = "r2/output_high"
     check = cross_check(float_model, reference, broken, feeds, quantized=quantized)
     assert not check.agrees
-    node, tensor, value, drop = check.first_part
-    assert node == "relu2" and tensor == "r2" and drop > PART_DROP_DB
+    part = check.first_part
+    assert part.node == "relu2" and part.tensor == "r2" and part.drop_db > PART_DROP_DB
+    assert part.steps > 1
     assert "relu2" in check.summary()
 
 

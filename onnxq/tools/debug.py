@@ -219,7 +219,7 @@ def debug(
         int8_model,
         check_feeds,
         state.options.target.name,
-        {s.tensor for s in emulation.switches if s.kind == "activation"},
+        emulation.steps(),
     )
     del state, emulation
     target_name = target or "ort-cpu"
@@ -369,8 +369,8 @@ def _html(
         "Cross-runtime check",
         c.summary().replace("\n", " "),
         html.table(
-            ["node", "tensor", "agreement dB", "drop dB"],
-            [(n, t, v, d) for n, t, v, d in c.layers],
+            ["node", "tensor", "agreement dB", "drop dB", "RMS int8 steps apart"],
+            [(x.node, x.tensor, x.agreement_db, x.drop_db, x.steps) for x in c.layers],
         ),
     )
     page.decisions = [

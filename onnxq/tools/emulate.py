@@ -48,6 +48,8 @@ class Switch:
     #: the groups that need it: it is quantized while any of them is int8 (an activation: the
     #: group that writes it and those that read it; a weight or bias: the groups that read it)
     groups: tuple[int, ...]
+    #: an activation's grid step (per tensor), else None
+    step: float | None = None
 
 
 @dataclass
@@ -74,6 +76,10 @@ class Emulation:
     model: onnx.ModelProto
     switches: list[Switch]
     groups: list[Group]
+
+    def steps(self) -> dict[str, float]:
+        """Every quantized activation tensor and the step of its grid."""
+        return {s.tensor: s.step for s in self.switches if s.step is not None}
 
     def without(self, groups: Any) -> list[int]:
         """The switches on when ``groups`` (indices) are float and every other group is int8.
@@ -142,10 +148,10 @@ def emulate(state: Any) -> Emulation:
     nodes: list[onnx.NodeProto] = []
     new_inits: list[onnx.TensorProto] = []
 
-    def switch(tensor: str, kind: str, owners: list[int]) -> int:
+    def switch(tensor: str, kind: str, owners: list[int], step: float | None = None) -> int:
         k = len(switches)
         owners = sorted(set(owners))
-        switches.append(Switch(tensor, kind, tuple(owners)))
+        switches.append(Switch(tensor, kind, tuple(owners), step))
         for g in owners:
             (groups[g].weights if kind != "activation" else groups[g].activations).append(k)
         return k
@@ -335,10 +341,11 @@ def _activation(
     y = node.output[0]
     # quantized while any group that writes it int8 or reads it int8 is int8
     needers = [produced_by[tensor]] if tensor in produced_by else []
-    k = switch(tensor, "activation", needers + readers.get(tensor, []))
-    p = f"{y}/fq"
     lo_v, hi_v = numpy_helper.to_array(inits[lo]), numpy_helper.to_array(inits[hi])
     step_v = _step(lo_v, hi_v, levels)
+    step = float(step_v.reshape(-1)[0]) if step_v.size == 1 else None
+    k = switch(tensor, "activation", needers + readers.get(tensor, []), step)
+    p = f"{y}/fq"
     zero = np.round(-lo_v / step_v)
     flag = gate(k)
     if levels == 256 and lo_v.size == 1 and 0 <= float(zero.reshape(())) <= 255:
