@@ -243,3 +243,21 @@ def onnxq_quantize(model, data):
     import onnxq
 
     return onnxq.quantize(model, data, **KW)
+
+
+def test_zoo_eval_gives_any_zoo_model_as_data_and_metric(monkeypatch):
+    # the references the docs' walkthrough passes to --data and --eval
+    import sys
+    from pathlib import Path
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent.parent))
+    sys.modules.pop("models.zoo_eval", None)
+    from models import zoo_eval
+
+    path = zoo_eval.model_path("digits_cnn")
+    batches = zoo_eval.digits_cnn_data()
+    assert sum(len(b["input"]) for b in batches) == 300
+    score = zoo_eval.digits_cnn(str(path))
+    assert 95 < score <= 100  # the fp32 accuracy on the zoo's evaluation digits
+    with pytest.raises(AttributeError, match="no zoo model named 'nosuchmodel'"):
+        zoo_eval.nosuchmodel("x.onnx")

@@ -16,9 +16,9 @@ noise a group adds alone and the noise its return to float removes (they differ 
 interact, e.g. a coarse grid that only hurts behind another one).
 
 The cost is 2 + 4·G runs for G groups. Within ``budget`` seconds: the samples are cut so that
-the screening (every group alone quantized, 2 + G runs) takes at most half the budget (never
-below one sample); then "alone float" is measured for the groups that add the most noise alone,
-and the weight/activation split for the best-ranked, while the budget lasts. The screening is
+the screening (every group alone quantized) and "alone float" (2 + 2·G runs) take at most 80%
+of the budget (never below one sample); "alone float" goes to the groups that add the most noise
+alone first, and the weight/activation split to the best-ranked, while the budget lasts. The screening is
 always complete, so a tiny budget still ranks every group (by the noise it adds alone); the
 ranking's notes say what was cut.
 """
@@ -210,8 +210,8 @@ def rank(
     outputs([], feeds[:1])
     per_sample = (time.perf_counter() - tick) / max(1, _count(feeds[:1]))
     total = _count(feeds)
-    # the screening (every group alone quantized) gets at most half the budget
-    want = max(1, int(0.5 * budget / ((2 + len(groups)) * per_sample)))
+    # the screening and alone float (2 + 2·G runs) get at most 80% of the budget
+    want = max(1, int(0.8 * budget / ((2 + 2 * len(groups)) * per_sample)))
     batches = list(feeds)
     if want < total:
         batches = _take(batches, want, _free_batch(emulation.model))
