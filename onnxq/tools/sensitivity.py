@@ -18,9 +18,9 @@ interact, e.g. a coarse grid that only hurts behind another one).
 The cost is 2 + 4·G runs for G groups. Within ``budget`` seconds: the samples are cut so that
 the screening (every group alone quantized) and "alone float" (2 + 2·G runs) take at most 80%
 of the budget (never below one sample); "alone float" goes to the groups that add the most noise
-alone first, and the weight/activation split to the best-ranked, while the budget lasts. The screening is
-always complete, so a tiny budget still ranks every group (by the noise it adds alone); the
-ranking's notes say what was cut.
+alone first, and the weight/activation split to the best-ranked, while the budget lasts. The
+screening is always complete, so a tiny budget still ranks every group (by the noise it adds
+alone); the ranking's notes say what was cut.
 """
 
 from __future__ import annotations
