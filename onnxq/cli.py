@@ -631,6 +631,12 @@ def _debug(args: argparse.Namespace) -> int:
         load_targets(args.target_file)
     if args.budget is not None and not args.budget >= 0:
         raise ConfigError(f"--budget {args.budget} must be ≥ 0 seconds")
+    for flag, value in (("--samples", args.samples), ("--batch-size", args.batch_size)):
+        if value is not None and value < 1:
+            raise ConfigError(f"{flag} {value} must be ≥ 1")
+    for path in (args.output, args.report):
+        if path is not None:
+            _output_path(args.model, path)
     result = debug(
         args.model,
         args.data,

@@ -210,6 +210,8 @@ def test_debug_names_the_culprit_and_its_config_reproduces_the_gain(tmp_path, ca
         (["--recover", "2"], "--recover 2.0 must be in (0, 1]"),
         (["--eval", "nosuchmodule:score"], "--eval 'nosuchmodule:score': cannot import"),
         (["--budget", "-1"], "--budget -1.0 must be ≥ 0 seconds"),
+        (["--samples", "0"], "--samples 0 must be ≥ 1"),
+        (["--report", "nofolder/r.html"], "output folder 'nofolder' does not exist"),
     ],
 )
 def test_debug_refuses_bad_options_in_one_line(tmp_path, capsys, extra, message):
@@ -225,6 +227,20 @@ def test_debug_refuses_bad_options_in_one_line(tmp_path, capsys, extra, message)
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and message in err, err
     assert not (tmp_path / "f.toml").exists()
+
+
+def test_debug_never_writes_over_its_input(tmp_path, capsys):
+    from onnxq.cli import main
+
+    model, data = _fragile_mlp()
+    src, npz = tmp_path / "m.onnx", tmp_path / "calib.npz"
+    onnx.save(model, str(src))
+    np.savez(npz, **data)
+    before = src.read_bytes()
+    for flag in ("-o", "--report"):
+        assert main(["debug", str(src), "--data", str(npz), flag, str(src)]) == 2
+        assert "is the input model" in capsys.readouterr().err
+        assert src.read_bytes() == before
 
 
 def test_debug_refuses_a_quantized_model(tmp_path, capsys):
@@ -261,3 +277,32 @@ def test_zoo_eval_gives_any_zoo_model_as_data_and_metric(monkeypatch):
     assert 95 < score <= 100  # the fp32 accuracy on the zoo's evaluation digits
     with pytest.raises(AttributeError, match="no zoo model named 'nosuchmodel'"):
         zoo_eval.nosuchmodel("x.onnx")
+
+
+def test_debug_writes_no_config_when_no_float_set_helps(tmp_path, capsys, monkeypatch):
+    import json
+
+    from onnxq.cli import main
+
+    model, data = _fragile_mlp()
+    src, npz = tmp_path / "m.onnx", tmp_path / "calib.npz"
+    onnx.save(model, str(src))
+    np.savez(npz, **data)
+    # a metric that only the float model satisfies: no set of float groups raises it
+    (tmp_path / "allornothing.py").write_text(
+        "import onnx\n"
+        "def score(path):\n"
+        "    ops = {n.op_type for n in onnx.load(path).graph.node}\n"
+        "    return 50.0 if any('Quant' in o or o.startswith('QGemm') for o in ops) else 100.0\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr("onnxq.tools.debug.MAX_GROUPS", 2)  # all three float would be fp32
+    fix = tmp_path / "fix.toml"
+    assert main(["debug", str(src), "--data", str(npz), "--batch-size", "16", "--eval",
+                 "allornothing:score", "-o", str(fix), "--json"]) == 0  # fmt: skip
+    result = json.loads(capsys.readouterr().out)
+    assert result["fp32"] == 100 and result["int8"] == 50
+    assert result["fixed"] is None and result["config"] is None and not fix.exists()
+    assert [s["float_groups"] for s in result["steps"]] == [0, 1, 2]
+    assert all(s["metric"] == 50 for s in result["steps"])
+    assert any("no config written" in n for n in result["notes"])

@@ -114,7 +114,11 @@ class DebugResult:
             "",
         ]
         if self.fixed is None:
-            lines.append("nothing to fix: int8 loses nothing on this metric")
+            lines.append(
+                "nothing to fix: int8 loses nothing on this metric"
+                if self.loss <= 0
+                else "no fix found (see the notes)"
+            )
         else:
             rec = self.recovered
             kept = self.int8_nodes_fixed / self.int8_nodes if self.int8_nodes else 0.0
@@ -243,14 +247,18 @@ def debug(
                 steps.append(Step(k, measured[k], latency_ms(trial.model, timing)))
             return measured[k]
 
-        k = fewest(len(candidates), lambda k: quantized_with(k) >= goal)
-        if k is None:
-            k = max(measured, key=lambda n: (measured[n], -n))
+        found = fewest(len(candidates), lambda k: quantized_with(k) >= goal)
+        k = found if found is not None else max(measured, key=lambda n: (measured[n], -n))
+        if found is None:
             notes.append(
                 f"no set of up to {len(candidates)} best-ranked groups recovers "
                 f"{100 * recover:.0f}% of the loss; the config holds the best one measured"
+                if k
+                else f"none of the {len(steps) - 1} sets of float groups tried raised the "
+                "metric; no config written"
             )
         chosen = candidates[:k]
+    if loss > 0 and chosen:
         config_path = Path(output) if output is not None else Path(_default_output(name))
         text = _config_text(
             name, target_name, metric_name, fp32, int8, measured[k], chosen, ranking
