@@ -31,6 +31,8 @@ from onnxq.errors import ConfigError
 
 #: the worst tensors whose range histograms are drawn
 HISTOGRAMS = 6
+#: values per histogram at most (evenly strided beyond)
+MAX_VALUES = 1_000_000
 
 
 def _pyplot() -> Any:
@@ -272,7 +274,7 @@ def worst_histograms(
             chosen.append((layer.name, bounds))
         if len(chosen) == HISTOGRAMS:
             break
-    if not chosen:
+    if not chosen or not feeds:
         return []
     names = [n for n, _ in chosen]
     session = make_session(float_model, expose=names)
@@ -280,7 +282,13 @@ def worst_histograms(
     for feed in feeds[:8]:
         for n, v in zip(names, session.run(names, feed), strict=True):
             values[n].append(np.asarray(v, np.float32).ravel())
-    return [(n, np.concatenate(values[n]), lo, hi) for n, (lo, hi) in chosen]
+    drawn = []
+    for n, (lo, hi) in chosen:
+        v = np.concatenate(values[n])
+        if v.size > MAX_VALUES:  # every k-th value: the same shape, a bounded page and memory
+            v = v[:: -(-v.size // MAX_VALUES)]
+        drawn.append((n, v, lo, hi))
+    return drawn
 
 
 def comparison_sections(
