@@ -180,6 +180,19 @@ class QuantizeOptions:
             target=self.target.name,
         )
 
+    def kept_float(self, model: Any) -> set[str]:
+        """The nodes of ``model`` the call keeps float: ``exclude`` and ``keep_float`` entries.
+
+        The passes that rewrite the float model before annotation (SmoothQuant, equalization)
+        leave these alone, whichever way they were asked.
+        """
+        names = set(self.exclude)
+        if self.user is not None:
+            names |= {
+                n.name for n in model.graph.node if self.user.resolve(n.name, n.op_type).keep_float
+            }
+        return names
+
     def asks(self, option: str, value: Any) -> bool:
         """The call or any node of its ``--config`` asks ``option`` = ``value``."""
         if getattr(self, option, None) == value:

@@ -193,6 +193,19 @@ def test_equalization_output_is_byte_identical_across_runs():
     assert a.SerializeToString() == b.SerializeToString()
 
 
+def test_keep_float_in_a_config_is_exclude_for_equalization_too():
+    from onnxq.annotate.config import UserConfig
+
+    model, calib = _chain_model(), _data(16, 8)
+    kw = dict(equalization="on", rounding="nearest", progress=False)
+    excluded, rx = onnxq.quantize(model, calib, exclude=["dw"], **kw)
+    config = UserConfig.from_dict({"node": {"dw": {"keep_float": True}}})
+    configured, rc = onnxq.quantize(model, calib, config=config, **kw)
+    assert not any("dw" in pair for pair in rx.equalization)  # neither side of a pair
+    assert rc.equalization == rx.equalization
+    assert configured.SerializeToString() == excluded.SerializeToString()
+
+
 def test_the_openvino_form_of_an_equalized_model_runs_there():
     ov = pytest.importorskip("openvino", reason="needs the OpenVINO runtime: pip install openvino")
     ref, evaluation, [(fq, _), (qdq, _)] = _both("format", ("openvino", "qdq"), equalization="on")

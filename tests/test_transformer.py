@@ -290,3 +290,25 @@ def test_smoothquant_output_is_byte_identical_across_runs():
     a, _ = onnxq.quantize(model, _padded(6, 1), progress=False, smoothquant="on")
     b, _ = onnxq.quantize(model, _padded(6, 1), progress=False, smoothquant="on")
     assert a.SerializeToString(deterministic=True) == b.SerializeToString(deterministic=True)
+
+
+def test_keep_float_in_a_config_is_exclude_for_smoothquant_too():
+    # SmoothQuant rewrites the float model before annotation: it must leave a node kept float
+    # by the config alone, as it does one given to --exclude (onnxq debug's config relies on it)
+    from onnxq.annotate.config import UserConfig
+
+    model = _encoder(outlier=40.0)
+    calib = _padded(6, 1)
+    plain, _ = onnxq.quantize(model, calib, progress=False, smoothquant="on")
+    excluded, rep_x = onnxq.quantize(
+        model, calib, progress=False, smoothquant="on", exclude=["query"]
+    )
+    config = UserConfig.from_dict({"node": {"query": {"keep_float": True}}})
+    configured, rep_c = onnxq.quantize(
+        model, calib, progress=False, smoothquant="on", config=config
+    )
+    assert rep_x.smoothing["x"]["readers"] == ["key", "value"]
+    assert rep_c.smoothing == rep_x.smoothing
+    same = excluded.SerializeToString(deterministic=True)
+    assert configured.SerializeToString(deterministic=True) == same
+    assert plain.SerializeToString(deterministic=True) != same

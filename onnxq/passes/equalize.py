@@ -100,7 +100,7 @@ class Equalize:
         if state.data is None and state.dataset is None:
             return PassResult("off (no calibration data)")
         model = state.float_model
-        chains = _chains(model, set(state.options.exclude))
+        chains = _chains(model, state.options.kept_float(model))
         if not chains:
             return PassResult("no Conv → Conv chain to equalize")
         inits = {i.name: i for i in model.graph.initializer}

@@ -70,7 +70,7 @@ class SmoothQuant:
         if state.data is None:
             return PassResult("off (no calibration data)")
         model = state.float_model
-        readers = _readers(model, set(state.options.exclude))
+        readers = _readers(model, state.options.kept_float(model))
         if not readers:
             return PassResult("no MatMul/Gemm with constant weights reads an activation")
         stats = _collect(state, model, sorted(readers))

@@ -34,6 +34,7 @@ from typing import Any
 
 import onnx
 
+from onnxq.annotate.config import UserConfig
 from onnxq.api import quantize_state
 from onnxq.calibrate.dataset import model_inputs
 from onnxq.calibrate.sources import as_dataset
@@ -241,8 +242,10 @@ def debug(
 
         def quantized_with(k: int) -> float:
             if k not in measured:
-                excluded = tuple(n for g in candidates[:k] for n in g.nodes)
-                trial = quantize_state(source, feeds, exclude=excluded, **kw)
+                # as the written config will: keep_float entries, not --exclude
+                floats = {n: {"keep_float": True} for g in candidates[:k] for n in g.nodes}
+                config = UserConfig.from_dict({"node": floats}, f"debug step {k}")
+                trial = quantize_state(source, feeds, config=config, **kw)
                 measured[k] = metric(trial.model)
                 steps.append(Step(k, measured[k], latency_ms(trial.model, timing)))
             return measured[k]
