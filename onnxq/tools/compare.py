@@ -169,37 +169,8 @@ def compare(
         if o and f_types.get(o) in FLOAT_TYPES
     ]
     outputs = {o.name for o in float_model.graph.output}
-    q_types = output_types(quant_model)
-    q_produced = {o for n in quant_model.graph.node for o in n.output}
     q_inits = _initializers(quant_model)
-    # float tensor -> (tensor to fetch, scale initializer, zero-point initializer or "")
-    plan: dict[str, tuple[str, str | None, str]] = {}
-    # a float tensor a QuantizeLinear reads (a QDQ model) is compared as that Q's output: the
-    # value the next op sees. onnxruntime's QDQ drops a Relu after a Conv and lets the Q's zero
-    # point clip; the tensor the Conv writes under the Relu's name is the pre-Relu value
-    quantized_by = {
-        n.input[0]: n
-        for n in quant_model.graph.node
-        if n.op_type == "QuantizeLinear" and len(n.input) > 1 and n.input[1] in q_inits
-    }
-    for name in f_names:
-        q_node = quantized_by.get(name)
-        if q_node is not None:
-            zp = q_node.input[2] if len(q_node.input) > 2 else ""
-            plan[name] = (q_node.output[0], q_node.input[1], zp)
-        elif name in q_produced and q_types.get(name, onnx.TensorProto.FLOAT) in FLOAT_TYPES:
-            plan[name] = (name, None, "")
-    wanted = set(f_names)
-    for node in quant_model.graph.node:
-        pos = OUTPUT_PARAMS.get(node.op_type)
-        if pos is None or len(node.input) <= pos[0]:
-            continue
-        scale = node.input[pos[0]]
-        base = scale[: -len("_scale")] if scale.endswith("_scale") else ""
-        if base in wanted and base not in plan and scale in q_inits:
-            zp = node.input[pos[1]] if len(node.input) > pos[1] else ""
-            plan[base] = (node.output[0], scale, zp)
-    plan = {n: plan[n] for n in f_names if n in plan}  # graph order
+    plan = tensor_plan(f_names, quant_model, q_inits)
     stats = {n: TensorStats(n, n in outputs, i) for i, n in enumerate(plan)}
     f_sess = make_session(float_model, expose=list(plan))
     q_fetch = sorted({v[0] for v in plan.values()})
@@ -209,13 +180,8 @@ def compare(
         f_vals = dict(zip(plan, run_checked(f_sess, list(plan), feeds, index)))
         q_vals = dict(zip(q_fetch, run_checked(q_sess, q_fetch, feeds, index)))
         samples += int(next(iter(feeds.values())).shape[0]) if feeds else 0
-        for name, (q_name, scale_name, zp_name) in plan.items():
-            q = q_vals[q_name]
-            if scale_name is not None:
-                scale = q_inits[scale_name].astype(np.float64)
-                zp = q_inits[zp_name].astype(np.float64) if zp_name in q_inits else 0.0
-                q = (q.astype(np.float64) - zp) * scale
-            stats[name].add(np.asarray(f_vals[name]), np.asarray(q))
+        for name, q in dequantized(plan, q_inits, q_vals).items():
+            stats[name].add(np.asarray(f_vals[name]), q)
     link_inputs(float_model, stats)
     producers = {o: n for n in float_model.graph.node for o in n.output}
     for name, st in stats.items():
@@ -229,6 +195,61 @@ def compare(
         key=lambda s: (-s.drop_db, s.order),
     )
     return Comparison(outs, layers, samples)
+
+
+def tensor_plan(
+    names: list[str], quant_model: onnx.ModelProto, q_inits: dict[str, np.ndarray]
+) -> dict[str, tuple[str, str | None, str]]:
+    """Where a quantized model holds each float tensor of ``names`` (graph order kept).
+
+    float tensor -> (tensor to fetch, scale initializer or None, zero-point initializer or "").
+    """
+    q_types = output_types(quant_model)
+    q_produced = {o for n in quant_model.graph.node for o in n.output}
+    plan: dict[str, tuple[str, str | None, str]] = {}
+    # a float tensor a QuantizeLinear reads (a QDQ model) is compared as that Q's output: the
+    # value the next op sees. onnxruntime's QDQ drops a Relu after a Conv and lets the Q's zero
+    # point clip; the tensor the Conv writes under the Relu's name is the pre-Relu value
+    quantized_by = {
+        n.input[0]: n
+        for n in quant_model.graph.node
+        if n.op_type == "QuantizeLinear" and len(n.input) > 1 and n.input[1] in q_inits
+    }
+    for name in names:
+        q_node = quantized_by.get(name)
+        if q_node is not None:
+            zp = q_node.input[2] if len(q_node.input) > 2 else ""
+            plan[name] = (q_node.output[0], q_node.input[1], zp)
+        elif name in q_produced and q_types.get(name, onnx.TensorProto.FLOAT) in FLOAT_TYPES:
+            plan[name] = (name, None, "")
+    wanted = set(names)
+    for node in quant_model.graph.node:
+        pos = OUTPUT_PARAMS.get(node.op_type)
+        if pos is None or len(node.input) <= pos[0]:
+            continue
+        scale = node.input[pos[0]]
+        base = scale[: -len("_scale")] if scale.endswith("_scale") else ""
+        if base in wanted and base not in plan and scale in q_inits:
+            zp = node.input[pos[1]] if len(node.input) > pos[1] else ""
+            plan[base] = (node.output[0], scale, zp)
+    return {n: plan[n] for n in names if n in plan}
+
+
+def dequantized(
+    plan: dict[str, tuple[str, str | None, str]],
+    q_inits: dict[str, np.ndarray],
+    fetched: dict[str, Any],
+) -> dict[str, np.ndarray]:
+    """The fetched values of a :func:`tensor_plan` as float (integer ones dequantized)."""
+    out = {}
+    for name, (q_name, scale_name, zp_name) in plan.items():
+        q = np.asarray(fetched[q_name])
+        if scale_name is not None:
+            scale = q_inits[scale_name].astype(np.float64)
+            zp = q_inits[zp_name].astype(np.float64) if zp_name in q_inits else 0.0
+            q = (q.astype(np.float64) - zp) * scale
+        out[name] = q
+    return out
 
 
 def link_inputs(model: onnx.ModelProto, stats: dict[str, TensorStats]) -> None:

@@ -7,39 +7,44 @@ formats (ort-cpu, generic), OpenVINO for FakeQuantize (openvino). For ``tensorrt
 assumed: its QDQ model runs in onnxruntime, whose QDQ fusion is the nearest CPU stand-in for
 TensorRT's, and the result says so.
 
-Per output and per layer (every float tensor of the float graph the target model exposes under
-the same name: a tensor name, or a quantized op's ``<tensor>_scale``), the agreement of target
-and reference is an SQNR. Integer kernels and the float emulation round an occasional value
-differently, and a deep network amplifies those steps layer by layer (on MobileNetV2 the
-agreement falls from 88 dB after the first layer to about 21 dB at the output, as far from the
-emulation as both are from fp32, with no layer losing more than 9 dB), so a fault is not a low
-agreement but a sudden one: the first layer in graph order whose agreement falls more than
-:data:`PART_DROP_DB` below that of the tensors it reads (both capped at 60 dB, as in ``onnxq
-compare``) and that is more than one step of its int8 grid from the reference (RMS) is where
-the runtimes part, the place to look for a conversion or kernel fault. Only quantized tensors
-can part: a float op amplifies the drift it is given (a Sigmoid's tail turns a 1% error of its
-input into 10%), and a kernel that rounds a few values the other way stays within a step (an
-integer Add agreed to 41 dB, 18 dB below its inputs, but 0.5 steps apart).
+Two comparisons, per output and per layer (every float tensor of the float graph the target
+exposes under the same name: a tensor name, or a quantized op's ``<tensor>_scale``):
+
+* **drift**: both models run end to end; the agreement of target and reference per tensor, as
+  an SQNR. Integer kernels and the float emulation round an occasional value differently and a
+  deep network carries those steps forward (on MobileNetV2 the agreement falls from 88 dB after
+  the first layer to about 21 dB at the output), and an exponential op amplifies them (a
+  Softmax whose input logits moved by one step moves its large outputs by many). Drift says how
+  far the runtimes end apart, not where one of them is wrong;
+* **local**: the reference run again with every tensor it shares with the target replaced by
+  the target's own values, so each layer of the reference computes from exactly the inputs the
+  target's layer had. A faithful kernel then lands within a step of its int8 grid of
+  the reference (onnxruntime's integer Softmax on ViT: 0.06 steps RMS); a conversion or kernel
+  fault does not. The first layer in graph order more than :data:`PART_STEPS` steps (RMS) from
+  the reference is where the runtimes part.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
 import onnx
+from onnx import helper, numpy_helper
 
 from onnxq.calibrate.dataset import model_inputs
 from onnxq.calibrate.sources import as_dataset
 from onnxq.lower.fakequantize import OV_DOMAIN
-from onnxq.tools.compare import TensorStats, compare, link_inputs
-from onnxq.tools.emulate import FLAGS
+from onnxq.tools.compare import TensorStats, compare, dequantized, link_inputs, tensor_plan
+from onnxq.tools.emulate import FLAGS, Emulation
 
-#: the agreement (dB) a layer may lose against its inputs' before the runtimes are said to part
-PART_DROP_DB = 15.0
+#: the RMS distance, in steps of a tensor's int8 grid, beyond which a layer parts
+PART_STEPS = 1.0
+#: batches the local comparison runs on
+LOCAL_BATCHES = 4
 
 
 @dataclass
@@ -48,11 +53,13 @@ class Layer:
 
     node: str
     tensor: str
+    #: drift: SQNR of target against reference, both run end to end
     agreement_db: float
-    #: the agreement lost against the layer's inputs' (both capped at 60 dB)
+    #: the drift's agreement lost against the layer's inputs' (both capped at 60 dB)
     drop_db: float
-    #: RMS difference in steps of the tensor's int8 grid (nan: not a quantized tensor)
-    steps: float
+    #: local: RMS distance in int8 steps when both computed from the target's inputs
+    #: (nan: not a quantized tensor the target exposes)
+    steps: float = math.nan
 
 
 @dataclass
@@ -64,13 +71,13 @@ class CrossCheck:
     outputs: list[tuple[str, float, float, float]]
     #: per layer in graph order
     layers: list[Layer]
-    #: the first quantized layer that parts (see PART_DROP_DB), or None
+    #: the first layer more than PART_STEPS from the reference on the same inputs, or None
     first_part: Layer | None
     notes: list[str] = field(default_factory=list)
 
     @property
     def agrees(self) -> bool:
-        """No layer parts (see :data:`PART_DROP_DB`)."""
+        """No layer parts."""
         return self.first_part is None
 
     def summary(self) -> str:
@@ -83,19 +90,19 @@ class CrossCheck:
                 f"  output {name}: target vs fake-quantized {_fmt(tr)} dB; vs fp32 {_fmt(tf)} dB "
                 f"(fake-quantized vs fp32 {_fmt(rf)} dB)"
             )
+        local = [x for x in self.layers if not math.isnan(x.steps)]
         if self.first_part is not None:
             f = self.first_part
             lines.append(
-                f"  the runtimes part first at {f.node} (tensor {f.tensor}): {_fmt(f.agreement_db)}"
-                f" dB, {f.drop_db:.1f} dB below its inputs' agreement, {f.steps:.1f} int8 steps "
-                "apart (RMS); check its conversion and kernel"
+                f"  the runtimes part first at {f.node} (tensor {f.tensor}): computed from the "
+                f"same inputs, the target is {f.steps:.1f} int8 steps (RMS) from the "
+                "fake-quantized model; check its conversion and kernel"
             )
         else:
-            worst = max((layer.drop_db for layer in self.layers), default=0.0)
+            worst = max((x.steps for x in local), default=0.0)
             lines.append(
-                f"  {len(self.layers)} layers compared; none parts (no quantized tensor falls "
-                f"over {PART_DROP_DB:.0f} dB below its inputs' agreement and over one int8 step "
-                f"from the reference; largest drop {worst:.1f} dB)"
+                f"  {len(self.layers)} layers compared ({len(local)} from the same inputs); none "
+                f"parts (largest distance {worst:.2f} int8 steps RMS ≤ {PART_STEPS:g})"
             )
         lines.extend(f"  note: {n}" for n in self.notes)
         return "\n".join(lines)
@@ -104,7 +111,7 @@ class CrossCheck:
         """JSON-ready."""
         return {
             "runtime": self.runtime,
-            "part_drop_db": PART_DROP_DB,
+            "part_steps": PART_STEPS,
             "agrees": self.agrees,
             "outputs": [
                 {"name": n, "vs_reference_db": a, "vs_fp32_db": b, "reference_vs_fp32_db": c}
@@ -120,29 +127,19 @@ def _fmt(v: float) -> str:
     return "inf" if math.isinf(v) and v > 0 else f"{v:.2f}"
 
 
-def _sqnr(ref: np.ndarray, got: np.ndarray) -> float:
-    s = TensorStats("", False, 0)
-    s.add(np.asarray(ref), np.asarray(got))
-    return s.sqnr_db
-
-
 def cross_check(
+    emulation: Emulation,
     float_model: onnx.ModelProto,
-    reference: onnx.ModelProto,
     target: onnx.ModelProto,
     feeds: Sequence[dict[str, np.ndarray]],
     target_name: str = "",
-    quantized: Mapping[str, float] | None = None,
 ) -> CrossCheck:
-    """Compare ``target`` (in its runtime) with ``reference`` (onnxruntime) and fp32.
+    """Compare ``target`` (in its runtime) with the fake-quantized ``emulation`` and fp32.
 
-    ``reference``: the emulation with every switch on, as a plain model
-    (:meth:`~onnxq.tools.emulate.Emulation.fixed`); ``float_model``: the float graph both were
-    made from (its tensor names are the layers); ``quantized``: the tensors the quantization
-    puts on an int8 grid, with their step (:meth:`~onnxq.tools.emulate.Emulation.steps`), the
-    only ones that can part (None: any tensor, by the drop alone).
+    ``float_model``: the float graph the emulation was made from (its tensor names are the
+    layers).
     """
-    from onnxq.io.session import make_session
+    from onnxq.io.session import make_session, output_types
 
     notes = []
     openvino = any(n.domain == OV_DOMAIN for n in target.graph.node)
@@ -153,36 +150,42 @@ def cross_check(
             "Q/DQ fusion stands in for TensorRT's; layer placement specific to TensorRT is not "
             "emulated"
         )
+    reference = emulation.fixed()
     names = [o.name for o in float_model.graph.output]
     fp32 = make_session(float_model)
     ref = make_session(reference)
-    if openvino:
-        run_target = _openvino_runner(target, [])
-    else:
-        session = make_session(target)
-
-        def run_target(feed: dict[str, np.ndarray], wanted: Sequence[str]) -> list[np.ndarray]:
-            return list(session.run(list(wanted), feed))
-
+    steps = emulation.steps()
+    # every float tensor of the float graph both models hold (not the graph outputs)
+    written = {o for n in reference.graph.node for o in n.output}
+    try:
+        types = output_types(onnx.shape_inference.infer_shapes(float_model))
+    except Exception:  # shape inference is best effort: untyped tensors are not shared
+        types = output_types(float_model)
+    shared = [
+        o
+        for n in float_model.graph.node
+        for o in n.output
+        if o in written and o not in names and types.get(o) == onnx.TensorProto.FLOAT
+    ]
+    read = _openvino_reader(target, shared) if openvino else _onnxruntime_reader(target, shared)
     stats: dict[str, list[TensorStats]] = {
         n: [TensorStats(n, True, 0) for _ in range(3)] for n in names
     }
     for feed in feeds:
         f = fp32.run(names, feed)
         r = ref.run(names, feed)
-        t = run_target(feed, names)
+        t = read(feed, names)
         for i, n in enumerate(names):
             if not np.issubdtype(np.asarray(f[i]).dtype, np.floating):
                 continue
-            stats[n][0].add(np.asarray(r[i]), np.asarray(t[i]))
-            stats[n][1].add(np.asarray(f[i]), np.asarray(t[i]))
+            stats[n][0].add(np.asarray(r[i]), np.asarray(t[n]))
+            stats[n][1].add(np.asarray(f[i]), np.asarray(t[n]))
             stats[n][2].add(np.asarray(f[i]), np.asarray(r[i]))
     outputs = [(n, *(s.sqnr_db for s in stats[n])) for n in names if stats[n][0].count]
     if openvino:
-        compared = _openvino_layers(float_model, reference, target, feeds)
+        compared = _openvino_layers(float_model, reference, read, feeds)
     else:
-        dataset = as_dataset(list(feeds), model_inputs(float_model))
-        comparison = compare(reference, target, dataset)
+        comparison = compare(reference, target, as_dataset(list(feeds), model_inputs(float_model)))
         # the reference's graph hides what its If nodes read: link through the float graph
         link_inputs(float_model, {s.name: s for s in [*comparison.outputs, *comparison.layers]})
         producers = {o: n.name for n in float_model.graph.node for o in n.output}
@@ -190,77 +193,128 @@ def cross_check(
             (producers.get(s.name, s.node), s)
             for s in sorted(comparison.layers, key=lambda s: s.order)
         ]
-    steps = quantized or {}
+    local = _local(reference, read, shared, steps, feeds[:LOCAL_BATCHES])
     layers = [
-        Layer(
-            node,
-            s.name,
-            s.sqnr_db,
-            s.drop_db,
-            math.sqrt(s.ee / s.count) / steps[s.name] if s.name in steps and s.count else math.nan,
-        )
+        Layer(node, s.name, s.sqnr_db, s.drop_db, local.get(s.name, math.nan))
         for node, s in compared
         if not s.name.startswith(FLAGS)
     ]
-    first = next((layer for layer in layers if _parts(layer, quantized is not None)), None)
+    first = next((x for x in layers if x.steps > PART_STEPS), None)
     return CrossCheck(runtime, outputs, layers, first, notes)
 
 
-def _parts(layer: Layer, only_quantized: bool) -> bool:
-    """A sudden drop that a kernel's rounding cannot explain: more than one int8 step apart."""
-    if layer.drop_db <= PART_DROP_DB:
-        return False
-    if not only_quantized:
-        return True
-    return not math.isnan(layer.steps) and layer.steps > 1.0
+Reader = Any  # (feed, tensor names) -> {name: float values}, with .available
 
 
-def _openvino_runner(model: onnx.ModelProto, extra: Sequence[str]) -> Any:
+def _onnxruntime_reader(target: onnx.ModelProto, tensors: Sequence[str]) -> Reader:
+    """The target's outputs and its (dequantized) values of ``tensors``."""
+    from onnxq.io.session import make_session
+
+    inits = {i.name: numpy_helper.to_array(i) for i in target.graph.initializer}
+    plan = tensor_plan(list(tensors), target, inits)
+    outputs = [o.name for o in target.graph.output]
+    fetch = sorted({v[0] for v in plan.values()} - set(outputs))
+    session = make_session(target, expose=fetch)
+
+    def read(feed: dict[str, np.ndarray], names: Sequence[str]) -> dict[str, np.ndarray]:
+        values = dict(zip(outputs + fetch, session.run(outputs + fetch, feed), strict=True))
+        got = {n: np.asarray(values[n]) for n in names if n in values}
+        got.update(dequantized(plan, inits, values))
+        return got
+
+    read.available = set(plan)  # type: ignore[attr-defined]
+    return read
+
+
+def _openvino_reader(model: onnx.ModelProto, extra: Sequence[str]) -> Reader:
+    """The FakeQuantize model in OpenVINO, with ``extra`` tensors added as outputs."""
     import openvino as ov
 
     core = ov.Core()
     ov_model = core.read_model(model.SerializeToString())
-    added = []
     for name in extra:
         try:
             ov_model.add_outputs([name])
-            added.append(name)
         except Exception:  # a tensor OpenVINO folded away or renamed is not compared
             continue
     compiled = core.compile_model(ov_model, "CPU")
-    by_name = {}
-    for out in compiled.outputs:
-        for n in out.get_names():
-            by_name[n] = out
+    by_name = {n: out for out in compiled.outputs for n in out.get_names()}
 
-    def run(feed: dict[str, np.ndarray], names: Sequence[str]) -> list[np.ndarray]:
+    def read(feed: dict[str, np.ndarray], names: Sequence[str]) -> dict[str, np.ndarray]:
         result = compiled(feed)
-        return [np.asarray(result[by_name[n]]) for n in names]
+        return {n: np.asarray(result[by_name[n]]) for n in names if n in by_name}
 
-    run.available = set(by_name)  # type: ignore[attr-defined]
-    return run
+    read.available = set(by_name)  # type: ignore[attr-defined]
+    return read
+
+
+def _local(
+    reference: onnx.ModelProto,
+    read: Reader,
+    shared: Sequence[str],
+    steps: dict[str, float],
+    feeds: Sequence[dict[str, np.ndarray]],
+) -> dict[str, float]:
+    """Per quantized tensor: RMS steps between target and reference on the same inputs.
+
+    Every tensor the target exposes becomes an input of the reference, fed with the target's
+    values (quantized or not, so that each layer reads what the target's layer read); the node
+    that wrote it writes ``<tensor>/computed`` instead, which is compared where the tensor is
+    on an int8 grid.
+    """
+    from onnxq.io.session import make_session
+
+    forced = [t for t in shared if t in read.available]
+    measured = [t for t in forced if t in steps]
+    if not measured:
+        return {}
+    model = onnx.ModelProto()
+    model.CopyFrom(reference)
+    graph = model.graph
+    wanted = set(forced)
+    for node in graph.node:
+        for j, out in enumerate(node.output):
+            if out in wanted:
+                node.output[j] = f"{out}/computed"
+    keep = [v for v in graph.value_info if v.name not in wanted]
+    del graph.value_info[:]
+    graph.value_info.extend(keep)
+    graph.input.extend(
+        helper.make_tensor_value_info(t, onnx.TensorProto.FLOAT, None) for t in forced
+    )
+    computed = [f"{t}/computed" for t in measured]
+    session = make_session(model, expose=computed)
+    sums = dict.fromkeys(measured, 0.0)
+    counts = dict.fromkeys(measured, 0)
+    for feed in feeds:
+        target = read(feed, forced)
+        inputs = {**feed, **{t: np.asarray(target[t], np.float32) for t in forced}}
+        for t, value in zip(measured, session.run(computed, inputs), strict=True):
+            diff = (np.asarray(value, np.float64) - target[t]) / steps[t]
+            sums[t] += float(np.sum(diff * diff))
+            counts[t] += diff.size
+    return {t: math.sqrt(sums[t] / counts[t]) for t in measured if counts[t]}
 
 
 def _openvino_layers(
     float_model: onnx.ModelProto,
     reference: onnx.ModelProto,
-    target: onnx.ModelProto,
+    read: Reader,
     feeds: Sequence[dict[str, np.ndarray]],
 ) -> list[tuple[str, TensorStats]]:
-    """Per layer for a FakeQuantize model: OpenVINO's tensors against onnxruntime's."""
+    """Drift per layer for a FakeQuantize model: OpenVINO's tensors against onnxruntime's."""
     from onnxq.io.session import make_session
 
     producers = {o: n for n in float_model.graph.node for o in n.output}
     outputs = {o.name for o in float_model.graph.output}
-    tensors = [t for t in producers if t not in outputs]
-    run = _openvino_runner(target, tensors)
-    available = [t for t in tensors if t in run.available]
+    available = [t for t in producers if t not in outputs and t in read.available]
     ref = make_session(reference, expose=available)
     stats = {t: TensorStats(t, False, i) for i, t in enumerate(available)}
     for feed in feeds:
         r = ref.run(available, feed)
-        t = run(feed, available)
-        for name, a, b in zip(available, r, t, strict=True):
+        t = read(feed, available)
+        for name, a in zip(available, r, strict=True):
+            b = t[name]
             if np.issubdtype(np.asarray(a).dtype, np.floating) and np.shape(a) == np.shape(b):
                 stats[name].add(np.asarray(a), np.asarray(b))
     link_inputs(float_model, stats)

@@ -219,12 +219,7 @@ def debug(
     emulation = emulate(state)
     ranking = rank(emulation, feeds, budget)
     check = cross_check(
-        state.quantizer.float_model,
-        emulation.fixed(),
-        int8_model,
-        check_feeds,
-        state.options.target.name,
-        emulation.steps(),
+        emulation, state.quantizer.float_model, int8_model, check_feeds, state.options.target.name
     )
     del state, emulation
     target_name = target or "ort-cpu"
@@ -380,7 +375,7 @@ def _html(
         "Cross-runtime check",
         c.summary().replace("\n", " "),
         html.table(
-            ["node", "tensor", "agreement dB", "drop dB", "RMS int8 steps apart"],
+            ["node", "tensor", "drift: agreement dB", "drift: drop dB", "same inputs: steps RMS"],
             [(x.node, x.tensor, x.agreement_db, x.drop_db, x.steps) for x in c.layers],
         ),
     )
