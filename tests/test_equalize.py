@@ -11,6 +11,7 @@ from onnx import helper as h
 import onnxq
 from onnxq.calibrate.calibration import clamped_by_reader
 from onnxq.errors import ConfigError
+from onnxq.io.openvino import openvino_compile
 from onnxq.options import resolve
 from onnxq.passes.equalize import Equalize
 from onnxq.passes.load import Load
@@ -207,10 +208,9 @@ def test_keep_float_in_a_config_is_exclude_for_equalization_too():
 
 
 def test_the_openvino_form_of_an_equalized_model_runs_there():
-    ov = pytest.importorskip("openvino", reason="needs the OpenVINO runtime: pip install openvino")
+    pytest.importorskip("openvino", reason="needs the OpenVINO runtime: pip install openvino")
     ref, evaluation, [(fq, _), (qdq, _)] = _both("format", ("openvino", "qdq"), equalization="on")
-    core = ov.Core()
-    got = core.compile_model(core.read_model(fq.SerializeToString()), "CPU")(evaluation["x"])[0]
+    got = openvino_compile(fq)(evaluation["x"])[0]
     assert "Min" in [n.op_type for n in fq.graph.node]
     assert abs(_sqnr(ref, got) - _sqnr(ref, run(qdq, evaluation)[0])) < 1.5
     assert _sqnr(ref, got) > 20

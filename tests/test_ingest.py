@@ -12,6 +12,7 @@ from test_patterns import weights
 import onnxq
 from onnxq.cli import main
 from onnxq.errors import ModelError
+from onnxq.io.openvino import openvino_compile
 from onnxq.lower.convert import convert, quantized_form
 
 R = rng(11)
@@ -124,7 +125,7 @@ def _ort_qdq(path, xtr):
 
 @pytest.mark.parametrize("source", ["onnxq-qdq", "onnxq-qoperator", "onnxruntime-qdq"])
 def test_convert_to_fakequantize_runs_in_openvino(source, tmp_path, digits):
-    ov = pytest.importorskip("openvino")
+    pytest.importorskip("openvino")
     xtr, xte, yte = digits
     if source == "onnxruntime-qdq":
         q = _ort_qdq(tmp_path / "ort.onnx", xtr)
@@ -142,8 +143,7 @@ def test_convert_to_fakequantize_runs_in_openvino(source, tmp_path, digits):
         "DequantizeLinear",
         "QLinearConv",
     }
-    core = ov.Core()
-    got = core.compile_model(core.read_model(fq.SerializeToString()), "CPU")(xte)[0]
+    got = openvino_compile(fq)(xte)[0]
     # onnxruntime's quantizer writes 8-bit weights: compare with its exact U8S8 arithmetic
     ref = run(q, {"input": xte}, exact=True)[0]
     # the same integer arithmetic, rounded by another runtime: the same decisions
@@ -176,7 +176,7 @@ def test_convert_to_fakequantize_follows_split_outputs_and_cascaded_maxpools():
     # YOLOv8's shapes: a Split whose second output carries int8 to its reader, and SPPF's
     # MaxPool → MaxPool → MaxPool cascade read at every stage. The converted model must read
     # the right Split output and declare float types past an earlier chain's FakeQuantize.
-    ov = pytest.importorskip("openvino")
+    pytest.importorskip("openvino")
     g = rng(31)
     pool = dict(kernel_shape=[3, 3], pads=[1, 1, 1, 1], strides=[1, 1])
     nodes = [
@@ -197,9 +197,8 @@ def test_convert_to_fakequantize_follows_split_outputs_and_cascaded_maxpools():
     data = {"x": g.normal(0, 1, (16, 3, 8, 8)).astype(np.float32)}
     qdq, report = onnxq.quantize(model, data, format="qdq", method="minmax", progress=False)
     fq, _ = convert(qdq, "openvino")
-    core = ov.Core()
     x = data["x"][:1]
-    got = core.compile_model(core.read_model(fq.SerializeToString()), "CPU")(x)[0]
+    got = openvino_compile(fq)(x)[0]
     ref = run(qdq, {"x": x})[0]
     step = report.values["y_scale"] * 1.001
     assert np.abs(got - ref).max() <= 2 * step

@@ -8,6 +8,7 @@ import pytest
 from helpers import make_model, run
 
 import onnxq
+from onnxq.io.openvino import openvino_compile
 
 H = onnx.helper
 
@@ -89,16 +90,15 @@ def test_qoperator_keeps_them_float_and_says_why(decoder):
 
 
 def test_openvino_islands_agree_with_qdq(decoder):
-    ov = pytest.importorskip("openvino")
+    pytest.importorskip("openvino")
     model, data = decoder
     # 7-bit weights in both: exact in onnxruntime and OpenVINO on any CPU (onnxq.io.hostcheck)
     qdq, report = onnxq.quantize(model, data, format="qdq", weight_bits=7, progress=False)
     fq, _ = onnxq.quantize(model, data, format="openvino", weight_bits=7, progress=False)
     kinds = [n.op_type for n in fq.graph.node]
     assert "ConvTranspose" in kinds and kinds.count("FakeQuantize") >= 8
-    core = ov.Core()
     x = data["x"][:8]
-    got = core.compile_model(core.read_model(fq.SerializeToString()), "CPU")(x)[0]
+    got = openvino_compile(fq)(x)[0]
     ref = run(qdq, {"x": x})[0]
     step = report.values["y_scale"] * 1.001
     diff = np.abs(got - ref)

@@ -10,6 +10,7 @@ from onnx import numpy_helper as nh
 
 import onnxq
 from onnxq.errors import ConfigError
+from onnxq.io.openvino import openvino_compile
 from onnxq.solve.rounding import (
     ConvShape,
     Grid,
@@ -208,11 +209,10 @@ def test_openvino_form_holds_the_same_rounded_weights(cnn_runs):
 
 
 def test_openvino_runs_the_rounded_model_like_onnxruntime(cnn_runs):
-    ov = pytest.importorskip("openvino", reason="needs the OpenVINO runtime: pip install openvino")
+    pytest.importorskip("openvino", reason="needs the OpenVINO runtime: pip install openvino")
     model, _, held_out, out = cnn_runs
-    core = ov.Core()
     fq = out["openvino", "optimized"][0]
-    got = core.compile_model(core.read_model(fq.SerializeToString()), "CPU")(held_out)[0]
+    got = openvino_compile(fq)(held_out)[0]
     ref = run(model, held_out)[0]
     qdq = run(out["qdq", "optimized"][0], held_out)[0]
     # the same grid and weights: OpenVINO and onnxruntime agree far better than int8 and fp32

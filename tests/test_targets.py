@@ -11,6 +11,7 @@ import onnxq
 from onnxq.annotate.targets import Target, get_target, register_target
 from onnxq.cli import main
 from onnxq.errors import ConfigError
+from onnxq.io.openvino import openvino_compile
 
 ds = zoo_datasets()
 CNN = str(DIGITS_CNN)
@@ -60,11 +61,10 @@ def test_generic_is_standard_qdq(digits):
 
 
 def test_openvino_runs_in_openvino(digits):
-    ov = pytest.importorskip("openvino")
+    pytest.importorskip("openvino")
     q, _ = onnxq.quantize(CNN, {"input": digits[0]}, target="openvino", progress=False)
     assert "FakeQuantize" in ops(q)
-    core = ov.Core()
-    out = core.compile_model(core.read_model(q.SerializeToString()), "CPU")(digits[1])[0]
+    out = openvino_compile(q)(digits[1])[0]
     assert (out.argmax(1) == digits[2]).mean() > 0.97
 
 

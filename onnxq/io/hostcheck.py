@@ -55,9 +55,9 @@ def u8s8_saturates() -> bool:
 @functools.cache
 def openvino_saturates() -> bool | None:
     """The same for OpenVINO's CPU plugin on a FakeQuantize model; None without OpenVINO."""
-    try:
-        import openvino as ov
-    except ImportError:
+    from onnxq.io.openvino import available, openvino_compile
+
+    if not available():
         return None
     ranges = {"lo_x": 0.0, "hi_x": 255.0, "lo_w": -127.0, "hi_w": 127.0}
     graph = h.make_graph(
@@ -73,8 +73,7 @@ def openvino_saturates() -> bool | None:
         + [nh.from_array(np.array(v, np.float32), k) for k, v in ranges.items()],
     )
     model = _model(graph, ("org.openvinotoolkit", 1))
-    core = ov.Core()
-    compiled = core.compile_model(core.read_model(model.SerializeToString()), "CPU")
+    compiled = openvino_compile(model)
     got = compiled(np.full((4, _K), 255, np.float32))[0]
     return bool(np.any(np.abs(got - _EXACT) > 0.5))
 

@@ -11,7 +11,9 @@ from typing import Any
 import onnx
 
 from onnxq.errors import ModelError
-from onnxq.io.graph import check_model, serialize
+from onnxq.io.graph import check_model
+from onnxq.io.openvino import available as openvino_available
+from onnxq.io.openvino import openvino_compile
 from onnxq.io.session import make_session
 from onnxq.passes.manager import PassResult, State
 
@@ -33,12 +35,10 @@ def verify(
     check_model(model, "the quantized model")
     if runtime == "onnxruntime":
         return make_session(model, exact=exact)
-    try:
-        import openvino as ov
-    except ImportError:
+    if not openvino_available():
         return None  # checked structurally only; `pip install openvino` to run it
     try:
-        ov.Core().compile_model(ov.Core().read_model(serialize(model)), "CPU")
+        openvino_compile(model)
     except Exception as exc:  # OpenVINO raises RuntimeError and others
         reason = _openvino_reason(exc)
         float_reason = _float_loads_in_openvino(float_model)
@@ -68,10 +68,8 @@ def _float_loads_in_openvino(float_model: onnx.ModelProto | None) -> str:
     """'' when OpenVINO loads ``float_model`` (or none is given), else its reason."""
     if float_model is None:
         return ""
-    import openvino as ov
-
     try:
-        ov.Core().compile_model(ov.Core().read_model(serialize(float_model)), "CPU")
+        openvino_compile(float_model)
     except Exception as exc:  # OpenVINO raises RuntimeError and others
         return _openvino_reason(exc)
     return ""

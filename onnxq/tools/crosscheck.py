@@ -230,6 +230,8 @@ def _openvino_reader(model: onnx.ModelProto, extra: Sequence[str]) -> Reader:
     """The FakeQuantize model in OpenVINO, with ``extra`` tensors added as outputs."""
     import openvino as ov
 
+    from onnxq.io.openvino import openvino_compile
+
     core = ov.Core()
     ov_model = core.read_model(model.SerializeToString())
     for name in extra:
@@ -237,7 +239,7 @@ def _openvino_reader(model: onnx.ModelProto, extra: Sequence[str]) -> Reader:
             ov_model.add_outputs([name])
         except Exception:  # a tensor OpenVINO folded away or renamed is not compared
             continue
-    compiled = core.compile_model(ov_model, "CPU")
+    compiled = openvino_compile(ov_model)
     by_name = {n: out for out in compiled.outputs for n in out.get_names()}
 
     def read(feed: dict[str, np.ndarray], names: Sequence[str]) -> dict[str, np.ndarray]:

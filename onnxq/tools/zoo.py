@@ -37,6 +37,8 @@ import onnx
 from onnxq.api import quantize
 from onnxq.errors import ModelError, OnnxqError
 from onnxq.io.graph import save_model
+from onnxq.io.openvino import available as openvino_available
+from onnxq.io.openvino import openvino_compile
 from onnxq.lower.convert import convert
 from onnxq.lower.fakequantize import OV_DOMAIN
 
@@ -576,15 +578,12 @@ def runner(
 
 def openvino_runner(model: onnx.ModelProto) -> Callable[[dict[str, np.ndarray]], list[np.ndarray]]:
     """``feeds → outputs`` through the OpenVINO runtime (FakeQuantize models)."""
-    try:
-        import openvino as ov
-    except ImportError:
+    if not openvino_available():
         raise ZooError(
             "the model holds OpenVINO FakeQuantize nodes, which only the OpenVINO runtime "
             "runs; pip install openvino"
         ) from None
-    core = ov.Core()
-    compiled = core.compile_model(core.read_model(model.SerializeToString()), "CPU")
+    compiled = openvino_compile(model)
     outputs = list(compiled.outputs)
     return lambda feeds: [
         np.asarray(v) for v in (lambda r: [r[o] for o in outputs])(compiled(feeds))

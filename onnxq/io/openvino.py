@@ -1,0 +1,34 @@
+"""The OpenVINO runtime, compiled one way everywhere (CPU, float parts in f32)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import onnx
+
+from onnxq.io.graph import serialize
+
+#: OpenVINO's CPU plugin runs float parts in bf16 by default where the CPU has bf16 (AVX-512
+#: BF16, AMX); onnxq runs them in f32, as onnxruntime does, so that its checks, the zoo and the
+#: cross-runtime check measure the quantization, not a second precision change
+OPENVINO_CONFIG = {"INFERENCE_PRECISION_HINT": "f32"}
+
+
+def available() -> bool:
+    """Whether the OpenVINO runtime is installed (``pip install openvino``)."""
+    import importlib.util
+
+    return importlib.util.find_spec("openvino") is not None
+
+
+def openvino_compile(model: Any) -> Any:
+    """``model`` (an onnx.ModelProto or an openvino.Model) compiled for the CPU.
+
+    Float parts in f32 (:data:`OPENVINO_CONFIG`).
+    """
+    import openvino as ov
+
+    core = ov.Core()
+    if isinstance(model, onnx.ModelProto):
+        model = core.read_model(serialize(model))
+    return core.compile_model(model, "CPU", OPENVINO_CONFIG)
