@@ -165,8 +165,8 @@ def emulate(state: Any) -> Emulation:
             gates[k] = f"{index}/on"
         return gates[k]
 
-    def constant(name: str, value: np.ndarray) -> str:
-        new_inits.append(numpy_helper.from_array(np.asarray(value, np.float32), name))
+    def constant(name: str, value: np.ndarray, dtype: Any = np.float32) -> str:
+        new_inits.append(numpy_helper.from_array(np.asarray(value, dtype), name))
         return name
 
     # weights: FakeQuantize of a constant -> (switch, rounded and quantized, float)
@@ -177,27 +177,18 @@ def emulate(state: Any) -> Emulation:
     # the grid step of every FakeQuantize output (activations per tensor, weights per channel)
     steps: dict[str, np.ndarray] = {}
     for node in graph.node:
-        if node.op_type == "FakeQuantize" and node.domain == OV_DOMAIN:
-            levels = next(a.i for a in node.attribute if a.name == "levels")
-            steps[node.output[0]] = _step(
-                numpy_helper.to_array(inits[node.input[1]]),
-                numpy_helper.to_array(inits[node.input[2]]),
-                levels,
-            )
-    for node in graph.node:
         if node.op_type != "FakeQuantize" or node.domain != OV_DOMAIN:
             continue
-        fq_inputs.add(node.input[0])
-        x = node.input[0]
-        if x not in inits:
-            continue
+        x, y = node.input[0], node.output[0]
+        fq_inputs.add(x)
         levels = next(a.i for a in node.attribute if a.name == "levels")
         lo = numpy_helper.to_array(inits[node.input[1]])
         hi = numpy_helper.to_array(inits[node.input[2]])
+        steps[y] = _step(lo, hi, levels)
+        if x not in inits:
+            continue
         rounded = numpy_helper.to_array(inits[x])
         float_w = numpy_helper.to_array(originals[x]) if x in originals else rounded
-        y = node.output[0]
-        steps[y] = _step(lo, hi, levels)
         k = switch(x, "weight", readers.get(x, []))
         weights[y] = (
             k,
@@ -217,9 +208,7 @@ def emulate(state: Any) -> Emulation:
     for node in graph.node:
         if node.op_type == "FakeQuantize" and node.domain == OV_DOMAIN:
             if node.output[0] not in weights:
-                zp = _activation(node, inits, switch, gate, constant, nodes, produced_by, readers)
-                if zp is not None:
-                    new_inits.append(zp)
+                _activation(node, inits, switch, gate, constant, nodes, produced_by, readers)
             continue
         weighted = [weights[i] for i in node.input if i in weights]
         if weighted:  # the op on quantized or on float constants, chosen by an If
@@ -235,7 +224,7 @@ def emulate(state: Any) -> Emulation:
                     elif inp in replaced:
                         copy.input[j] = replaced[inp][which - 1]
                 if which == 1:  # the bias on its int32 grid, as QDQ and integer kernels hold it
-                    _int32_bias(copy, node, steps, inits, replaced, constant)
+                    _int32_bias(copy, node, steps, inits, constant)
                 outs = [f"{o}/{tag}" for o in node.output]
                 del copy.output[:]
                 copy.output.extend(outs)
@@ -269,31 +258,21 @@ def _int32_bias(
     node: onnx.NodeProto,
     steps: dict[str, np.ndarray],
     inits: dict[str, onnx.TensorProto],
-    replaced: dict[str, tuple[str, str]],
     constant: Any,
 ) -> None:
-    """Round a Conv/Gemm bias to the step s_x·s_w of the int32 bias that runtimes use."""
+    """Round a Conv/Gemm bias (corrected, if it was) to the step s_x·s_w of the int32 bias."""
     if node.op_type not in ("Conv", "ConvTranspose", "Gemm") or len(node.input) < 3:
         return
     x, w, b = node.input[0], node.input[1], node.input[2]
-    if x not in steps or w not in steps or steps[x].size != 1:
+    if x not in steps or w not in steps or steps[x].size != 1 or b not in inits:
         return
-    if b in replaced:
-        value = numpy_helper.to_array(next(i for i in _all_inits(inits) if i.name == b))
-    elif b in inits:
-        value = numpy_helper.to_array(inits[b])
-    else:
-        return
+    value = numpy_helper.to_array(inits[b])
     step = (steps[x].reshape(()) * steps[w].reshape(-1)).astype(np.float64)
     if step.size not in (1, value.size):
         return
     value = np.asarray(value, np.float64).reshape(-1)
     rounded = np.round(value / step) * step
     copy.input[2] = constant(f"{node.name}/bias/int32", rounded.reshape(-1).astype(np.float32))
-
-
-def _all_inits(inits: dict[str, onnx.TensorProto]) -> list[onnx.TensorProto]:
-    return list(inits.values())
 
 
 def _read(nodes: list[onnx.NodeProto]) -> set[str]:
@@ -333,8 +312,8 @@ def _activation(
     nodes: list[onnx.NodeProto],
     produced_by: dict[str, int],
     readers: dict[str, list[int]],
-) -> onnx.TensorProto | None:
-    """An activation's FakeQuantize as ONNX ops behind a Where (the zero point it adds)."""
+) -> None:
+    """An activation's FakeQuantize as ONNX ops behind its switch."""
     x, lo, hi = node.input[0], node.input[1], node.input[2]
     levels = next(a.i for a in node.attribute if a.name == "levels")
     tensor = node.name[: -len("/FakeQuantize")]
@@ -351,8 +330,7 @@ def _activation(
     if levels == 256 and lo_v.size == 1 and 0 <= float(zero.reshape(())) <= 255:
         # an 8-bit grid is uint8 with zero point −lo/s, whatever the dtype that wrote it
         sc = constant(f"{p}/scale", step_v.reshape(()))
-        zp = f"{p}/zero_point"
-        new_zp = numpy_helper.from_array(np.asarray(zero, np.uint8).reshape(()), zp)
+        zp = constant(f"{p}/zero_point", zero.reshape(()), np.uint8)
         on = [
             helper.make_node("QuantizeLinear", [x, sc, zp], [f"{p}/q"], f"{p}/Q"),
             helper.make_node("DequantizeLinear", [f"{p}/q", sc, zp], [p], f"{p}/DQ"),
@@ -361,16 +339,15 @@ def _activation(
         nodes.append(
             _if(flag, [y], _branch(f"{p}/on", on, [p]), _branch(f"{p}/off", off, [f"{p}/id"]), p)
         )
-        return new_zp
-    step = constant(f"{p}/step", step_v)
+        return
+    step_name = constant(f"{p}/step", step_v)
     nodes += [
         helper.make_node("Max", [x, lo], [f"{p}/max"], f"{p}/Max"),
         helper.make_node("Min", [f"{p}/max", hi], [f"{p}/clip"], f"{p}/Min"),
         helper.make_node("Sub", [f"{p}/clip", lo], [f"{p}/shift"], f"{p}/Sub"),
-        helper.make_node("Div", [f"{p}/shift", step], [f"{p}/steps"], f"{p}/Div"),
+        helper.make_node("Div", [f"{p}/shift", step_name], [f"{p}/steps"], f"{p}/Div"),
         helper.make_node("Round", [f"{p}/steps"], [f"{p}/q"], f"{p}/Round"),
-        helper.make_node("Mul", [f"{p}/q", step], [f"{p}/scaled"], f"{p}/Mul"),
+        helper.make_node("Mul", [f"{p}/q", step_name], [f"{p}/scaled"], f"{p}/Mul"),
         helper.make_node("Add", [f"{p}/scaled", lo], [p], f"{p}/Add"),
         helper.make_node("Where", [flag, p, x], [y], f"{y}/Where"),
     ]
-    return None

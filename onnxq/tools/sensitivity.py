@@ -33,6 +33,7 @@ from typing import Any
 
 import numpy as np
 
+from onnxq.calibrate.dataset import feed_samples
 from onnxq.io.session import make_session
 from onnxq.tools.emulate import FLAGS, Emulation
 
@@ -169,19 +170,16 @@ def rebatch(
     feeds = [dict(f) for f in feeds]
     if not free or len(feeds) < 2 or any(set(f) != set(feeds[0]) for f in feeds):
         return feeds
-    out: list[dict[str, np.ndarray]] = []
-    chunk: list[dict[str, np.ndarray]] = []
+    chunks: list[list[dict[str, np.ndarray]]] = []
     count = 0
     for f in feeds:
-        n = int(next(iter(f.values())).shape[0]) if f else 0
-        if chunk and count + n > size:
-            out.append({k: np.concatenate([c[k] for c in chunk]) for k in chunk[0]})
-            chunk, count = [], 0
-        chunk.append(f)
+        n = feed_samples(f)
+        if not chunks or count + n > size:
+            chunks.append([])
+            count = 0
+        chunks[-1].append(f)
         count += n
-    if chunk:
-        out.append({k: np.concatenate([c[k] for c in chunk]) for k in chunk[0]})
-    return out
+    return [{k: np.concatenate([c[k] for c in chunk]) for k in chunk[0]} for chunk in chunks]
 
 
 def rank(
@@ -284,7 +282,7 @@ def rank(
 
 
 def _count(batches: Sequence[dict[str, np.ndarray]]) -> int:
-    return sum(int(next(iter(f.values())).shape[0]) for f in batches if f)
+    return sum(feed_samples(f) for f in batches)
 
 
 def _free_batch(model: Any) -> bool:
@@ -304,7 +302,7 @@ def _take(
     out: list[dict[str, np.ndarray]] = []
     left = samples
     for f in batches:
-        n = _count([f])
+        n = feed_samples(f)
         if left <= 0:
             break
         if n > left and free:
