@@ -88,6 +88,42 @@ def test_the_layer_search_runs_on_one_sample_where_the_batch_is_free():
     assert checks._first_sample({"x": x}, fixed)["x"].shape == (8, 3, 4, 4)
 
 
+def test_a_leading_axis_that_is_no_batch_is_not_cut():
+    """silero-vad's If branch reads an audio chunk [1, 512] and an LSTM state [2, 1, 128],
+    every dimension free: cutting both to one row fed the branch a [1, 1, 128] state and its
+    Gather failed, so the branch stayed float (the zoo bar of 8 int8 nodes failed)."""
+    from onnxq.calibrate.dataset import InputSpec, feed_samples
+    from onnxq.tools.sensitivity import rebatch
+
+    feed = {"input": np.zeros((1, 512), np.float32), "state": np.zeros((2, 1, 128), np.float32)}
+    specs = [
+        InputSpec("input", np.dtype(np.float32), (None, None)),
+        InputSpec("state", np.dtype(np.float32), (None, None, None)),
+    ]
+    assert feed_samples(feed) == 1
+    assert feed_samples({"x": np.zeros((4, 2)), "y": np.zeros((4,))}) == 4
+    cut = checks._first_sample(feed, specs)
+    assert {k: v.shape for k, v in cut.items()} == {"input": (1, 512), "state": (2, 1, 128)}
+    from onnx import TensorProto, helper
+
+    graph = helper.make_graph(
+        [helper.make_node("Identity", [n], [f"{n}_out"]) for n in ("input", "state")],
+        "g",
+        [
+            helper.make_tensor_value_info("input", TensorProto.FLOAT, ["a", "b"]),
+            helper.make_tensor_value_info("state", TensorProto.FLOAT, ["c", "d", "e"]),
+        ],
+        [
+            helper.make_tensor_value_info(f"{n}_out", TensorProto.FLOAT, None)
+            for n in ("input", "state")
+        ],
+    )
+    merged = rebatch(helper.make_model(graph), [feed, dict(feed)], size=16)
+    assert [{k: v.shape for k, v in f.items()} for f in merged] == [
+        {"input": (1, 512), "state": (2, 1, 128)}
+    ] * 2
+
+
 def test_a_tensorrt_model_is_checked_without_this_cpus_clipping():
     """TensorRT's integer math does not clip: the check must not report onnxruntime's U8S8
     clipping on a CPU without VNNI as the model's error (it did: 7.2 dB on the digits CNN)."""

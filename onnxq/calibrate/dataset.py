@@ -256,9 +256,23 @@ def with_inputs(exc: DataError, inputs: list[InputSpec] | None) -> DataError:
 
 
 def feed_samples(feed: Mapping[str, np.ndarray]) -> int:
-    """Samples in a feed: the leading dimension of its first array (1 for scalars)."""
-    first = next(iter(feed.values()), None)
-    return int(first.shape[0]) if first is not None and first.ndim else 1
+    """Samples in a feed: the leading dimension its arrays share.
+
+    1 for scalars, or when the arrays' leading dimensions differ (that axis is no batch then).
+    """
+    if not feed or not shared_batch(feed):
+        return 1
+    return int(np.shape(next(iter(feed.values())))[0])
+
+
+def shared_batch(feed: Mapping[str, np.ndarray]) -> bool:
+    """Whether every array of ``feed`` has the same leading dimension, so it can be cut there.
+
+    A free leading dimension is not always a batch: silero-vad's LSTM state is [2, 1, 128]
+    beside an audio chunk of [1, 512], and cutting both to one row breaks the model.
+    """
+    sizes = {np.shape(v)[0] if np.ndim(v) else None for v in feed.values()}
+    return len(sizes) == 1 and None not in sizes
 
 
 def _conform(

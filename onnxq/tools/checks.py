@@ -19,7 +19,7 @@ import numpy as np
 import onnx
 
 from onnxq.calibrate.calibration import run_checked
-from onnxq.calibrate.dataset import Feed, IterableDataset, model_inputs
+from onnxq.calibrate.dataset import Feed, IterableDataset, model_inputs, shared_batch
 from onnxq.io.session import make_session
 from onnxq.tools.compare import TensorStats, compare
 
@@ -103,7 +103,7 @@ def _first_sample(feed: Feed, specs: Sequence[Any]) -> Feed:
     of 8 lines was 1.3 GB of outputs (the suite's peak memory); one line is an eighth of it.
     """
     shapes = {s.name: s.shape for s in specs}
-    if any(not shapes.get(n) or shapes[n][0] is not None for n in feed):
+    if any(not shapes.get(n) or shapes[n][0] is not None for n in feed) or not shared_batch(feed):
         return feed
     return {n: np.asarray(v)[:1] for n, v in feed.items()}
 

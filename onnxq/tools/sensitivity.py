@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from onnxq.calibrate.dataset import feed_samples
+from onnxq.calibrate.dataset import feed_samples, shared_batch
 from onnxq.io.session import make_session
 from onnxq.tools.emulate import FLAGS, Emulation
 
@@ -169,6 +169,8 @@ def rebatch(
     free = _free_batch(model)
     feeds = [dict(f) for f in feeds]
     if not free or len(feeds) < 2 or any(set(f) != set(feeds[0]) for f in feeds):
+        return feeds
+    if not all(shared_batch(f) for f in feeds):  # a leading axis that is no batch (LSTM state)
         return feeds
     chunks: list[list[dict[str, np.ndarray]]] = []
     count = 0
