@@ -273,11 +273,12 @@ def test_cli_takes_the_flag(tmp_path):
 
 
 def test_hessian_rows_are_bounded_and_spread_over_the_batches():
-    from onnxq.solve.rounding import MAC_BUDGET, ROWS_PER_INPUT_TOTAL
+    from onnxq.solve.rounding import total_rows
 
     big = 2048  # a 2048-input dense layer: the budget allows few rows per batch
     obs = HessianObserver(None, groups=1, inputs=big, batches=40)
-    assert obs.total == max(2 * big, min(MAC_BUDGET // big**2, ROWS_PER_INPUT_TOTAL * big))
+    # every batch gives the same share (the total rounded up to a multiple of the batches)
+    assert obs.per_batch == -(-total_rows(1, big) // 40) and obs.total == obs.per_batch * 40
     x = rng(9).normal(0, 1, (16, 64, big)).astype(np.float32)  # 1024 rows a batch
     for _ in range(40):
         obs.observe(x)

@@ -29,6 +29,8 @@ from typing import Any
 
 import numpy as np
 
+from onnxq.solve.sums import PairSum
+
 #: dampening added to H's diagonal, as a fraction of its mean (keeps H⁻¹ well conditioned)
 DAMPING = 0.01
 #: columns rounded between two updates of the remaining columns
@@ -142,8 +144,9 @@ class ConvShape:
 
 #: multiply-adds one layer's Hessian may cost (G·K² per row), and rows per weight input: they
 #: bound the rows it takes in all
-MAC_BUDGET = 1 << 34
-ROWS_PER_INPUT_TOTAL = 16384
+MAC_BUDGET = 1 << 32
+ROWS_PER_INPUT_TOTAL = 256
+ROWS_PER_INPUT_GROUPED = 32
 #: rows one batch gives a Hessian when the number of batches is unknown: ROWS_PER_INPUT per
 #: weight input, within [MIN_ROWS, MAX_ROWS] (a strided sample of the output positions past it)
 ROWS_PER_INPUT = 16
@@ -165,7 +168,8 @@ def total_rows(groups: int, k: int) -> int:
     The multiply-add budget, at most :data:`ROWS_PER_INPUT_TOTAL` per input (a depthwise 9 × 9
     Hessian is settled long before), at least 2k.
     """
-    return int(max(2 * k, min(MAC_BUDGET // max(groups * k * k, 1), ROWS_PER_INPUT_TOTAL * k)))
+    per_input = ROWS_PER_INPUT_GROUPED if groups > 1 else ROWS_PER_INPUT_TOTAL
+    return int(max(2 * k, min(MAC_BUDGET // max(groups * k * k, 1), per_input * k)))
 
 
 def conv_patches(x: np.ndarray, conv: ConvShape, cap: int) -> np.ndarray:
@@ -177,24 +181,65 @@ def conv_patches(x: np.ndarray, conv: ConvShape, cap: int) -> np.ndarray:
     n, c = x.shape[:2]
     spatial = len(conv.kernel)
     begin, end = conv.pads[:spatial], conv.pads[spatial:]
-    x = np.pad(x, [(0, 0), (0, 0), *zip(begin, end, strict=True)])
     extent = tuple((k - 1) * d + 1 for k, d in zip(conv.kernel, conv.dilations, strict=True))
+    out_shape = tuple(
+        max(0, (x.shape[2 + i] + begin[i] + end[i] - extent[i]) // conv.strides[i] + 1)
+        for i in range(spatial)
+    )
+    positions = int(np.prod(out_shape))
+    step, every = 1, 1
+    if n * positions > cap:  # a regular grid of positions, then of samples
+        step = int(np.ceil((n * positions / cap) ** (1 / spatial)))
+        kept = int(np.prod([-(-o // step) for o in out_shape]))
+        every = max(1, -(-n * kept // cap))
+    # the samples are chosen before padding: padding the whole batch copied all of it (a
+    # depthwise layer's 16 × 144 × 120 × 120 input for 36 positions of each sample)
+    x = x[::every]
+    read = np.prod([k * -(-o // step) for k, o in zip(conv.kernel, out_shape, strict=True)])
+    if step > 1 and read * 2 < np.prod(x.shape[2:]):  # the grid reads under half the input
+        return _sparse_patches(x, conv, out_shape, step)
+    if any(begin) or any(end):
+        x = np.pad(x, [(0, 0), (0, 0), *zip(begin, end, strict=True)])
     axes = tuple(range(2, 2 + spatial))
     win = np.lib.stride_tricks.sliding_window_view(x, extent, axis=axes)
     win = win[(slice(None), slice(None), *(slice(None, None, s) for s in conv.strides))]
     dilated: tuple[Any, ...] = (Ellipsis, *(slice(None, None, d) for d in conv.dilations))
     win = win[dilated]
-    out_shape = win.shape[2 : 2 + spatial]
-    positions = int(np.prod(out_shape))
-    if n * positions > cap:  # a regular grid of positions, then of samples
-        step = int(np.ceil((n * positions / cap) ** (1 / spatial)))
+    if step > 1:
         win = win[(slice(None), slice(None), *(slice(None, None, step),) * spatial)]
-        kept = int(np.prod(win.shape[2 : 2 + spatial]))
-        win = win[:: max(1, -(-n * kept // cap))]
     order = (1, *range(2 + spatial, 2 + 2 * spatial), 0, *range(2, 2 + spatial))
     patches = win.transpose(order)  # (C, *kernel, N, *out): positions innermost, as stored
     k = c // conv.group * int(np.prod(conv.kernel))
     return patches.reshape(conv.group, k, -1)
+
+
+def _sparse_patches(
+    x: np.ndarray, conv: ConvShape, out_shape: tuple[int, ...], step: int
+) -> np.ndarray:
+    """:func:`conv_patches` on a grid of every ``step``-th output position, without padding.
+
+    Along each spatial axis only the input positions the kept windows read are gathered
+    (``kernel × kept`` of them, padding as zeros), so a sparse grid over a large input copies a
+    fraction of it; the patches are the same values in the same order.
+    """
+    n, c = x.shape[:2]
+    spatial = len(conv.kernel)
+    for i in range(spatial):
+        axis = 2 + 2 * i
+        starts = np.arange(0, out_shape[i], step) * conv.strides[i] - conv.pads[i]
+        idx = (np.arange(conv.kernel[i]) * conv.dilations[i])[:, None] + starts[None, :]
+        size = x.shape[axis]
+        x = np.take(x, np.clip(idx, 0, size - 1).ravel(), axis=axis)
+        x = x.reshape(*x.shape[:axis], *idx.shape, *x.shape[axis + 1 :])
+        outside = (idx < 0) | (idx >= size)
+        if outside.any():
+            shape = [1] * x.ndim
+            shape[axis], shape[axis + 1] = idx.shape
+            x = np.where(outside.reshape(shape), np.float32(0), x)
+    # (N, C, k1, o1, k2, o2, ..) -> (C, k1, k2, .., N, o1, o2, ..), as conv_patches orders them
+    order = (1, *range(2, 2 + 2 * spatial, 2), 0, *range(3, 3 + 2 * spatial, 2))
+    k = c // conv.group * int(np.prod(conv.kernel))
+    return x.transpose(order).reshape(conv.group, k, -1)
 
 
 def dense_patches(x: np.ndarray, cap: int) -> np.ndarray:
@@ -207,70 +252,79 @@ class HessianObserver:
     """Accumulates ``H = E[x xᵀ]`` per group from a layer's input batches.
 
     ``groups`` × ``inputs``: the Hessian's shape (G, K); ``batches``: how many batches the data
-    has, when known. The layer takes :func:`total_rows` rows in all, spread evenly over the
-    batches (else :func:`row_cap` per batch until the total is reached). Batches are buffered
-    (a convolution's raw input, a dense layer's sampled rows) up to :data:`FLUSH_BYTES` or
-    :data:`FLUSH_ROWS` rows; each flush builds the patches once and adds one float32 product
-    per group (relative error ~1e-7) to a float64 sum, so many small batches cost few calls.
+    has, when known. The layer takes about :func:`total_rows` rows in all, spread evenly over
+    the batches (else :func:`row_cap` per batch from the first batches). Each batch gives its
+    rows from itself alone (a regular grid of its positions); rows are buffered within a block
+    of batches up to :data:`FLUSH_BYTES` or :data:`FLUSH_ROWS` and added as one float64 product
+    per group (products of float32 values are exact in float64) to an order-independent sum
+    (:class:`~onnxq.solve.sums.PairSum`): calibration split over workers by blocks gives the
+    same Hessian as one process.
     """
 
     def __init__(
         self, conv: ConvShape | None, groups: int, inputs: int, batches: int | None = None
     ):
         self.conv = conv
-        self.total = total_rows(groups, inputs)
-        per_batch = row_cap(inputs) if not batches else -(-self.total // batches)
+        total = total_rows(groups, inputs)
+        per_batch = row_cap(inputs) if not batches else -(-total // batches)
         self.per_batch = int(min(MAX_ROWS, max(1, per_batch)))
-        self.sum: np.ndarray | None = None
+        #: the batches that give rows: the first ones, each its share (by index, so a batch
+        #: gives the same rows whichever process sees it)
+        self.batches_used = -(-total // self.per_batch)
+        self.total = self.per_batch * self.batches_used
+        self.sum = PairSum()
         self.rows = 0
         self._pending: list[np.ndarray] = []
-        self._pending_rows = 0  # rows the buffered batches give (at most their caps)
+        self._pending_rows = 0
         self._pending_bytes = 0
+        self._seen = 0
+        self._block: int | None = None
 
-    def observe(self, x: np.ndarray) -> None:
-        """Add one batch of the layer's input (nothing once the layer has its rows)."""
-        cap = min(self.per_batch, self.total - self.rows - self._pending_rows)
-        if cap <= 0:
+    def observe(self, x: np.ndarray, index: int | None = None, block: int | None = None) -> None:
+        """Add batch ``index`` of the layer's input (by default the next one).
+
+        ``block``: the block of consecutive batches it belongs to (default: its own). Rows are
+        buffered within a block only, so the sums are the same when blocks go to different
+        processes (onnxq.calibrate.shards).
+        """
+        if index is None:
+            index = self._seen
+        self._seen = index + 1
+        block = index if block is None else block
+        if block != self._block:
+            self._flush()
+            self._block = block
+        if index >= self.batches_used:
             return
         x = np.asarray(x, np.float32)
         if self.conv is None:
-            part = dense_patches(x, cap)
-            rows = part.shape[2]
+            cols = dense_patches(x, self.per_batch)
         else:
-            if self._pending and self._pending[0].shape[1:] != x.shape[1:]:
-                self._flush()  # another spatial size: its patches are built apart
-            part, rows = x, min(cap, x.shape[0] * self._positions(x.shape))
-        self._pending.append(part)
-        self._pending_rows += rows
-        self._pending_bytes += part.nbytes
+            cols = conv_patches(x, self.conv, self.per_batch)
+        if not cols.shape[2]:
+            return
+        self._pending.append(cols)
+        self._pending_rows += cols.shape[2]
+        self._pending_bytes += cols.nbytes
         if self._pending_rows >= FLUSH_ROWS or self._pending_bytes >= FLUSH_BYTES:
             self._flush()
-
-    def _positions(self, shape: tuple[int, ...]) -> int:
-        """Output positions per sample of a Conv over an input of ``shape``."""
-        conv = self.conv
-        assert conv is not None
-        spatial = len(conv.kernel)
-        out = 1
-        for i in range(spatial):
-            extent = (conv.kernel[i] - 1) * conv.dilations[i] + 1
-            size = shape[2 + i] + conv.pads[i] + conv.pads[spatial + i]
-            out *= max(0, (size - extent) // conv.strides[i] + 1)
-        return out
 
     def _flush(self) -> None:
         if not self._pending:
             return
-        if self.conv is None:
-            cols = np.concatenate(self._pending, axis=2)  # (1, K, n)
-        else:
-            cols = conv_patches(np.concatenate(self._pending), self.conv, self._pending_rows)
-        part = np.matmul(cols, np.swapaxes(cols, 1, 2)).astype(np.float64)
-        self.sum = part if self.sum is None else self.sum + part
+        cols = np.concatenate(self._pending, axis=2).astype(np.float64)
+        self.sum.add(np.matmul(cols, np.swapaxes(cols, 1, 2)))
         self.rows += cols.shape[2]
         self._pending, self._pending_rows, self._pending_bytes = [], 0, 0
+
+    def merge(self, other: HessianObserver) -> None:
+        """Fold in another shard's rows."""
+        self._flush()
+        other._flush()
+        self.sum.merge(other.sum)
+        self.rows += other.rows
 
     def hessian(self) -> np.ndarray | None:
         """The mean ``x xᵀ`` per group, or None before any batch."""
         self._flush()
-        return None if self.sum is None else self.sum / max(self.rows, 1)
+        return None if self.sum.empty else self.sum.value() / max(self.rows, 1)

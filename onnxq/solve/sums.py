@@ -1,0 +1,51 @@
+"""Sums whose value does not depend on the order of their terms (in practice).
+
+Calibration statistics are sums over batches: per-channel input sums (bias correction) and
+``x xᵀ`` (optimized rounding's Hessians). When the batches are split over processes the terms
+arrive in another order, and a plain float64 sum changes in its last bits, which can move a
+rounding decision. :class:`PairSum` carries each sum as ``hi + lo`` (Knuth's TwoSum keeps the
+rounding error of every addition in ``lo``): about 106 bits, so the float64 it returns is the
+same for any order of the terms unless the exact sum lies within ~2⁻¹⁰⁰ of a rounding boundary.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+class PairSum:
+    """A float64 array sum kept as ``hi + lo`` (see the module doc)."""
+
+    def __init__(self) -> None:
+        self.hi: np.ndarray | None = None
+        self.lo: np.ndarray | None = None
+
+    def add(self, term: np.ndarray) -> None:
+        """Add ``term`` (any shape the sum has; the first term sets it)."""
+        term = np.asarray(term, np.float64)
+        if self.hi is None or self.lo is None:
+            self.hi, self.lo = term.copy(), np.zeros_like(term)
+            return
+        total = self.hi + term
+        virtual = total - self.hi
+        self.lo += (self.hi - (total - virtual)) + (term - virtual)
+        self.hi = total
+
+    def merge(self, other: PairSum) -> None:
+        """Add another sum (a shard's) to this one."""
+        if other.hi is None or other.lo is None:
+            return
+        self.add(other.hi)
+        assert self.lo is not None
+        self.lo += other.lo
+
+    @property
+    def empty(self) -> bool:
+        """No term added yet."""
+        return self.hi is None
+
+    def value(self) -> np.ndarray:
+        """The sum, rounded once to float64."""
+        if self.hi is None or self.lo is None:
+            raise ValueError("an empty PairSum has no value")
+        return self.hi + self.lo
