@@ -1,9 +1,12 @@
 """Streaming histogram calibration: Percentile, Entropy (KL) and MSE.
 
 One :class:`Histogram` per tensor holds ``bins`` counts over ``[-R, R]`` plus the exact minimum
-and maximum. ``R`` starts at the first batch's largest magnitude and doubles when a later batch
-exceeds it; doubling merges adjacent bins pairwise, which is exact, so the histogram never needs
-the data again. Memory is ``bins × 8`` bytes per tensor whatever the number of samples.
+and maximum. ``R`` is a power of two, the smallest above the first batch's largest magnitude,
+and doubles when a later batch reaches it; doubling merges adjacent bins pairwise, which is
+exact (the bin width is a power of two, so a value's bin index halves exactly), so the histogram
+never needs the data again and is the same for any order of the batches: shards of the data
+(``--workers``) merge into the histogram of one pass. Memory is ``bins × 8`` bytes per tensor
+whatever the number of samples.
 """
 
 from __future__ import annotations
@@ -11,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 
 from onnxq.calibrate.callbacks import ObserverCallback
-from onnxq.errors import ConfigError
+from onnxq.errors import CalibrationError, ConfigError
 from onnxq.solve.qparams import params_from_range, qrange
 
 DEFAULT_BINS = 2048
@@ -24,6 +27,21 @@ def _scratch() -> tuple[np.ndarray, np.ndarray]:
     if not _SCRATCH:
         _SCRATCH.extend([np.empty(_CHUNK, np.float64), np.empty(_CHUNK, np.int64)])
     return _SCRATCH[0], _SCRATCH[1]
+
+
+def power_above(value: float) -> float:
+    """The smallest power of two strictly above ``value`` (> 0)."""
+    mantissa, exponent = np.frexp(value)  # value = mantissa · 2**exponent, mantissa in [0.5, 1)
+    return float(np.ldexp(1.0, int(exponent))) if mantissa > 0 else 0.0
+
+
+def _doubled(counts: np.ndarray) -> np.ndarray:
+    """``counts`` on a grid twice as wide: adjacent bins added pairwise, centred (exact)."""
+    bins = counts.size
+    out = np.zeros(bins, np.int64)
+    q = bins // 4
+    out[q : q + bins // 2] = counts.reshape(-1, 2).sum(axis=1)
+    return out
 
 
 class Histogram:
@@ -66,10 +84,10 @@ class Histogram:
                 self.zeros += x.size
                 return
         elif self.half_range == 0.0:
-            self.half_range = need
+            self.half_range = power_above(need)
             self.counts[self.bins // 2] += self.zeros
             self.zeros = 0
-        while need > self.half_range:
+        while need >= self.half_range:
             self._double()
         k = self.bins / (2 * self.half_range)
         counts = np.zeros(self.bins + 1, np.int64)
@@ -114,11 +132,49 @@ class Histogram:
         return other
 
     def _double(self) -> None:
-        merged = self.counts.reshape(-1, 2).sum(axis=1)
-        self.counts = np.zeros(self.bins, np.int64)
-        q = self.bins // 4
-        self.counts[q : q + self.bins // 2] = merged
+        self.counts = _doubled(self.counts)
         self.half_range *= 2.0
+
+    def merge(self, other: Histogram) -> None:
+        """Fold in another shard's histogram of the same number of bins (exact).
+
+        Both ranges are powers of two: the narrower is doubled to the wider and the counts
+        added, which gives the histogram one pass over both shards' values would have.
+        """
+        if other.bins != self.bins:
+            raise CalibrationError(
+                f"cannot merge a histogram of {other.bins} bins into one of {self.bins}"
+            )
+        self._cache.clear()
+        self.exact_zeros += other.exact_zeros
+        self.min, self.max = min(self.min, other.min), max(self.max, other.max)
+        if other.half_range == 0.0:
+            self._add_unplaced(other.zeros)
+            return
+        theirs, r = other.counts.copy(), other.half_range
+        theirs[self.bins // 2] += other.zeros
+        if self.half_range == 0.0:
+            zeros, self.zeros = self.zeros, 0
+            self.counts, self.half_range = theirs, r
+            self.counts[self.bins // 2] += zeros
+            return
+        while r < self.half_range:
+            theirs, r = _doubled(theirs), r * 2.0
+        while self.half_range < r:
+            self._double()
+        if r != self.half_range:
+            raise CalibrationError(
+                f"cannot merge histograms over ±{r} and ±{self.half_range}: their ranges "
+                "must be powers of two (histograms of this version of onnxq)"
+            )
+        self.counts = self.counts + theirs
+
+    def _add_unplaced(self, zeros: int) -> None:
+        """Values of exactly 0 seen by a shard whose range was still 0."""
+        if self.half_range == 0.0:
+            self.zeros += zeros
+        else:
+            self.counts[self.bins // 2] += zeros
 
     @property
     def total(self) -> int:

@@ -20,6 +20,11 @@ class MinMaxObserver:
             self.rmin = min(self.rmin, float(np.min(x)))
             self.rmax = max(self.rmax, float(np.max(x)))
 
+    def merge(self, other: MinMaxObserver) -> None:
+        """Fold in another shard's extrema (exact: the same as one pass over both)."""
+        self.rmin = min(self.rmin, other.rmin)
+        self.rmax = max(self.rmax, other.rmax)
+
     def compute(self, dtype: str = "uint8", symmetric: bool = False) -> tuple[float, float]:
         """The extrema seen (0, 0 when nothing was observed)."""
         if self.rmin > self.rmax:

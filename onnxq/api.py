@@ -41,6 +41,7 @@ def quantize(
     callback: CalibrationCallback | None = None,
     batch_size: int | None = None,
     samples: int | None = None,
+    workers: int = 1,
     percentile: float = 99.999,
     bins: int = 2048,
     preprocess: str | None = None,
@@ -69,7 +70,9 @@ def quantize(
     of arrays (samples on axis 0), an iterable of feed dicts, an onnxruntime
     CalibrationDataReader, or ``"module:function"``. ``method`` names a calibrator (``minmax``,
     ``average-max``, ``percentile``, ``entropy``, ``mse``, ``output-aware``) unless ``callback``
-    is given. ``samples`` caps the calibration samples. ``save_ranges`` writes the chosen
+    is given. ``samples`` caps the calibration samples. ``workers`` runs the calibration pass
+    on that many local processes, each taking every N-th batch (statistics merged; the script
+    must start under ``if __name__ == "__main__":``). ``save_ranges`` writes the chosen
     activation ranges as JSON; ``load_ranges`` reuses such a file instead of data. ``format``
     is ``qoperator`` (QLinear ops, onnxruntime CPU), ``qdq`` (standard ONNX Q/DQ around float
     ops; the opset is raised to 13 when per-channel scales need it) or ``openvino`` (float graph
@@ -114,6 +117,11 @@ def quantize(
 def resolve_call(args: dict[str, Any], cli: bool = False) -> QuantizeOptions:
     """The options of one ``quantize`` call (its keyword arguments as a dict)."""
     kw = {k: v for k, v in args.items() if k not in ("model", "data")}
+    workers = kw.get("workers", 1)
+    if not isinstance(workers, int) or isinstance(workers, bool) or workers < 1:
+        raise ConfigError(
+            f"{spell('workers', cli, workers)} must be a whole number >= 1 (1: one process)"
+        )
     weight_dtype = kw["weight_dtype"]
     if weight_dtype not in ("int8", "int4"):
         flag = spell("weight_dtype", cli, weight_dtype)

@@ -363,6 +363,15 @@ def _quantize_run(q: argparse.ArgumentParser) -> None:
     )
     q.add_argument("--samples", type=int, default=None, help="use at most N calibration samples")
     q.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        metavar="N",
+        help="run the calibration pass on N local processes, each with its share of the "
+        "cores and every N-th batch (statistics merged: MinMax ranges are identical to one "
+        "process, histogram methods within one bin)",
+    )
+    q.add_argument(
         "--report",
         default=None,
         metavar="FILE",
@@ -509,6 +518,7 @@ def _quantize(args: argparse.Namespace) -> int:
             exclude=args.exclude,
             batch_size=args.batch_size,
             samples=args.samples,
+            workers=args.workers,
             percentile=args.percentile,
             bins=args.bins,
             preprocess=args.preprocess,

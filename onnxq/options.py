@@ -133,6 +133,8 @@ class QuantizeOptions:
     bins: int = 2048
     batch_size: int | None = None
     samples: int | None = None
+    #: local processes the calibration pass runs on (see onnxq.calibrate.shards)
+    workers: int = 1
     preprocess: str | None = None
     save_ranges: str | os.PathLike[str] | None = None
     load_ranges: str | os.PathLike[str] | None = None
@@ -222,7 +224,7 @@ def resolve(
     """Merge explicit options (not None) over ``target``'s defaults and validate them once.
 
     ``rest``: the options no target sets (method, callback, percentile, bins, batch_size,
-    samples, preprocess, save_ranges, load_ranges, progress, output, latency_check,
+    samples, workers, preprocess, save_ranges, load_ranges, progress, output, latency_check,
     weight_dtype, block_size).
     """
     tgt = target if isinstance(target, Target) else get_target(target or "ort-cpu")

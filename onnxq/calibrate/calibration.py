@@ -27,12 +27,12 @@ import onnx
 from onnxq.annotate.quantizer import Quantizer
 from onnxq.annotate.specs import PatternRecord
 from onnxq.calibrate.callbacks import CalibrationCallback, CalibrationInfo, Observer
-from onnxq.calibrate.dataset import DatasetManager, feed_samples
+from onnxq.calibrate.dataset import DatasetManager, Feed, feed_samples
+from onnxq.calibrate.statistics import Statistics
 from onnxq.calibrators import MinMaxCallback
 from onnxq.errors import CalibrationError
 from onnxq.io.graph import graphs_of
 from onnxq.io.session import make_session
-from onnxq.solve.bias_correction import channel_means
 
 #: output steps the saturation bounds assume: Sigmoid's fixed 1/255 grid, Tanh's [-1, 1] on
 #: 255 steps; a clipped input lands within 1/8 step of the asymptote, so on the same code
@@ -201,6 +201,9 @@ class Calibrator:
         self.taps: dict[str, list[Any]] = {}
         #: the first batches, kept for callbacks that search on real layer outputs
         self.sample_feeds: list[dict[str, np.ndarray]] = []
+        #: local processes the pass runs on (``--workers``): each takes every N-th batch and
+        #: the statistics are merged (see onnxq.calibrate.statistics for what is exact)
+        self.workers = 1
         self.report = CalibrationReport()
         self._float_session: Any = None
         self._float_names: list[str] = []
@@ -330,56 +333,56 @@ class Calibrator:
         by_tensor: dict[str, list[Observer]] = {}
         for (tensor, _), obs in self.observers.items():
             by_tensor.setdefault(tensor, []).append(obs)
-        session = self._float(names)
+        stats = Statistics(
+            by_tensor,
+            taps=self.taps,
+            channel_axes=self.channel_axes,
+            clamps=clamped_by_reader(self.quantizer.float_model),
+        )
         refs = _float_outputs(self.quantizer.float_model) if self.reference_batches else []
-        fetch = names + [r for r in refs if r not in names]
         keep = max((getattr(self.callback_for(r), "feeds_needed", 0) for r in records), default=0)
         batches = self.dataset_manager.batches()
         bar = _progress(batches, self.dataset_manager.num_batches(), self.progress)
-        clamps = clamped_by_reader(self.quantizer.float_model)
-        for feeds, outs in run_ahead(session, fetch, bar):
-            if len(self.reference) < self.reference_batches:
-                got = dict(zip(fetch, outs))
-                self.reference.append((dict(feeds), {r: got[r] for r in refs}))
-            if len(self.sample_feeds) < keep:
-                self.sample_feeds.append(feeds)
-            self.report.batches += 1
-            self.report.samples += feed_samples(feeds)
-            for name, arr in zip(names, outs):
-                arr = np.asarray(arr)
-                finite = not arr.size or bool(np.isfinite(arr.min() + arr.max()))
-                for tap in self.taps.get(name, ()) if finite else ():
-                    tap.observe(arr)  # the batch as the layer reads it (skipped with NaN/Inf)
-                if not finite:  # NaN or ±Inf inside
-                    bad = int(arr.size - np.count_nonzero(np.isfinite(arr)))
-                    self.report.nonfinite[name] = self.report.nonfinite.get(name, 0) + bad
-                    arr = arr[np.isfinite(arr)]
-                    if arr.size == 0:
-                        continue
-                clamp = clamps.get(name)
-                if clamp is not None and finite and by_tensor.get(name):
-                    arr = (np.minimum if clamp[0] == "Min" else np.maximum)(arr, clamp[1])
-                for obs in by_tensor.get(name, ()):
-                    obs.observe(arr)
-                if name in self.channel_axes:
-                    self._add_channel_sums(name, arr)
-        if self.report.batches == 0:
+        if self.workers > 1:
+            self._observe_shards(stats, names, bar, keep)
+        else:
+            session = self._float(names)
+            fetch = names + [r for r in refs if r not in names]
+            for index, (feeds, outs) in enumerate(run_ahead(session, fetch, bar)):
+                if len(self.reference) < self.reference_batches:
+                    got = dict(zip(fetch, outs))
+                    self.reference.append((dict(feeds), {r: got[r] for r in refs}))
+                if len(self.sample_feeds) < keep:
+                    self.sample_feeds.append(feeds)
+                stats.add(names, outs, feed_samples(feeds), index)
+        if stats.batches == 0:
             raise CalibrationError(
                 "the calibration data source yielded no samples; give at "
                 "least one sample per model input"
             )
+        self.channel_sums = stats.channel_totals()
+        self.report.batches, self.report.samples = stats.batches, stats.samples
+        for name, bad in stats.nonfinite.items():
+            self.report.nonfinite[name] = self.report.nonfinite.get(name, 0) + bad
         self.report.tensors_observed = len(names)
         self.report.observer_bytes = sum(o.nbytes() for o in self.observers.values())
 
-    def _add_channel_sums(self, name: str, arr: np.ndarray) -> None:
-        axis = self.channel_axes[name]
-        if arr.ndim <= axis:
-            return
-        sums, count = channel_means(arr, axis)
-        if name in self.channel_sums:
-            before, seen = self.channel_sums[name]
-            sums, count = before + sums, seen + count
-        self.channel_sums[name] = (sums, count)
+    def _observe_shards(
+        self, stats: Statistics, names: list[str], batches: Iterable[Feed], keep: int
+    ) -> None:
+        """The pass on ``self.workers`` local processes, each folding every N-th batch."""
+        from onnxq.calibrate.shards import observe_in_processes
+
+        def kept(it: Iterable[Feed]) -> Iterator[Feed]:
+            for feeds in it:
+                if len(self.sample_feeds) < keep:
+                    self.sample_feeds.append(feeds)
+                yield feeds
+
+        for shard in observe_in_processes(
+            self.quantizer.float_model, names, stats, kept(batches), self.workers
+        ):
+            stats.merge(shard)
 
     def channel_mean(self, name: str) -> np.ndarray | None:
         """The mean per channel of ``name`` over the calibration data (if it was asked for)."""

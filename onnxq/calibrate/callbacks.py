@@ -20,7 +20,13 @@ from onnxq.solve.qparams import params_from_range, weight_params
 
 
 class Observer(Protocol):
-    """Accumulate statistics of one tensor (``observe``) and derive a range (``compute``)."""
+    """Accumulate statistics of one tensor (``observe``) and derive a range (``compute``).
+
+    Calibrating in shards (``--workers``) also needs ``merge(other)``, which folds another
+    observer's statistics of the same tensor into this one (every built-in observer has it;
+    MinMax, AverageMax and the histograms merge into exactly what one pass gathers). Observers
+    go to the worker processes by pickle.
+    """
 
     def observe(self, x: np.ndarray) -> None:
         """Fold one batch of values into the statistics."""

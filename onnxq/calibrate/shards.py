@@ -1,0 +1,178 @@
+"""The calibration pass on several local processes (``onnxq quantize --workers N``).
+
+The parent reads the data once and hands each block of consecutive batches to the next worker
+in turn, through a bounded queue (two batches waiting per worker: memory stays flat in the
+number of samples). Each worker is a fresh process (``spawn``: no onnxruntime threads copied
+by ``fork``) that loads the model once, runs it with ``cores / N`` threads and folds its
+batches into its own :class:`~onnxq.calibrate.statistics.Statistics`; only those statistics
+come back, and the parent merges them in worker order.
+
+From Python, a script that calibrates with workers must start under
+``if __name__ == "__main__":``, as any ``multiprocessing`` program: ``spawn`` imports the
+script again in each worker.
+"""
+
+from __future__ import annotations
+
+import itertools
+import multiprocessing
+import os
+import pickle
+import queue
+import tempfile
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+import onnx
+
+from onnxq.calibrate.dataset import Feed, feed_samples
+from onnxq.calibrate.statistics import Statistics, block_size
+from onnxq.errors import CalibrationError, OnnxqError
+
+#: batches waiting in each worker's queue
+QUEUE_BATCHES = 2
+#: seconds between checks that the workers are still alive while the parent waits on them
+POLL_S = 0.5
+
+
+def threads_per_worker(workers: int) -> int:
+    """Threads of onnxruntime for each of ``workers`` processes (the cores shared out, >= 1)."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cores = os.cpu_count() or 1
+    return max(1, cores // workers)
+
+
+def observe_in_processes(
+    model: onnx.ModelProto,
+    names: list[str],
+    template: Statistics,
+    batches: Iterable[Feed],
+    workers: int,
+    threads: int | None = None,
+) -> Iterator[Statistics]:
+    """Each worker's statistics over its share of ``batches`` (``template``: fresh observers).
+
+    Worker ``w`` takes the blocks of consecutive batches ``w``, ``w + N``, ... (a block: see
+    :attr:`Statistics.block`, set here from the first batch as one process sets it).
+    """
+    it = iter(batches)
+    first = next(it, None)
+    if first is None:
+        return
+    template.block = block_size(feed_samples(first))
+    block = template.block
+    try:
+        blank = pickle.dumps(template)
+    except (pickle.PicklingError, TypeError, AttributeError) as exc:
+        raise CalibrationError(
+            f"the calibration observers cannot be sent to worker processes ({exc}); "
+            "calibrate in one process (--workers 1)"
+        ) from None
+    threads = threads or threads_per_worker(workers)
+    ctx = multiprocessing.get_context("spawn")
+    with tempfile.TemporaryDirectory(prefix="onnxq-workers-") as tmp:
+        path = Path(tmp) / "float.onnx"
+        _save_for_workers(model, path)
+        inboxes = [ctx.Queue(maxsize=QUEUE_BATCHES) for _ in range(workers)]
+        outbox = ctx.Queue()
+        procs = [
+            ctx.Process(
+                target=_work,
+                args=(str(path), names, blank, inboxes[i], outbox, i, threads),
+                daemon=True,
+                name=f"onnxq-calibrate-{i}",
+            )
+            for i in range(workers)
+        ]
+        for p in procs:
+            p.start()
+        results: dict[int, Statistics] = {}
+        try:
+            for index, feeds in enumerate(itertools.chain([first], it)):
+                box = inboxes[(index // block) % workers]
+                _put(box, (index, feeds), procs, outbox, results)
+            for box in inboxes:
+                _put(box, None, procs, outbox, results)
+            while len(results) < workers:
+                _collect(outbox, procs, results, block=True)
+        finally:
+            for p in procs:
+                if p.is_alive() and len(results) < workers:
+                    p.terminate()
+                p.join(timeout=10)
+    for i in range(workers):
+        yield results[i]
+
+
+def _save_for_workers(model: onnx.ModelProto, path: Path) -> None:
+    """The model the workers load (initializers beside it when it would pass 2 GB)."""
+    from onnxq.io.graph import save_model
+
+    save_model(model, path)
+
+
+def _put(
+    box: Any, item: Any, procs: list[Any], outbox: Any, results: dict[int, Statistics]
+) -> None:
+    """Put ``item`` in ``box``, failing clearly if a worker stops while the parent waits."""
+    while True:
+        try:
+            box.put(item, timeout=POLL_S)
+            return
+        except queue.Full:
+            _collect(outbox, procs, results, block=False)
+
+
+def _collect(outbox: Any, procs: list[Any], results: dict[int, Statistics], block: bool) -> None:
+    """Take finished workers' results; raise a worker's error, or a worker's silent death."""
+    while True:
+        try:
+            index, error, stats = outbox.get(timeout=POLL_S if block else 0.001)
+        except queue.Empty:
+            dead = [p for i, p in enumerate(procs) if not p.is_alive() and i not in results]
+            if dead:
+                raise CalibrationError(
+                    f"calibration worker {procs.index(dead[0])} stopped without a result "
+                    f"(exit code {dead[0].exitcode}; out of memory?); retry with fewer "
+                    "--workers or without them"
+                ) from None
+            if block:
+                continue
+            return
+        if error is not None:
+            raise CalibrationError(error) from None
+        results[index] = stats
+        return
+
+
+def _work(
+    path: str,
+    names: list[str],
+    blank: bytes,
+    inbox: Any,
+    outbox: Any,
+    index: int,
+    threads: int,
+) -> None:  # pragma: no cover - runs in the worker processes (tested through them)
+    """One worker: load the model, fold every batch it is handed, send the statistics back."""
+    from onnxq.calibrate.calibration import run_checked
+    from onnxq.io.session import make_session
+
+    try:
+        stats: Statistics = pickle.loads(blank)
+        session = make_session(onnx.load(path), threads=threads, expose=names)
+        while True:
+            item = inbox.get()
+            if item is None:
+                break
+            batch, feeds = item
+            outs = run_checked(session, names, feeds, batch)
+            stats.add(names, outs, feed_samples(feeds), batch)
+        outbox.put((index, None, stats))
+    except OnnxqError as exc:
+        outbox.put((index, str(exc), None))
+    except BaseException as exc:
+        outbox.put((index, f"calibration worker {index} failed: {type(exc).__name__}: {exc}", None))

@@ -1,0 +1,135 @@
+"""What one pass over the calibration data gathers, foldable batch by batch and mergeable.
+
+:class:`Statistics` holds the observers of every tensor (ranges), the taps of later passes
+(optimized rounding's Hessians), per-channel sums (bias correction) and the counters of the
+report. One process folds its batches in with :meth:`Statistics.add`; shards of the data
+(``--workers``, Ray) each fold their own and :meth:`Statistics.merge` adds them up:
+
+* MinMax and AverageMax (without momentum): exact, so the ranges are byte-identical to one pass;
+* histograms (Percentile, Entropy, MSE): counts are added on the coarser of the two grids, a
+  bin of the finer one moving whole to the bin holding its centre: within one bin;
+* channel sums and Hessians: sums kept as float64 pairs (onnxq.solve.sums), so their order
+  does not show in the result; each batch gives the same rows to a Hessian wherever it runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from onnxq.errors import CalibrationError
+from onnxq.solve.bias_correction import channel_means
+from onnxq.solve.sums import PairSum
+
+
+@dataclass
+class Statistics:
+    """Observers per tensor, taps, channel sums and counts of one pass (or of merged shards)."""
+
+    #: tensor -> its observers (ranges), in a fixed order
+    observers: dict[str, list[Any]]
+    #: tensor -> observers a later pass streams over the same batches (Hessians)
+    taps: dict[str, list[Any]] = field(default_factory=dict)
+    #: tensor -> the axis of its channels, for per-channel sums
+    channel_axes: dict[str, int] = field(default_factory=dict)
+    #: tensor -> (Min or Max, constant): the data is observed as that one reader sees it
+    clamps: dict[str, tuple[str, np.ndarray]] = field(default_factory=dict)
+    #: tensor -> (per-channel sums, values per channel)
+    channel_sums: dict[str, tuple[PairSum, int]] = field(default_factory=dict)
+    nonfinite: dict[str, int] = field(default_factory=dict)
+    batches: int = 0
+    samples: int = 0
+    #: consecutive batches that go to one process together (set from the first batch):
+    #: the taps buffer within a block only, so their sums do not depend on the split
+    block: int | None = None
+
+    def add(self, names: list[str], outs: list[Any], samples: int, index: int) -> None:
+        """Fold batch ``index`` in: ``outs`` are the values of ``names`` for ``samples`` samples."""
+        if self.block is None:
+            self.block = block_size(samples)
+        self.batches += 1
+        self.samples += samples
+        for name, arr in zip(names, outs):
+            arr = np.asarray(arr)
+            finite = not arr.size or bool(np.isfinite(arr.min() + arr.max()))
+            for tap in self.taps.get(name, ()) if finite else ():
+                # the batch as the layer reads it (skipped with NaN/Inf)
+                tap.observe(arr, index=index, block=index // self.block)
+            if not finite:  # NaN or ±Inf inside
+                bad = int(arr.size - np.count_nonzero(np.isfinite(arr)))
+                self.nonfinite[name] = self.nonfinite.get(name, 0) + bad
+                arr = arr[np.isfinite(arr)]
+                if arr.size == 0:
+                    continue
+            observers = self.observers.get(name, ())
+            clamp = self.clamps.get(name)
+            if clamp is not None and finite and observers:
+                arr = (np.minimum if clamp[0] == "Min" else np.maximum)(arr, clamp[1])
+            for obs in observers:
+                obs.observe(arr)
+            if name in self.channel_axes:
+                self._add_channel_sums(name, arr)
+
+    def _add_channel_sums(self, name: str, arr: np.ndarray) -> None:
+        axis = self.channel_axes[name]
+        if arr.ndim <= axis:
+            return
+        sums, count = channel_means(arr, axis)
+        total, seen = self.channel_sums.get(name, (PairSum(), 0))
+        total.add(sums)
+        self.channel_sums[name] = (total, seen + count)
+
+    def channel_totals(self) -> dict[str, tuple[np.ndarray, int]]:
+        """{tensor: (per-channel sums, values per channel)}."""
+        return {n: (s.value(), c) for n, (s, c) in self.channel_sums.items() if not s.empty}
+
+    def merge(self, other: Statistics) -> None:
+        """Add ``other``'s statistics (a shard of the same data, same observers) to these."""
+        for kind, mine, theirs in (
+            ("observers", self.observers, other.observers),
+            ("taps", self.taps, other.taps),
+        ):
+            for name, observers in mine.items():
+                others = theirs.get(name, [])
+                if len(others) != len(observers):
+                    raise CalibrationError(
+                        f"cannot merge the {kind} of tensor '{name}': {len(others)} in one "
+                        f"shard, {len(observers)} in the other (shards must observe alike)"
+                    )
+                for obs, shard in zip(observers, others):
+                    merge_observer(obs, shard, name)
+        for name, (sums, count) in other.channel_sums.items():
+            total, seen = self.channel_sums.get(name, (PairSum(), 0))
+            total.merge(sums)
+            self.channel_sums[name] = (total, seen + count)
+        for name, bad in other.nonfinite.items():
+            self.nonfinite[name] = self.nonfinite.get(name, 0) + bad
+        self.batches += other.batches
+        self.samples += other.samples
+
+
+#: samples a block of batches holds at least (see Statistics.block)
+BLOCK_SAMPLES = 16
+
+
+def block_size(samples: int) -> int:
+    """Batches per block, for batches of ``samples`` samples."""
+    return max(1, BLOCK_SAMPLES // max(samples, 1))
+
+
+def merge_observer(obs: Any, other: Any, tensor: str) -> None:
+    """``obs.merge(other)``, or a clear error for an observer that cannot merge."""
+    merge = getattr(obs, "merge", None)
+    if merge is None:
+        raise CalibrationError(
+            f"the observer {type(obs).__name__} of tensor '{tensor}' has no merge(other) "
+            "method, so its statistics cannot be gathered in shards: give it one, or "
+            "calibrate in one process (--workers 1)"
+        )
+    if type(other) is not type(obs):
+        raise CalibrationError(
+            f"cannot merge a {type(other).__name__} into a {type(obs).__name__} (tensor '{tensor}')"
+        )
+    merge(other)

@@ -1,0 +1,250 @@
+"""Mergeable statistics and ``--workers N``: shards merge into what one pass gathers.
+
+Each observer is checked against a single-pass reference by splitting a stream of batches
+into shards (in blocks, in random assignments), merging, and comparing exactly; the CLI is run
+with 1 and 2 workers on the demo CNN and the output models compared byte for byte.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import pickle
+
+import numpy as np
+import pytest
+
+import onnxq
+from onnxq.calibrate.statistics import Statistics, block_size
+from onnxq.calibrators import (
+    AverageMaxObserver,
+    EntropyObserver,
+    Histogram,
+    MinMaxObserver,
+    MSEObserver,
+    PercentileObserver,
+)
+from onnxq.cli import main
+from onnxq.errors import CalibrationError
+from onnxq.solve.rounding import ConvShape, HessianObserver
+from onnxq.solve.sums import PairSum
+
+R = np.random.default_rng(11)
+
+
+def _stream(n: int = 14) -> list[np.ndarray]:
+    """Batches of different sizes and scales, with the awkward values a grid has edges at."""
+    out = [
+        (R.standard_normal(int(R.integers(1, 4000))) * s).astype(np.float32)
+        for s in R.choice([1e-3, 0.25, 3.0, 80.0], n)
+    ]
+    out.insert(3, np.array([4.0, -4.0, 1.0, 0.0, -0.0, 2.0**-20], np.float32))
+    out.insert(0, np.zeros(7, np.float32))  # zeros before any range
+    return out
+
+
+def _split(batches: list[np.ndarray], shards: int, seed: int) -> list[list[np.ndarray]]:
+    owner = np.random.default_rng(seed).integers(0, shards, len(batches))
+    return [[b for b, o in zip(batches, owner) if o == s] for s in range(shards)]
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        MinMaxObserver,
+        AverageMaxObserver,
+        Histogram,
+        PercentileObserver,
+        EntropyObserver,
+        MSEObserver,
+    ],
+    ids=lambda c: c.__name__,
+)
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_observers_merge_into_the_single_pass_result(make, seed):
+    batches = _stream()
+    one = make()
+    for b in batches:
+        one.observe(b)
+    shards = []
+    for part in _split(batches, 3, seed):
+        obs = make()
+        for b in part:
+            obs.observe(b)
+        shards.append(pickle.loads(pickle.dumps(obs)))  # as a worker sends it back
+    merged = shards[2]
+    merged.merge(shards[1])
+    merged.merge(shards[0])
+    for dtype, symmetric in (("uint8", False), ("int8", True)):
+        assert merged.compute(dtype, symmetric) == one.compute(dtype, symmetric)
+    if isinstance(one, Histogram):
+        np.testing.assert_array_equal(merged.counts, one.counts)
+        assert (merged.half_range, merged.total, merged.exact_zeros) == (
+            one.half_range,
+            one.total,
+            one.exact_zeros,
+        )
+
+
+def test_a_histogram_does_not_depend_on_the_order_of_its_batches():
+    batches = _stream(20)
+    a, b = Histogram(), Histogram()
+    for x in batches:
+        a.observe(x)
+    for i in R.permutation(len(batches)):
+        b.observe(batches[i])
+    np.testing.assert_array_equal(a.counts, b.counts)
+    top = max(-a.min, a.max)  # the grid: the power of two above the largest magnitude
+    assert a.half_range == b.half_range == 2.0 ** (np.floor(np.log2(top)) + 1)
+
+
+def test_average_max_with_momentum_refuses_to_merge():
+    a, b = AverageMaxObserver(0.1), AverageMaxObserver(0.1)
+    a.observe(np.ones(3, np.float32))
+    with pytest.raises(CalibrationError, match="momentum.*--workers 1"):
+        a.merge(b)
+
+
+def test_pair_sums_do_not_depend_on_the_order_of_their_terms():
+    terms = [R.standard_normal((5, 7)) * 10.0 ** R.integers(-8, 9) for _ in range(200)]
+    forward, backward, halves = PairSum(), PairSum(), [PairSum(), PairSum()]
+    for t in terms:
+        forward.add(t)
+    for t in reversed(terms):
+        backward.add(t)
+    for i, t in enumerate(terms):
+        halves[i % 2].add(t)
+    halves[1].merge(halves[0])
+    np.testing.assert_array_equal(forward.value(), backward.value())
+    np.testing.assert_array_equal(forward.value(), halves[1].value())
+    np.testing.assert_allclose(forward.value(), np.sum(terms, axis=0), rtol=1e-12, atol=1e-3)
+
+
+@pytest.mark.parametrize("conv", [None, ConvShape((3, 3), (1, 1), (1, 1), (1, 1, 1, 1), 4)])
+def test_a_hessian_split_by_blocks_is_the_one_pass_hessian(conv):
+    shape = (3, 4, 12, 12) if conv is not None else (3, 10, 24)
+    batches = [R.standard_normal(shape).astype(np.float32) for _ in range(13)]
+    groups, k = (4, 9) if conv is not None else (1, 24)
+    block = 2
+
+    def make() -> HessianObserver:
+        return HessianObserver(conv, groups, k, batches=len(batches))
+
+    one = make()
+    for i, x in enumerate(batches):
+        one.observe(x, index=i, block=i // block)
+    shards = [make(), make()]
+    for i, x in enumerate(batches):  # blocks dealt in turn, as the parent deals them
+        shards[(i // block) % 2].observe(x, index=i, block=i // block)
+    shards[1].merge(shards[0])
+    np.testing.assert_array_equal(shards[1].hessian(), one.hessian())
+    assert shards[1].rows == one.rows
+
+
+def test_statistics_merge_counts_and_channel_sums():
+    def make() -> Statistics:
+        return Statistics({"t": [MinMaxObserver()]}, channel_axes={"t": 1})
+
+    batches = [R.standard_normal((2, 3, 5)).astype(np.float32) for _ in range(9)]
+    batches[4][0, 0, 0] = np.nan
+    one, shards = make(), [make(), make()]
+    for i, x in enumerate(batches):
+        one.add(["t"], [x], 2, i)
+        shards[i % 2].add(["t"], [x], 2, i)
+    shards[0].merge(shards[1])
+    assert (shards[0].batches, shards[0].samples, shards[0].nonfinite) == (9, 18, {"t": 1})
+    a, b = one.channel_totals()["t"], shards[0].channel_totals()["t"]
+    np.testing.assert_array_equal(a[0], b[0])
+    assert a[1] == b[1]
+    assert block_size(1) == 16 and block_size(64) == 1
+
+
+def _digits(tmp_path):
+    from onnxq.demo import demo_files
+
+    path, arrays = demo_files()
+    data = tmp_path / "calib.npz"
+    np.savez(data, input=arrays["calib"])
+    return path, data
+
+
+def _quantize(path, data, out, *extra) -> int:
+    return main(
+        [
+            "quantize",
+            str(path),
+            "--data",
+            str(data),
+            "-o",
+            str(out),
+            "--quiet",
+            "--no-latency-check",
+            "--batch-size",
+            "8",
+            *extra,
+        ]
+    )
+
+
+@pytest.mark.parametrize("method", ["minmax", "average-max", "mse", "entropy"])
+def test_two_workers_write_the_model_one_process_writes(tmp_path, method):
+    path, data = _digits(tmp_path)
+    digests, ranges = [], []
+    for workers in (1, 2):
+        out, table = tmp_path / f"w{workers}.onnx", tmp_path / f"w{workers}.json"
+        rc = _quantize(
+            path,
+            data,
+            out,
+            "--method",
+            method,
+            "--workers",
+            str(workers),
+            "--save-ranges",
+            str(table),
+        )
+        assert rc == 0
+        digests.append(hashlib.sha256(out.read_bytes()).hexdigest())
+        ranges.append(json.loads(table.read_text())["tensors"])
+    assert ranges[0] == ranges[1]
+    assert digests[0] == digests[1]
+
+
+def test_bad_worker_counts_are_refused(tmp_path, capsys):
+    path, data = _digits(tmp_path)
+    with pytest.raises(SystemExit) as info:
+        _quantize(path, data, tmp_path / "x.onnx", "--workers", "two")
+    assert info.value.code == 2
+    assert _quantize(path, data, tmp_path / "x.onnx", "--workers", "0") == 2
+    assert "--workers 0 must be a whole number >= 1" in capsys.readouterr().err
+    with pytest.raises(Exception, match="workers=0 must be a whole number"):
+        onnxq.quantize(str(path), np.load(data)["input"], workers=0)
+    assert not (tmp_path / "x.onnx").exists()
+
+
+def test_a_batch_a_worker_cannot_run_is_reported_by_the_parent(tmp_path):
+    """Reshape to [2, 4] runs on one sample of 8 values, not on a batch of 3: the worker's
+    onnxruntime error comes back as the one-process error, naming the batch."""
+    from helpers import make_model
+    from onnx import helper as oh
+
+    w = R.standard_normal((4, 4)).astype(np.float32)
+    model = make_model(
+        [oh.make_node("Reshape", ["x", "shape"], ["r"]), oh.make_node("MatMul", ["r", "w"], ["y"])],
+        [("x", ["N", 8])],
+        [("y", None)],
+        {"shape": np.array([2, 4], np.int64), "w": w},
+    )
+    x = R.standard_normal((6, 8)).astype(np.float32)
+    with pytest.raises(CalibrationError, match=r"calibration batch \d+ \(input shapes"):
+        onnxq.quantize(model, {"x": x}, batch_size=3, workers=2, progress=False)
+
+
+def test_an_observer_without_merge_is_refused_by_name():
+    class Plain:
+        def observe(self, x):
+            pass
+
+    a = Statistics({"t": [Plain()]})
+    with pytest.raises(CalibrationError, match="tensor 't'.*--workers 1"):
+        a.merge(Statistics({"t": [Plain()]}))
