@@ -42,6 +42,7 @@ def quantize(
     batch_size: int | None = None,
     samples: int | None = None,
     workers: int = 1,
+    threads: int | None = None,
     percentile: float = 99.999,
     bins: int = 2048,
     preprocess: str | None = None,
@@ -72,7 +73,9 @@ def quantize(
     ``average-max``, ``percentile``, ``entropy``, ``mse``, ``output-aware``) unless ``callback``
     is given. ``samples`` caps the calibration samples. ``workers`` runs the calibration pass
     on that many local processes, each taking every N-th batch (statistics merged; the script
-    must start under ``if __name__ == "__main__":``). ``save_ranges`` writes the chosen
+    must start under ``if __name__ == "__main__":``); ``threads`` sets each calibration
+    process's onnxruntime threads (default: onnxruntime's choice, or the cores shared out
+    among the workers). ``save_ranges`` writes the chosen
     activation ranges as JSON; ``load_ranges`` reuses such a file instead of data. ``format``
     is ``qoperator`` (QLinear ops, onnxruntime CPU), ``qdq`` (standard ONNX Q/DQ around float
     ops; the opset is raised to 13 when per-channel scales need it) or ``openvino`` (float graph
@@ -117,11 +120,14 @@ def quantize(
 def resolve_call(args: dict[str, Any], cli: bool = False) -> QuantizeOptions:
     """The options of one ``quantize`` call (its keyword arguments as a dict)."""
     kw = {k: v for k, v in args.items() if k not in ("model", "data")}
-    workers = kw.get("workers", 1)
-    if not isinstance(workers, int) or isinstance(workers, bool) or workers < 1:
-        raise ConfigError(
-            f"{spell('workers', cli, workers)} must be a whole number >= 1 (1: one process)"
-        )
+    for name, value, none_ok in (
+        ("workers", kw.get("workers", 1), False),
+        ("threads", kw.get("threads"), True),
+    ):
+        if value is None and none_ok:
+            continue
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ConfigError(f"{spell(name, cli, value)} must be a whole number >= 1")
     weight_dtype = kw["weight_dtype"]
     if weight_dtype not in ("int8", "int4"):
         flag = spell("weight_dtype", cli, weight_dtype)

@@ -368,8 +368,16 @@ def _quantize_run(q: argparse.ArgumentParser) -> None:
         default=1,
         metavar="N",
         help="run the calibration pass on N local processes, each with its share of the "
-        "cores and every N-th batch (statistics merged: MinMax ranges are identical to one "
-        "process, histogram methods within one bin)",
+        "cores and of the batches; the statistics merge into what one process gathers (the "
+        "same model, byte for byte, with the built-in methods)",
+    )
+    q.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        metavar="N",
+        help="onnxruntime threads of each calibration process (default: onnxruntime's "
+        "choice, or the cores shared out among the --workers)",
     )
     q.add_argument(
         "--report",
@@ -519,6 +527,7 @@ def _quantize(args: argparse.Namespace) -> int:
             batch_size=args.batch_size,
             samples=args.samples,
             workers=args.workers,
+            threads=args.threads,
             percentile=args.percentile,
             bins=args.bins,
             preprocess=args.preprocess,

@@ -135,6 +135,8 @@ class QuantizeOptions:
     samples: int | None = None
     #: local processes the calibration pass runs on (see onnxq.calibrate.shards)
     workers: int = 1
+    #: onnxruntime threads of each calibration process (None: see Calibrator.threads)
+    threads: int | None = None
     preprocess: str | None = None
     save_ranges: str | os.PathLike[str] | None = None
     load_ranges: str | os.PathLike[str] | None = None
@@ -224,8 +226,8 @@ def resolve(
     """Merge explicit options (not None) over ``target``'s defaults and validate them once.
 
     ``rest``: the options no target sets (method, callback, percentile, bins, batch_size,
-    samples, workers, preprocess, save_ranges, load_ranges, progress, output, latency_check,
-    weight_dtype, block_size).
+    samples, workers, threads, preprocess, save_ranges, load_ranges, progress, output,
+    latency_check, weight_dtype, block_size).
     """
     tgt = target if isinstance(target, Target) else get_target(target or "ort-cpu")
     fmt = get_format(tgt.format if format is None else format, spell("format", cli))

@@ -217,6 +217,8 @@ def test_bad_worker_counts_are_refused(tmp_path, capsys):
     assert info.value.code == 2
     assert _quantize(path, data, tmp_path / "x.onnx", "--workers", "0") == 2
     assert "--workers 0 must be a whole number >= 1" in capsys.readouterr().err
+    assert _quantize(path, data, tmp_path / "x.onnx", "--threads", "-1") == 2
+    assert "--threads -1 must be a whole number >= 1" in capsys.readouterr().err
     with pytest.raises(Exception, match="workers=0 must be a whole number"):
         onnxq.quantize(str(path), np.load(data)["input"], workers=0)
     assert not (tmp_path / "x.onnx").exists()

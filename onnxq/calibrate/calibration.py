@@ -14,10 +14,12 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
 import sys
 import threading
 import time
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -204,6 +206,9 @@ class Calibrator:
         #: local processes the pass runs on (``--workers``): each takes every N-th batch and
         #: the statistics are merged (see onnxq.calibrate.statistics for what is exact)
         self.workers = 1
+        #: onnxruntime threads of each calibration process (None: onnxruntime's choice in one
+        #: process, the cores shared out among workers)
+        self.threads: int | None = None
         self.report = CalibrationReport()
         self._float_session: Any = None
         self._float_names: list[str] = []
@@ -346,15 +351,10 @@ class Calibrator:
         if self.workers > 1:
             self._observe_shards(stats, names, bar, keep)
         else:
-            session = self._float(names)
+            session = self._float(names, streaming=True)
             fetch = names + [r for r in refs if r not in names]
-            for index, (feeds, outs) in enumerate(run_ahead(session, fetch, bar)):
-                if len(self.reference) < self.reference_batches:
-                    got = dict(zip(fetch, outs))
-                    self.reference.append((dict(feeds), {r: got[r] for r in refs}))
-                if len(self.sample_feeds) < keep:
-                    self.sample_feeds.append(feeds)
-                stats.add(names, outs, feed_samples(feeds), index)
+            with one_blas_thread():
+                self._stream(stats, session, names, fetch, refs, bar, keep)
         if stats.batches == 0:
             raise CalibrationError(
                 "the calibration data source yielded no samples; give at "
@@ -366,6 +366,25 @@ class Calibrator:
             self.report.nonfinite[name] = self.report.nonfinite.get(name, 0) + bad
         self.report.tensors_observed = len(names)
         self.report.observer_bytes = sum(o.nbytes() for o in self.observers.values())
+
+    def _stream(
+        self,
+        stats: Statistics,
+        session: Any,
+        names: list[str],
+        fetch: list[str],
+        refs: list[str],
+        batches: Iterable[Feed],
+        keep: int,
+    ) -> None:
+        """The pass in this process: onnxruntime runs the next batch while this one is folded."""
+        for index, (feeds, outs) in enumerate(run_ahead(session, fetch, batches)):
+            if len(self.reference) < self.reference_batches:
+                got = dict(zip(fetch, outs))
+                self.reference.append((dict(feeds), {r: got[r] for r in refs}))
+            if len(self.sample_feeds) < keep:
+                self.sample_feeds.append(feeds)
+            stats.add(names, outs, feed_samples(feeds), index)
 
     def _observe_shards(
         self, stats: Statistics, names: list[str], batches: Iterable[Feed], keep: int
@@ -380,7 +399,7 @@ class Calibrator:
                 yield feeds
 
         for shard in observe_in_processes(
-            self.quantizer.float_model, names, stats, kept(batches), self.workers
+            self.quantizer.float_model, names, stats, kept(batches), self.workers, self.threads
         ):
             stats.merge(shard)
 
@@ -394,7 +413,11 @@ class Calibrator:
     # ----------------------------------------------------------------------------------------
     # sessions for CalibrationInfo
 
-    def _float(self, names: list[str]) -> Any:
+    def _float(self, names: list[str], streaming: bool = False) -> Any:
+        """The float session exposing ``names`` (``streaming``: sized for the one pass)."""
+        if streaming:  # its own session: the cores but one, which folds the statistics
+            threads = self.threads or max(1, available_cores() - 1)
+            return make_session(self.quantizer.float_model, threads=threads, expose=names)
         if self._float_session is None or not set(names) <= set(self._float_names):
             all_names = sorted(
                 {
@@ -405,7 +428,9 @@ class Calibrator:
                 }
                 | set(names)
             )
-            self._float_session = make_session(self.quantizer.float_model, expose=all_names)
+            self._float_session = make_session(
+                self.quantizer.float_model, threads=self.threads or 0, expose=all_names
+            )
             self._float_names = all_names
         return self._float_session
 
@@ -450,6 +475,28 @@ class Calibrator:
         }
 
 
+def available_cores() -> int:
+    """Cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+@contextlib.contextmanager
+def one_blas_thread() -> Iterator[None]:
+    """Run the BLAS of numpy on one thread while the statistics are folded.
+
+    The pass already keeps the cores busy (onnxruntime on the next batch, this thread on the
+    statistics); a BLAS pool of every core on top (the Hessians' products) oversubscribed them:
+    MobileNetV2's calibrate step took 9.9 s at 512 samples with it, 7.2 s without.
+    """
+    from threadpoolctl import threadpool_limits
+
+    with threadpool_limits(limits=1, user_api="blas"):
+        yield
+
+
 def _float_outputs(model: onnx.ModelProto) -> list[str]:
     return [
         o.name for o in model.graph.output if o.type.tensor_type.elem_type == onnx.TensorProto.FLOAT
@@ -457,7 +504,10 @@ def _float_outputs(model: onnx.ModelProto) -> list[str]:
 
 
 def run_ahead(
-    session: Any, names: list[str], batches: Iterable[dict[str, np.ndarray]]
+    session: Any,
+    names: list[str],
+    batches: Iterable[dict[str, np.ndarray]],
+    number: Callable[[int], int] | None = None,
 ) -> Iterator[tuple[dict[str, np.ndarray], list[np.ndarray]]]:
     """Each batch with ``names`` computed, the next batch already running.
 
@@ -465,15 +515,17 @@ def run_ahead(
     (observers, Hessians) overlaps the inference of the next: one batch in flight, so at most
     two batches' outputs are alive. The caller still sees the batches in order (deterministic).
     The run is a daemon thread: Ctrl-C in the caller exits at once, not after the batch.
+    ``number`` maps the position of a batch to the number an error names (a worker's share).
     """
+    name = number or (lambda i: i)
     it = iter(batches)
     current = next(it, None)
     if current is None:
         return
-    job = _Run(session, names, current, 0)
+    job = _Run(session, names, current, name(0))
     for index, upcoming in enumerate(it, start=1):
         outs = job.result()
-        job = _Run(session, names, upcoming, index)
+        job = _Run(session, names, upcoming, name(index))
         yield current, outs
         current = upcoming
     yield current, job.result()

@@ -14,6 +14,7 @@ script again in each worker.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import multiprocessing
 import os
@@ -38,11 +39,9 @@ POLL_S = 0.5
 
 def threads_per_worker(workers: int) -> int:
     """Threads of onnxruntime for each of ``workers`` processes (the cores shared out, >= 1)."""
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        cores = os.cpu_count() or 1
-    return max(1, cores // workers)
+    from onnxq.calibrate.calibration import available_cores
+
+    return max(1, available_cores() // workers)
 
 
 def observe_in_processes(
@@ -87,8 +86,9 @@ def observe_in_processes(
             )
             for i in range(workers)
         ]
-        for p in procs:
-            p.start()
+        with _thread_limits(threads):
+            for p in procs:
+                p.start()
         results: dict[int, Statistics] = {}
         try:
             for index, feeds in enumerate(itertools.chain([first], it)):
@@ -105,6 +105,29 @@ def observe_in_processes(
                 p.join(timeout=10)
     for i in range(workers):
         yield results[i]
+
+
+#: environment variables that size the BLAS/OpenMP thread pools numpy uses
+_POOL_VARIABLES = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
+
+
+@contextlib.contextmanager
+def _thread_limits(threads: int) -> Iterator[None]:
+    """The workers start with numpy's BLAS pools sized to their share of the cores.
+
+    A worker's Hessians are BLAS products: with the default pool (every core) in each of N
+    workers, the pools fought over the cores and two workers ran slower than one process.
+    """
+    saved = {k: os.environ.get(k) for k in _POOL_VARIABLES}
+    os.environ.update({k: str(threads) for k in _POOL_VARIABLES})
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def _save_for_workers(model: onnx.ModelProto, path: Path) -> None:
@@ -158,19 +181,23 @@ def _work(
     threads: int,
 ) -> None:  # pragma: no cover - runs in the worker processes (tested through them)
     """One worker: load the model, fold every batch it is handed, send the statistics back."""
-    from onnxq.calibrate.calibration import run_checked
+    from onnxq.calibrate.calibration import one_blas_thread, run_ahead
     from onnxq.io.session import make_session
 
     try:
         stats: Statistics = pickle.loads(blank)
         session = make_session(onnx.load(path), threads=threads, expose=names)
-        while True:
-            item = inbox.get()
-            if item is None:
-                break
-            batch, feeds = item
-            outs = run_checked(session, names, feeds, batch)
-            stats.add(names, outs, feed_samples(feeds), batch)
+        indices: list[int] = []
+
+        def feeds() -> Iterator[Feed]:
+            while (item := inbox.get()) is not None:
+                indices.append(item[0])
+                yield item[1]
+
+        with one_blas_thread():
+            ran = run_ahead(session, names, feeds(), indices.__getitem__)
+            for n, (feed, outs) in enumerate(ran):
+                stats.add(names, outs, feed_samples(feed), indices[n])
         outbox.put((index, None, stats))
     except OnnxqError as exc:
         outbox.put((index, str(exc), None))

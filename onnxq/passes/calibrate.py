@@ -62,7 +62,7 @@ class Calibrate:
                 else as_dataset(state.data, inputs, o.batch_size, o.samples, o.preprocess)
             )
         calibrator = Calibrator(q, state.dataset, cb, o.progress, node_callbacks)
-        calibrator.workers = o.workers
+        calibrator.workers, calibrator.threads = o.workers, o.threads
         checked = o.output_format.runtime == "onnxruntime"
         calibrator.reference_batches = CHECK_BATCHES if checked else 0
         if self.channel_means is not None:
