@@ -1,18 +1,26 @@
-"""Calibration cost and quality: onnxq vs onnxruntime.quantize_static, one run, same data.
+"""Calibration cost and quality: onnxq vs onnxruntime.quantize_static and NNCF, one run.
 
     python -m benchmarks.calibration [--samples 64 256 1024] [--methods minmax entropy percentile]
-                                     [--models residual_cnn fashion_cnn] [--markdown FILE]
+                                     [--models residual_cnn fashion_cnn zoo:mobilenetv2_dogs]
+                                     [--workers 1 2] [--markdown FILE]
 
 Every (tool, method, sample count, model) runs in its own process, so peak RSS
-(``ru_maxrss``) is that run's alone. Both tools read the same samples one at a time from a
-generator (the data set itself is never held in memory by the harness), with batch 1.
+(``ru_maxrss``) is that run's alone. Every tool reads the same feeds from a generator (the data
+set itself is never held in memory by the harness for the two small models).
 
+* the floor (``fp32``): plain float inference of the same feeds in onnxruntime at its default
+  threads, the least a calibration pass can cost; onnxq's calibrate step (its own timer, the
+  ``calibrate N.NNs`` of the CLI summary) is reported as a ratio to it, for each ``--workers``
+  count; onnxruntime's and NNCF's whole quantization (they time no step apart) likewise.
 * ``residual_cnn``: the 5-conv residual CNN of ``latency.py`` with a 1×3×64×64 input and seeded
   random weights; quality is the top-1 agreement with fp32 on 500 held-out inputs.
 * ``fashion_cnn``: the trained Fashion-MNIST CNN of ``models/``; quality is test accuracy (10k).
+* ``zoo:NAME``: a zoo model with its recipe's calibration feeds (at most ``n`` of them; the
+  zoo's own batches); quality is not measured here (``benchmarks.zoo`` does).
 
 onnxruntime runs QOperator with its defaults otherwise; its Entropy and Percentile use its own
-defaults (128 bins for Entropy, as quantize_static sets them). onnxq uses 2048 bins.
+defaults (128 bins for Entropy, as quantize_static sets them). onnxq uses 2048 bins. NNCF runs
+``nncf.quantize`` at its defaults (its own method: reported under every method's row).
 """
 
 from __future__ import annotations
@@ -33,11 +41,21 @@ HERE = Path(__file__).resolve().parent
 
 
 def _source(model: str):
-    """(model path, sample generator factory, evaluation function)."""
+    """(model path, feed generator factory, evaluation function or None)."""
     import onnx
 
     from benchmarks.latency import residual_cnn
 
+    if model.startswith("zoo:"):
+        from benchmarks.zoo import _setup
+
+        _, entry, recipe, files = _setup(model[4:])
+
+        def zoo_feeds(n: int):
+            feeds = recipe.calibration(max(n, 1))
+            yield from feeds[:n]
+
+        return files["model"], zoo_feeds, None
     if model == "residual_cnn":
         path = Path(tempfile.gettempdir()) / "onnxq_bench_residual_cnn.onnx"
         if not path.exists():
@@ -84,18 +102,47 @@ def _run(path: str, x: np.ndarray) -> np.ndarray:
     )
 
 
+def _floor(path: Path, feeds) -> float:
+    """Seconds of plain fp32 inference of ``feeds`` (onnxruntime's default threads)."""
+    import onnxruntime as ort
+
+    opts = ort.SessionOptions()
+    opts.log_severity_level = 3
+    sess = ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
+    feeds = list(feeds)
+    sess.run(None, feeds[0])  # warm-up, as onnxq's session has run before its timer stops
+    start = time.perf_counter()
+    for f in feeds:
+        sess.run(None, f)
+    return time.perf_counter() - start
+
+
 def worker(tool: str, method: str, n: int, model: str) -> dict:
-    """One quantization in this process; returns seconds, peak RSS and quality."""
+    """One quantization (or the floor) in this process: seconds, peak RSS, quality."""
     path, samples, evaluate = _source(model)
     out = Path(tempfile.mkdtemp()) / "q.onnx"
     rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    step = None
     t = time.perf_counter()
-    if tool == "onnxq":
+    if tool == "fp32":
+        step = _floor(path, samples(n))
+    elif tool.startswith("onnxq"):
         import onnxq
 
-        onnxq.quantize(
-            str(path), lambda: samples(n), method=method, output=str(out), progress=False
+        workers = int(tool.split("-w")[1]) if "-w" in tool else 1
+        _, report = onnxq.quantize(
+            str(path),
+            lambda: samples(n),
+            method=method,
+            output=str(out),
+            progress=False,
+            workers=workers,
         )
+        step = report.seconds["calibrate"]
+    elif tool == "nncf":
+        from benchmarks.zoo import _nncf
+
+        _nncf(Path(path), list(samples(n)), out, "cnn")
     else:
         from onnxruntime.quantization import (
             CalibrationDataReader,
@@ -121,12 +168,33 @@ def worker(tool: str, method: str, n: int, model: str) -> dict:
         )
     seconds = time.perf_counter() - t
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    quality = None
+    if tool != "fp32" and evaluate is not None:
+        quality = evaluate(str(out))
     return {
         "seconds": seconds,
+        "step": step,
         "rss_mib": rss / 1024,
         "rss_before_mib": rss_before / 1024,
-        "quality": evaluate(str(out)),
+        "quality": quality,
     }
+
+
+def _call(tool: str, method: str, n: int, model: str) -> dict | None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.calibration", "--worker", tool, method, str(n), model],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
+    if proc.returncode != 0:
+        print(f"{tool} {method} {n} {model} failed:\n{proc.stderr[-2000:]}", file=sys.stderr)
+        return None
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _fmt(x: float | None, spec: str = ".2f") -> str:
+    return "–" if x is None else format(x, spec)
 
 
 def main() -> int:
@@ -134,6 +202,8 @@ def main() -> int:
     ap.add_argument("--samples", type=int, nargs="+", default=[64, 256, 1024])
     ap.add_argument("--methods", nargs="+", default=["minmax", "entropy", "percentile"])
     ap.add_argument("--models", nargs="+", default=["residual_cnn", "fashion_cnn"])
+    ap.add_argument("--workers", type=int, nargs="+", default=[1, 2])
+    ap.add_argument("--no-nncf", action="store_true", help="leave NNCF out")
     ap.add_argument("--markdown", default=None, help="also write the table here")
     ap.add_argument("--worker", nargs=4, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -141,67 +211,96 @@ def main() -> int:
         tool, method, n, model = args.worker
         print(json.dumps(worker(tool, method, int(n), model)))
         return 0
+    onnxq_tools = [f"onnxq-w{w}" for w in args.workers]
     rows = []
     for model in args.models:
-        for method in args.methods:
-            for n in args.samples:
-                res = {}
-                for tool in ("onnxq", "ort"):
-                    proc = subprocess.run(
-                        [sys.executable, __file__, "--worker", tool, method, str(n), model],
-                        capture_output=True,
-                        text=True,
-                    )
-                    if proc.returncode != 0:
-                        print(proc.stderr[-2000:], file=sys.stderr)
-                        return 1
-                    res[tool] = json.loads(proc.stdout.strip().splitlines()[-1])
+        for n in args.samples:
+            floor = _call("fp32", "minmax", n, model)
+            nncf = None if args.no_nncf else _call("nncf", "minmax", n, model)
+            for method in args.methods:
+                res = {t: _call(t, method, n, model) for t in onnxq_tools}
+                res["ort"] = _call("ort", method, n, model) if method != "mse" else None
+                res["nncf"], res["fp32"] = nncf, floor
                 rows.append((model, method, n, res))
-                q, o = res["onnxq"], res["ort"]
-                print(
-                    f"{model} {method} {n}: onnxq {q['seconds']:.1f}s {q['rss_mib']:.0f} MiB "
-                    f"q={q['quality']:.4f} | ort {o['seconds']:.1f}s {o['rss_mib']:.0f} MiB "
-                    f"q={o['quality']:.4f}",
-                    flush=True,
-                )
-    lines = [
-        "| model | method | samples | onnxq s | ort s | onnxq peak MiB | ort peak MiB | "
-        "ort/onnxq MiB | onnxq quality | ort quality |",
-        "|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for model, method, n, res in rows:
-        q, o = res["onnxq"], res["ort"]
-        lines.append(
-            f"| {model} | {method} | {n} | {q['seconds']:.1f} | {o['seconds']:.1f} | "
-            f"{q['rss_mib']:.0f} | {o['rss_mib']:.0f} | "
-            f"{o['rss_mib'] / q['rss_mib']:.2f} | {100 * q['quality']:.2f} | "
-            f"{100 * o['quality']:.2f} |"
-        )
-    # the two targets: flat memory, histogram methods within 2.5x of MinMax time
-    for model in args.models:
-        for method in args.methods:
-            sel = {n: r for m, me, n, r in rows if m == model and me == method}
-            if len(sel) > 1:
-                lo, hi = min(sel), max(sel)
-                growth = sel[hi]["onnxq"]["rss_mib"] / sel[lo]["onnxq"]["rss_mib"]
-                lines.append(
-                    f"- {model} {method}: onnxq peak RSS at {hi} samples is "
-                    f"{growth:.3f}x that at {lo}"
-                )
-        mm = {n: r for m, me, n, r in rows if m == model and me == "minmax"}
-        for method in args.methods:
-            if method == "minmax":
-                continue
-            for n, r in ((n, r) for m, me, n, r in rows if m == model and me == method):
-                if n in mm:
-                    ratio = r["onnxq"]["seconds"] / mm[n]["onnxq"]["seconds"]
-                    lines.append(f"- {model} {method} {n}: onnxq time {ratio:.2f}x its MinMax")
-    lines.insert(2 + len(rows), "")
-    text = "\n".join(lines)
+                print(_line(model, method, n, res, onnxq_tools), flush=True)
+    text = _table(rows, onnxq_tools, args.methods, args.models)
     print("\n" + text)
     if args.markdown:
         Path(args.markdown).write_text(text + "\n")
     return 0
+
+
+def _ratio(a: dict | None, key: str, floor: dict | None) -> float | None:
+    if a is None or floor is None or a.get(key) is None or not floor["step"]:
+        return None
+    return a[key] / floor["step"]
+
+
+def _line(model: str, method: str, n: int, res: dict, tools: list[str]) -> str:
+    parts = [f"{model} {method} {n}: floor {_fmt(res['fp32'] and res['fp32']['step'])}s"]
+    for t in tools:
+        r = res[t]
+        parts.append(
+            f"{t} calibrate {_fmt(r and r['step'])}s "
+            f"({_fmt(_ratio(r, 'step', res['fp32']), '.1f')}x floor)"
+        )
+    for t in ("ort", "nncf"):
+        r = res[t]
+        parts.append(f"{t} {_fmt(r and r['seconds'], '.1f')}s")
+    return " | ".join(parts)
+
+
+def _table(rows: list, tools: list[str], methods: list[str], models: list[str]) -> str:
+    head = (
+        ["model", "method", "samples", "fp32 inference s"]
+        + [f"{t} calibrate s (× floor)" for t in tools]
+        + [f"{t} peak MiB" for t in tools]
+        + ["ort total s (× floor)", "nncf total s (× floor)", "ort peak MiB", "nncf peak MiB"]
+        + [f"{t} quality" for t in tools[:1]]
+        + ["ort quality", "nncf quality"]
+    )
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for model, method, n, res in rows:
+        floor = res["fp32"]
+        cells = [model, method, str(n), _fmt(floor and floor["step"], ".3f")]
+        for t in tools:
+            r = res[t]
+            cells.append(f"{_fmt(r and r['step'])} ({_fmt(_ratio(r, 'step', floor), '.1f')}×)")
+        cells += [_fmt(res[t] and res[t]["rss_mib"], ".0f") for t in tools]
+        for t in ("ort", "nncf"):
+            r = res[t]
+            cells.append(
+                f"{_fmt(r and r['seconds'])} ({_fmt(_ratio(r, 'seconds', floor), '.1f')}×)"
+            )
+        cells += [_fmt(res[t] and res[t]["rss_mib"], ".0f") for t in ("ort", "nncf")]
+        for t in (tools[0], "ort", "nncf"):
+            r = res[t]
+            q = r and r["quality"]
+            cells.append(_fmt(None if q is None else 100 * q))
+        lines.append("| " + " | ".join(cells) + " |")
+    lines.append("")
+    # the targets: flat memory in the number of samples, workers against one process
+    for model in models:
+        for method in methods:
+            sel = {n: r for m, me, n, r in rows if m == model and me == method}
+            for t in tools:
+                got = {n: r[t] for n, r in sel.items() if r[t] is not None}
+                if len(got) > 1:
+                    lo, hi = min(got), max(got)
+                    growth = got[hi]["rss_mib"] / got[lo]["rss_mib"]
+                    lines.append(
+                        f"- {model} {method} {t}: peak RSS at {hi} samples is {growth:.3f}× "
+                        f"that at {lo}"
+                    )
+            if len(tools) > 1:
+                for n, r in sel.items():
+                    one, more = r[tools[0]], r[tools[-1]]
+                    if one and more and more["step"]:
+                        lines.append(
+                            f"- {model} {method} {n}: {tools[-1]} calibrates "
+                            f"{one['step'] / more['step']:.2f}× as fast as {tools[0]}"
+                        )
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

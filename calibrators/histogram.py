@@ -23,9 +23,9 @@ _SCRATCH: list[np.ndarray] = []
 
 
 def _scratch() -> tuple[np.ndarray, np.ndarray]:
-    """Two reusable buffers of ``_CHUNK`` float64 / int64 values (one pair per process)."""
+    """Two reusable buffers of ``_CHUNK`` float32 / intp values (one pair per process)."""
     if not _SCRATCH:
-        _SCRATCH.extend([np.empty(_CHUNK, np.float64), np.empty(_CHUNK, np.int64)])
+        _SCRATCH.extend([np.empty(_CHUNK, np.float32), np.empty(_CHUNK, np.intp)])
     return _SCRATCH[0], _SCRATCH[1]
 
 
@@ -72,10 +72,15 @@ class Histogram:
     def observe(self, x: np.ndarray) -> None:
         """Add a batch of values."""
         x = np.asarray(x, np.float32).ravel()
+        if x.size:
+            self.observe_range(x, float(x.min()), float(x.max()))
+
+    def observe_range(self, x: np.ndarray, lo: float, hi: float) -> None:
+        """Add a batch of finite values whose extremes ``lo``, ``hi`` the caller knows."""
+        x = np.asarray(x, np.float32).ravel()
         if not x.size:
             return
         self._cache.clear()
-        lo, hi = float(x.min()), float(x.max())
         self.exact_zeros += int(x.size - np.count_nonzero(x))
         self.min, self.max = min(self.min, lo), max(self.max, hi)
         need = max(-lo, hi)
@@ -89,21 +94,22 @@ class Histogram:
             self.zeros = 0
         while need >= self.half_range:
             self._double()
-        k = self.bins / (2 * self.half_range)
-        counts = np.zeros(self.bins + 1, np.int64)
+        # bins per unit: a power of two (the range is), so x·k is exact in float32 and its
+        # floor is the bin below the centre, with no float64 copy of the batch
+        k = np.float32(self.bins / (2 * self.half_range))
+        counts = np.zeros(self.bins, np.int64)
         # fixed-size chunks through reused scratch buffers: no fresh large allocations (and their
         # page faults) per batch, and the working set stays in cache
         pos, idx = _scratch()
         for start in range(0, x.size, _CHUNK):
             part = x[start : start + _CHUNK]
             n = part.size
-            np.multiply(part, k, out=pos[:n], dtype=np.float64)
-            pos[:n] += self.bins / 2
-            # pos is in [0, bins]; truncation is floor there; x == R lands in the extra bin
+            np.multiply(part, k, out=pos[:n])
+            np.floor(pos[:n], out=pos[:n])
             idx[:n] = pos[:n]
-            counts += np.bincount(idx[:n], minlength=self.bins + 1)
-        counts[self.bins - 1] += counts[self.bins]
-        self.counts += counts[: self.bins]
+            idx[:n] += self.bins // 2  # |x| < R: every index is in [0, bins)
+            counts += np.bincount(idx[:n], minlength=self.bins)
+        self.counts += counts
 
     def bounded(self, lo: float, hi: float) -> Histogram:
         """A copy whose values outside ``[lo, hi]`` sit at the bound instead.

@@ -20,6 +20,11 @@ class MinMaxObserver:
             self.rmin = min(self.rmin, float(np.min(x)))
             self.rmax = max(self.rmax, float(np.max(x)))
 
+    def observe_range(self, x: np.ndarray, lo: float, hi: float) -> None:
+        """Fold in a batch whose extremes the caller found already."""
+        self.rmin = min(self.rmin, lo)
+        self.rmax = max(self.rmax, hi)
+
     def merge(self, other: MinMaxObserver) -> None:
         """Fold in another shard's extrema (exact: the same as one pass over both)."""
         self.rmin = min(self.rmin, other.rmin)

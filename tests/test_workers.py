@@ -156,7 +156,7 @@ def test_statistics_merge_counts_and_channel_sums():
     a, b = one.channel_totals()["t"], shards[0].channel_totals()["t"]
     np.testing.assert_array_equal(a[0], b[0])
     assert a[1] == b[1]
-    assert block_size(1) == 16 and block_size(64) == 1
+    assert block_size(1) == 128 and block_size(64) == 2 and block_size(512) == 1
 
 
 def _digits(tmp_path):

@@ -53,7 +53,8 @@ class Statistics:
         self.samples += samples
         for name, arr in zip(names, outs):
             arr = np.asarray(arr)
-            finite = not arr.size or bool(np.isfinite(arr.min() + arr.max()))
+            lo, hi = (float(arr.min()), float(arr.max())) if arr.size else (0.0, 0.0)
+            finite = bool(np.isfinite(lo + hi))
             for tap in self.taps.get(name, ()) if finite else ():
                 # the batch as the layer reads it (skipped with NaN/Inf)
                 tap.observe(arr, index=index, block=index // self.block)
@@ -67,8 +68,12 @@ class Statistics:
             clamp = self.clamps.get(name)
             if clamp is not None and finite and observers:
                 arr = (np.minimum if clamp[0] == "Min" else np.maximum)(arr, clamp[1])
+            known = finite and clamp is None and arr.size and arr.dtype == np.float32
             for obs in observers:
-                obs.observe(arr)
+                if known and hasattr(obs, "observe_range"):
+                    obs.observe_range(arr, lo, hi)  # the extremes found above, not again
+                else:
+                    obs.observe(arr)
             if name in self.channel_axes:
                 self._add_channel_sums(name, arr)
 
@@ -111,7 +116,7 @@ class Statistics:
 
 
 #: samples a block of batches holds at least (see Statistics.block)
-BLOCK_SAMPLES = 16
+BLOCK_SAMPLES = 128
 
 
 def block_size(samples: int) -> int:

@@ -255,10 +255,10 @@ class HessianObserver:
     has, when known. The layer takes about :func:`total_rows` rows in all, spread evenly over
     the batches (else :func:`row_cap` per batch from the first batches). Each batch gives its
     rows from itself alone (a regular grid of its positions); rows are buffered within a block
-    of batches up to :data:`FLUSH_BYTES` or :data:`FLUSH_ROWS` and added as one float64 product
-    per group (products of float32 values are exact in float64) to an order-independent sum
-    (:class:`~onnxq.solve.sums.PairSum`): calibration split over workers by blocks gives the
-    same Hessian as one process.
+    of batches up to :data:`FLUSH_BYTES` or :data:`FLUSH_ROWS` and added as one float32 product
+    per group (relative error ~1e-7; a function of the block's batches alone) to an
+    order-independent float64 sum (:class:`~onnxq.solve.sums.PairSum`): calibration split over
+    workers by blocks gives the same Hessian as one process.
     """
 
     def __init__(
@@ -312,7 +312,7 @@ class HessianObserver:
     def _flush(self) -> None:
         if not self._pending:
             return
-        cols = np.concatenate(self._pending, axis=2).astype(np.float64)
+        cols = np.concatenate(self._pending, axis=2)
         self.sum.add(np.matmul(cols, np.swapaxes(cols, 1, 2)))
         self.rows += cols.shape[2]
         self._pending, self._pending_rows, self._pending_bytes = [], 0, 0
