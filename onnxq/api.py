@@ -43,6 +43,7 @@ def quantize(
     samples: int | None = None,
     workers: int = 1,
     threads: int | None = None,
+    ray: str | None = None,
     percentile: float = 99.999,
     bins: int = 2048,
     preprocess: str | None = None,
@@ -75,7 +76,11 @@ def quantize(
     on that many local processes, each taking every N-th batch (statistics merged; the script
     must start under ``if __name__ == "__main__":``); ``threads`` sets each calibration
     process's onnxruntime threads (default: onnxruntime's choice, or the cores shared out
-    among the workers). ``save_ranges`` writes the chosen
+    among the workers). ``ray`` runs the pass as Ray tasks instead: ``""`` on a local
+    cluster started for the call, else the address of the user's cluster (``"auto"``,
+    ``"HOST:PORT"``); ``workers`` tasks (default: the cluster's CPUs), each reading its own
+    share of ``data``, which must be a folder, an ``.npz`` path or ``"module:function"``
+    taking ``(shard, shards)`` (see onnxq.calibrate.cluster). ``save_ranges`` writes the chosen
     activation ranges as JSON; ``load_ranges`` reuses such a file instead of data. ``format``
     is ``qoperator`` (QLinear ops, onnxruntime CPU), ``qdq`` (standard ONNX Q/DQ around float
     ops; the opset is raised to 13 when per-channel scales need it) or ``openvino`` (float graph

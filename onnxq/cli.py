@@ -372,6 +372,17 @@ def _quantize_run(q: argparse.ArgumentParser) -> None:
         "same model, byte for byte, with the built-in methods)",
     )
     q.add_argument(
+        "--ray",
+        nargs="?",
+        const="",
+        default=None,
+        metavar="ADDRESS",
+        help="run the calibration pass as Ray tasks (pip install 'onnxq[ray]'): on a local "
+        "cluster, or on the one at ADDRESS (auto, HOST:PORT); --workers tasks (default: the "
+        "cluster's CPUs), each reading its own share of --data (a folder, an .npz or "
+        "module:function taking shard and shards)",
+    )
+    q.add_argument(
         "--threads",
         type=int,
         default=None,
@@ -528,6 +539,7 @@ def _quantize(args: argparse.Namespace) -> int:
             samples=args.samples,
             workers=args.workers,
             threads=args.threads,
+            ray=args.ray,
             percentile=args.percentile,
             bins=args.bins,
             preprocess=args.preprocess,

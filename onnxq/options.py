@@ -137,6 +137,9 @@ class QuantizeOptions:
     workers: int = 1
     #: onnxruntime threads of each calibration process (None: see Calibrator.threads)
     threads: int | None = None
+    #: run the calibration pass as Ray tasks: "" on a local cluster, else the cluster's
+    #: address (None: no Ray; see onnxq.calibrate.cluster)
+    ray: str | None = None
     preprocess: str | None = None
     save_ranges: str | os.PathLike[str] | None = None
     load_ranges: str | os.PathLike[str] | None = None
@@ -226,7 +229,7 @@ def resolve(
     """Merge explicit options (not None) over ``target``'s defaults and validate them once.
 
     ``rest``: the options no target sets (method, callback, percentile, bins, batch_size,
-    samples, workers, threads, preprocess, save_ranges, load_ranges, progress, output,
+    samples, workers, threads, ray, preprocess, save_ranges, load_ranges, progress, output,
     latency_check, weight_dtype, block_size).
     """
     tgt = target if isinstance(target, Target) else get_target(target or "ort-cpu")

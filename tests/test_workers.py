@@ -250,3 +250,84 @@ def test_an_observer_without_merge_is_refused_by_name():
     a = Statistics({"t": [Plain()]})
     with pytest.raises(CalibrationError, match="tensor 't'.*--workers 1"):
         a.merge(Statistics({"t": [Plain()]}))
+
+
+def _folder(tmp_path, count: int = 48):
+    """The demo's calibration images, one .npz per sample (a folder every task can read)."""
+    from onnxq.demo import demo_files
+
+    path, arrays = demo_files()
+    folder = tmp_path / "samples"
+    folder.mkdir()
+    for i, x in enumerate(arrays["calib"][:count]):
+        np.savez(folder / f"{i:03d}.npz", input=x)
+    return path, folder
+
+
+def test_ray_on_a_local_cluster_it_starts_writes_the_one_process_model(tmp_path, capsys):
+    ray = pytest.importorskip("ray", reason="Ray is not installed: pip install 'onnxq[ray]'")
+    path, folder = _folder(tmp_path)
+    outs = {}
+    for name, extra in (("one", ["--workers", "1"]), ("ray", ["--ray", "--workers", "2"])):
+        outs[name] = tmp_path / f"{name}.onnx"
+        rc = main(
+            [
+                "quantize",
+                str(path),
+                "--data",
+                str(folder),
+                "-o",
+                str(outs[name]),
+                "--quiet",
+                "--no-latency-check",
+                "--method",
+                "mse",
+                *extra,
+            ]
+        )
+        assert rc == 0
+    assert outs["one"].read_bytes() == outs["ray"].read_bytes()
+    assert not ray.is_initialized()  # the local cluster onnxq started is stopped
+    bad = ["quantize", str(path), "--data", str(folder), "--ray", "127.0.0.1:1"]
+    assert main([*bad, "-o", str(tmp_path / "x.onnx")]) == 2
+    assert "--ray 127.0.0.1:1: nothing answers there" in capsys.readouterr().err
+    assert not (tmp_path / "x.onnx").exists()
+
+
+def test_ray_tasks_open_a_shard_function_and_errors_are_clear(tmp_path, capsys):
+    ray = pytest.importorskip("ray", reason="Ray is not installed: pip install 'onnxq[ray]'")
+    from onnxq.demo import demo_files
+
+    path, arrays = demo_files()
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        tables = {}
+        for name, kw in (("one", {}), ("ray", {"ray": "", "workers": 2})):
+            tables[name] = tmp_path / f"{name}.json"
+            onnxq.quantize(
+                str(path),
+                "onnxq.demo:calibration_shard",
+                method="minmax",
+                save_ranges=tables[name],
+                progress=False,
+                **kw,
+            )
+        one, by_ray = (json.loads(tables[n].read_text())["tensors"] for n in ("one", "ray"))
+        assert one == by_ray  # every range; the batches differ, so the Hessians may
+        with pytest.raises(Exception, match="--ray needs calibration data every task can open"):
+            onnxq.quantize(str(path), {"input": arrays["calib"]}, ray="", progress=False)
+        rc = main(
+            [
+                "quantize",
+                str(path),
+                "--data",
+                "onnxq.demo:demo_files",
+                "--ray",
+                "-o",
+                str(tmp_path / "x.onnx"),
+            ]
+        )
+        assert rc == 2
+        assert "must take the parameters shard and shards" in capsys.readouterr().err
+    finally:
+        ray.shutdown()

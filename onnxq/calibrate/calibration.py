@@ -209,6 +209,10 @@ class Calibrator:
         #: onnxruntime threads of each calibration process (None: onnxruntime's choice in one
         #: process, the cores shared out among workers)
         self.threads: int | None = None
+        #: the data as Ray tasks open it (``--ray``) and the cluster's address (None: a local
+        #: one for the call); see onnxq.calibrate.cluster
+        self.ray_data: Any = None
+        self.ray_address: str | None = None
         self.report = CalibrationReport()
         self._float_session: Any = None
         self._float_names: list[str] = []
@@ -348,7 +352,9 @@ class Calibrator:
         keep = max((getattr(self.callback_for(r), "feeds_needed", 0) for r in records), default=0)
         batches = self.dataset_manager.batches()
         bar = _progress(batches, self.dataset_manager.num_batches(), self.progress)
-        if self.workers > 1:
+        if self.ray_data is not None:
+            self._observe_ray(stats, names)
+        elif self.workers > 1:
             self._observe_shards(stats, names, bar, keep)
         else:
             session = self._float(names, streaming=True)
@@ -385,6 +391,26 @@ class Calibrator:
             if len(self.sample_feeds) < keep:
                 self.sample_feeds.append(feeds)
             stats.add(names, outs, feed_samples(feeds), index)
+
+    def _observe_ray(self, stats: Statistics, names: list[str]) -> None:
+        """The pass as Ray tasks, each reading its own share of the data."""
+        from onnxq.calibrate.cluster import observe_on_ray
+        from onnxq.calibrate.dataset import model_inputs
+
+        assert self.ray_data is not None
+        inputs = model_inputs(self.quantizer.float_model)
+        shards = self.workers if self.workers > 1 else None
+        for shard in observe_on_ray(
+            self.quantizer.float_model,
+            names,
+            stats,
+            self.ray_data,
+            inputs,
+            self.ray_address,
+            shards,
+            self.threads,
+        ):
+            stats.merge(shard)
 
     def _observe_shards(
         self, stats: Statistics, names: list[str], batches: Iterable[Feed], keep: int

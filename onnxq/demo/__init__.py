@@ -33,6 +33,15 @@ def demo_files() -> tuple[Path, dict[str, np.ndarray]]:
     return model, data
 
 
+def calibration_shard(shard: int = 0, shards: int = 1) -> dict[str, np.ndarray]:
+    """The demo's calibration images, every ``shards``-th from ``shard``.
+
+    A data source each Ray task opens itself: ``--ray --data onnxq.demo:calibration_shard``.
+    """
+    _, data = demo_files()
+    return {"input": data["calib"][shard::shards]}
+
+
 def _session(model: onnx.ModelProto, threads: int = 1) -> Any:
     import onnxruntime as ort
 

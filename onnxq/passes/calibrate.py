@@ -63,6 +63,11 @@ class Calibrate:
             )
         calibrator = Calibrator(q, state.dataset, cb, o.progress, node_callbacks)
         calibrator.workers, calibrator.threads = o.workers, o.threads
+        if o.ray is not None and o.load_ranges is None:
+            from onnxq.calibrate.cluster import ShardedData
+
+            calibrator.ray_data = ShardedData.of(state.data, o.batch_size, o.samples, o.preprocess)
+            calibrator.ray_address = o.ray or None
         checked = o.output_format.runtime == "onnxruntime"
         calibrator.reference_batches = CHECK_BATCHES if checked else 0
         if self.channel_means is not None:

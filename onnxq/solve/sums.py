@@ -28,7 +28,9 @@ class PairSum:
             return
         total = self.hi + term
         virtual = total - self.hi
-        self.lo += (self.hi - (total - virtual)) + (term - virtual)
+        # new arrays, never in place: a sum that came back from another process (Ray's object
+        # store) may hold read-only arrays
+        self.lo = self.lo + ((self.hi - (total - virtual)) + (term - virtual))
         self.hi = total
 
     def merge(self, other: PairSum) -> None:
@@ -37,7 +39,7 @@ class PairSum:
             return
         self.add(other.hi)
         assert self.lo is not None
-        self.lo += other.lo
+        self.lo = self.lo + other.lo
 
     @property
     def empty(self) -> bool:
