@@ -40,7 +40,7 @@ from onnxq.calibrate.images import ImageFolderDataset
 from onnxq.calibrate.sources import as_dataset
 from onnxq.calibrate.statistics import Statistics, block_size
 from onnxq.errors import CalibrationError, ConfigError, OnnxqError
-from onnxq.io.graph import TWO_GIB
+from onnxq.io.graph import TWO_GIB, proto_size
 from onnxq.io.loader import is_reference, load_object
 
 #: what a local cluster is started with (besides its CPUs)
@@ -132,7 +132,7 @@ def observe_on_ray(
         raise ConfigError(
             "--ray needs Ray: pip install 'onnxq[ray]' (or pip install ray)"
         ) from None
-    if model.ByteSize() >= TWO_GIB:
+    if proto_size(model) >= TWO_GIB:
         raise ConfigError(
             "--ray sends the model through Ray's object store as one message, which models "
             "over 2 GB cannot be; calibrate them with --workers"

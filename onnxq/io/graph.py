@@ -90,17 +90,39 @@ def _check_external_data(path: Path) -> None:
 def check_model(proto: onnx.ModelProto, where: str = "the model") -> None:
     """Run onnx.checker (full check, size-aware) and raise ModelError with its first line."""
     try:
-        if proto.ByteSize() < TWO_GIB:
+        if proto_size(proto) < TWO_GIB:
             onnx.checker.check_model(proto)
-        else:  # the in-memory checker refuses protos over 2 GB: check the graph with its opsets
-            ctx = onnx.checker.C.CheckerContext()
-            ctx.ir_version = proto.ir_version
-            ctx.opset_imports = {o.domain: o.version for o in proto.opset_import}
-            onnx.checker.check_graph(proto.graph, ctx)
+        else:  # the checker parses a serialized copy, which cannot pass 2 GB: check the graph
+            onnx.checker.check_model(_weights_as_inputs(proto))  # with weights as typed inputs
     except onnx.checker.ValidationError as exc:
         raise ModelError(
             f"{where} is rejected by onnx.checker: {_first_line(exc)}; fix or re-export the model"
         ) from None
+
+
+def _weights_as_inputs(model: onnx.ModelProto, limit: int = 4096) -> onnx.ModelProto:
+    """A copy whose large main-graph initializers are graph inputs of their type and shape."""
+    out = onnx.ModelProto()
+    copy_fields(model, out, skip="graph")
+    copy_fields(model.graph, out.graph, skip="initializer")
+    for t in model.graph.initializer:
+        if _nbytes(t) <= limit and t.data_location != onnx.TensorProto.EXTERNAL:
+            out.graph.initializer.append(t)
+        else:
+            out.graph.input.append(onnx.helper.make_tensor_value_info(t.name, t.data_type, t.dims))
+    return out
+
+
+def proto_size(proto: Any) -> int:
+    """``proto.ByteSize()``, or :data:`TWO_GIB` for a message past protobuf's 2 GB limit.
+
+    protobuf's own ``ByteSize`` raises EncodeError there (upb), so a size test on a large
+    model must not call it directly.
+    """
+    try:
+        return int(proto.ByteSize())
+    except Exception:  # google.protobuf.message.EncodeError: past 2 GB
+        return TWO_GIB
 
 
 def save_model(proto: onnx.ModelProto, path: str | os.PathLike[str]) -> None:
@@ -115,7 +137,7 @@ def save_model(proto: onnx.ModelProto, path: str | os.PathLike[str]) -> None:
     folder = path.parent if str(path.parent) else Path(".")
     if not folder.is_dir():
         raise ModelError(f"output folder '{folder}' does not exist; create it or choose another -o")
-    if proto.ByteSize() < TWO_GIB:
+    if proto_size(proto) < TWO_GIB:
         write_bytes_atomic(path, proto.SerializeToString(deterministic=True))
         return
     try:

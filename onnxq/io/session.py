@@ -93,13 +93,13 @@ SHARED_WEIGHTS_BYTES = 32 * 2**20
 
 def _session(ort: Any, model: onnx.ModelProto, opts: Any) -> Any:
     providers = ["CPUExecutionProvider"]
-    if model.ByteSize() < SHARED_WEIGHTS_BYTES:
+    if graph.proto_size(model) < SHARED_WEIGHTS_BYTES:
         return ort.InferenceSession(serialize(model), opts, providers=providers)
     # serialized bytes, onnxruntime's parsed copy and its tensors were three copies of the
     # weights at once (VGG19: +1.7 GB): give it the weights as arrays beside a weightless graph.
     # onnxruntime copies them while it loads the model; they are freed on return.
     stub, held = graph.split_weights(model)
-    if stub.ByteSize() < graph.TWO_GIB:
+    if graph.proto_size(stub) < graph.TWO_GIB:
         values = [ort.OrtValue.ortvalue_from_numpy(onnx.numpy_helper.to_array(t)) for t in held]
         opts.add_external_initializers([t.name for t in held], values)
         return ort.InferenceSession(serialize(stub), opts, providers=providers)

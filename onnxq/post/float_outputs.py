@@ -39,6 +39,7 @@ def float_outputs(model: onnx.ModelProto) -> list[str]:
     inits = {i.name: i for i in g.initializer}
     changed: list[str] = []
     drop: set[int] = set()
+    released: set[str] = set()  # constants the rewritten nodes no longer read
     for n in list(g.node):
         if n.op_type not in FLOAT_OUTPUT_QOPS or n.output[0] in graph_outputs:
             continue
@@ -54,6 +55,8 @@ def float_outputs(model: onnx.ModelProto) -> list[str]:
             for r in readers.get(u.output[0], []):
                 r.input[:] = [out if x == u.output[0] else x for x in r.input]
         drop.update(id(u) for u in users)
+        released.update(x for x in n.input if x in inits)
+        released.update(x for u in users for x in u.input[1:] if x in inits)
         if n.op_type == "QGemm":
             del n.input[7:]
             n.output[0] = out
@@ -64,9 +67,29 @@ def float_outputs(model: onnx.ModelProto) -> list[str]:
         kept = [n for n in g.node if id(n) not in drop]
         del g.node[:]
         g.node.extend(kept)
+        # the output scale and zero point (and the dropped DQs' constants) nothing reads now:
+        # onnxruntime warned about each at load
+        read = _read_names(g) | graph_outputs
+        dead = {x for x in released if x not in read}
+        if dead:
+            live = [i for i in g.initializer if i.name not in dead]
+            del g.initializer[:]
+            g.initializer.extend(live)
         if not any(o.domain == MS_DOMAIN for o in model.opset_import):
             model.opset_import.append(helper.make_opsetid(MS_DOMAIN, 1))
     return changed
+
+
+def _read_names(graph: onnx.GraphProto) -> set[str]:
+    """Every name a node of ``graph`` or of its subgraphs reads."""
+    from onnxq.io.graph import graphs_of
+
+    names: set[str] = set()
+    for node in graph.node:
+        names.update(node.input)
+        for _, sub in graphs_of(node):
+            names |= _read_names(sub)
+    return names
 
 
 def _to_integer_to_float(

@@ -20,6 +20,7 @@ import onnx
 
 from onnxq.calibrate.calibration import run_checked
 from onnxq.calibrate.dataset import Feed, IterableDataset, model_inputs, shared_batch
+from onnxq.io.graph import proto_size
 from onnxq.io.session import make_session
 from onnxq.tools.compare import TensorStats, compare
 
@@ -77,7 +78,7 @@ def accuracy_warnings(
     if not low:
         return []
     where = "; run `onnxq compare` to see every layer (the model is too large to search here)"
-    if float_model.ByteSize() <= LAYER_SEARCH_BYTES:
+    if proto_size(float_model) <= LAYER_SEARCH_BYTES:
         specs = model_inputs(float_model)
         data = IterableDataset([_first_sample(feeds[0], specs)]).bind(specs)
         layers = sorted(compare(float_model, quant_model, data).layers, key=lambda s: s.order)

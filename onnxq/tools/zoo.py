@@ -36,7 +36,7 @@ import onnx
 
 from onnxq.api import quantize
 from onnxq.errors import ModelError, OnnxqError
-from onnxq.io.graph import save_model
+from onnxq.io.graph import proto_size, save_model
 from onnxq.io.openvino import available as openvino_available
 from onnxq.io.openvino import openvino_compile
 from onnxq.lower.convert import convert
@@ -704,7 +704,7 @@ def _result(
         quantized_nodes=quantized,
         min_quantized=model.min_quantized,
         fp32_bytes=path.stat().st_size,
-        int8_bytes=qmodel.ByteSize(),
+        int8_bytes=proto_size(qmodel),
         seconds=seconds,
         float_reasons=reasons,
         summary=summary,
