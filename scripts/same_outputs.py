@@ -51,7 +51,9 @@ ROOT = Path(__file__).resolve().parent.parent
 #:   magnitude) so that merging shards and doubling are exact and batch order does not show;
 #:   the Percentile/Entropy/MSE ranges move by a fraction of the old grid (MSE is the
 #:   default: every setting's scales change; zoo bars all met).
-REFERENCE = "cb47f81"
+#: - 43e1985: an int8 MatMul/Gemm writing float no longer leaves its output scale and zero point
+#:   behind unread (the values the check compares lose those constants; outputs are the same).
+REFERENCE = "43e1985"
 
 SETTINGS: dict[str, dict[str, Any]] = {
     "default": {},
