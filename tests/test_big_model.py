@@ -14,12 +14,14 @@ import pytest
 
 import onnxq
 import onnxq.io.graph as graph
+import onnxq.io.session as session
 from scripts import big_model
 
 
 @pytest.fixture
 def small_limit(monkeypatch):
     monkeypatch.setattr(graph, "TWO_GIB", 128 * 1024)  # the int8 output is ~230 KB
+    monkeypatch.setattr(session, "FILE_WEIGHTS_BYTES", 128 * 1024)  # sessions from files
 
 
 @pytest.mark.parametrize("method", ["minmax", "average-max", "percentile", "entropy", "mse"])

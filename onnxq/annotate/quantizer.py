@@ -116,7 +116,8 @@ class Quantizer:
 
     ``model`` is a path or ModelProto (never modified); ``patterns`` defaults to
     ``onnxq.patterns.default_patterns()``; ``kept_float``: nodes an earlier pass added that stay
-    float, with the reason the decisions give (SmoothQuant's Mul by 1/s).
+    float, with the reason the decisions give (SmoothQuant's Mul by 1/s); ``copy=False``: a
+    ModelProto the caller gives up (it is not copied first; the pipeline's own model).
     """
 
     def __init__(
@@ -125,9 +126,15 @@ class Quantizer:
         patterns: Sequence[QuantizerPattern] | None = None,
         config: QuantizerConfig | None = None,
         kept_float: dict[str, str] | None = None,
+        copy: bool = True,
     ):
         self.config = config or QuantizerConfig()
-        self.float_model: onnx.ModelProto = preprocess(load_model(model))
+        # copy=False: the caller hands its (checked) ModelProto over and keeps no reference,
+        # so the preprocessed copy replaces it instead of joining it (a model's worth of memory)
+        proto = load_model(model) if copy or not isinstance(model, onnx.ModelProto) else model
+        del model
+        self.float_model: onnx.ModelProto = preprocess(proto)
+        del proto
         self.patterns = list(patterns) if patterns is not None else default_patterns()
         self.records: list[PatternRecord] = []
         self.placeholders: dict[str, Placeholder] = {}

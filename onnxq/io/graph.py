@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
+from onnx import numpy_helper
 
 from onnxq._version import __version__
 from onnxq.errors import ModelError, OutputError
@@ -150,19 +151,47 @@ def _save_external(proto: onnx.ModelProto, path: Path, folder: Path) -> None:
     data_name = path.name + ".data"
     with tempfile.TemporaryDirectory(prefix=f".{path.name}.", dir=folder) as tmp:
         staged = Path(tmp) / path.name
-        external = onnx.ModelProto()
-        external.CopyFrom(proto)  # saving as external data rewrites the proto it is given
-        onnx.save_model(
-            external,
-            str(staged),
-            save_as_external_data=True,
-            all_tensors_to_one_file=True,
-            location=data_name,
-            size_threshold=1024,
-        )
+        write_external(proto, staged, data_name)
         for f in (Path(tmp) / data_name, staged):
             _publish(f)
             os.replace(f, folder / f.name)
+
+
+#: external data offsets are multiples of this, so onnxruntime can map the weights
+EXTERNAL_ALIGN = 4096
+
+
+def write_external(proto: onnx.ModelProto, path: Path, data_name: str, limit: int = 1024) -> None:
+    """Write ``proto`` to ``path`` with initializers over ``limit`` bytes in ``data_name``.
+
+    One tensor at a time is copied out (onnx.save_model with external data rewrites a whole
+    copy of the model: a model's worth of memory at 2 GB); offsets are page-aligned, in graph
+    order, so the same model gives the same files.
+    """
+    stub, held = split_weights(proto, limit)
+    stubs = [t for t in stub.graph.initializer if _in_memory(t)]
+    offset = 0
+    with open(path.parent / data_name, "wb") as data:
+        for s, t in zip(stubs, held, strict=True):
+            raw = t.raw_data if t.HasField("raw_data") else numpy_helper.to_array(t).tobytes()
+            pad = -offset % EXTERNAL_ALIGN
+            data.write(b"\0" * pad)
+            offset += pad
+            data.write(raw)
+            del s.external_data[:]
+            for key, value in (("location", data_name), ("offset", offset), ("length", len(raw))):
+                entry = s.external_data.add()
+                entry.key, entry.value = key, str(value)
+            offset += len(raw)
+            del raw
+    with open(path, "wb") as f:
+        f.write(serialize(stub))
+
+
+def _in_memory(t: onnx.TensorProto) -> bool:
+    return t.data_location == onnx.TensorProto.EXTERNAL and any(
+        e.key == "location" and e.value == IN_MEMORY for e in t.external_data
+    )
 
 
 def write_text_atomic(path: str | os.PathLike[str], text: str) -> None:

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import ctypes
-import os
 import sys
 import tempfile
 from collections.abc import Iterable
+from pathlib import Path
 from typing import Any
 
 import onnx
@@ -89,6 +89,8 @@ def _inferred_types(model: onnx.ModelProto) -> dict[str, int]:
 
 #: models above this size hand onnxruntime their weights as arrays, not inside the bytes
 SHARED_WEIGHTS_BYTES = 32 * 2**20
+#: models above this size hand it a file with external data (no array copies at all)
+FILE_WEIGHTS_BYTES = 2**30
 
 
 def _session(ort: Any, model: onnx.ModelProto, opts: Any) -> Any:
@@ -98,16 +100,17 @@ def _session(ort: Any, model: onnx.ModelProto, opts: Any) -> Any:
     # serialized bytes, onnxruntime's parsed copy and its tensors were three copies of the
     # weights at once (VGG19: +1.7 GB): give it the weights as arrays beside a weightless graph.
     # onnxruntime copies them while it loads the model; they are freed on return.
-    stub, held = graph.split_weights(model)
-    if graph.proto_size(stub) < graph.TWO_GIB:
+    if graph.proto_size(model) < FILE_WEIGHTS_BYTES:
+        stub, held = graph.split_weights(model)
         values = [ort.OrtValue.ortvalue_from_numpy(onnx.numpy_helper.to_array(t)) for t in held]
         opts.add_external_initializers([t.name for t in held], values)
         return ort.InferenceSession(serialize(stub), opts, providers=providers)
-    # protobuf cannot serialize 2 GB: hand onnxruntime a file with external data
+    # a large model (or one past protobuf's 2 GB): a file with external data, written one
+    # tensor at a time; the arrays above were a whole extra copy of the weights while it loaded
     with tempfile.TemporaryDirectory(prefix="onnxq-session-") as tmp:
-        path = os.path.join(tmp, "model.onnx")
-        graph.save_model(model, path)
-        return ort.InferenceSession(path, opts, providers=["CPUExecutionProvider"])
+        path = Path(tmp) / "model.onnx"
+        graph.write_external(model, path, "model.onnx.data")
+        return ort.InferenceSession(str(path), opts, providers=providers)
 
 
 def output_types(model: onnx.ModelProto) -> dict[str, int]:
