@@ -37,8 +37,8 @@ PARTS: dict[str, float] = defaultdict(float)
 
 def _instrument() -> None:
     """Wrap the pieces of Statistics.add and run_ahead's wait with timers."""
-    import onnxq.calibrate.calibration as cal
     import onnxq.calibrate.statistics as st
+    import onnxq.calibrate.streaming as streaming
 
     def timed(owner, name, part, obj=None):
         fn = getattr(owner, name)
@@ -53,7 +53,7 @@ def _instrument() -> None:
         setattr(owner, name, wrapper)
 
     timed(st, "channel_means", "channel sums")
-    timed(cal._Run, "result", "inference (waited)")
+    timed(streaming._Run, "result", "inference (waited)")
     original = st.Statistics.add
 
     def add(self, names, outs, samples, index):

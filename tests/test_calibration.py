@@ -483,7 +483,7 @@ def test_inputs_of_saturating_gates_get_a_finer_grid(op, monkeypatch):
 def test_run_ahead_keeps_the_batch_order_and_names_a_failing_batch():
     import threading
 
-    from onnxq.calibrate.calibration import run_ahead
+    from onnxq.calibrate.streaming import run_ahead
 
     seen_threads = set()
 

@@ -39,6 +39,7 @@ from onnxq.calibrate.dataset import Feed, FolderDataset, InputSpec, feed_samples
 from onnxq.calibrate.images import ImageFolderDataset
 from onnxq.calibrate.sources import as_dataset
 from onnxq.calibrate.statistics import Statistics, block_size
+from onnxq.calibrate.streaming import available_cores, one_blas_thread, run_checked
 from onnxq.errors import CalibrationError, ConfigError, OnnxqError
 from onnxq.io.graph import TWO_GIB, proto_size
 from onnxq.io.loader import is_reference, load_object
@@ -160,7 +161,6 @@ def observe_on_ray(
 
 
 def _connect(ray: Any, address: str | None) -> None:
-    from onnxq.calibrate.calibration import available_cores
 
     if address:
         _reachable(address)
@@ -222,7 +222,6 @@ def _shard_task(
     threads: int,
 ) -> Statistics:  # pragma: no cover - runs in Ray's worker processes (tested through them)
     """One task: its share of the data folded into the blank statistics."""
-    from onnxq.calibrate.calibration import one_blas_thread, run_checked
     from onnxq.io.session import make_session
 
     stats: Statistics = pickle.loads(blank)

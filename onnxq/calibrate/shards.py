@@ -29,6 +29,7 @@ import onnx
 
 from onnxq.calibrate.dataset import Feed, feed_samples
 from onnxq.calibrate.statistics import Statistics, block_size
+from onnxq.calibrate.streaming import available_cores, one_blas_thread, run_ahead
 from onnxq.errors import CalibrationError, OnnxqError
 
 #: batches waiting in each worker's queue
@@ -39,8 +40,6 @@ POLL_S = 0.5
 
 def threads_per_worker(workers: int) -> int:
     """Threads of onnxruntime for each of ``workers`` processes (the cores shared out, >= 1)."""
-    from onnxq.calibrate.calibration import available_cores
-
     return max(1, available_cores() // workers)
 
 
@@ -181,7 +180,6 @@ def _work(
     threads: int,
 ) -> None:  # pragma: no cover - runs in the worker processes (tested through them)
     """One worker: load the model, fold every batch it is handed, send the statistics back."""
-    from onnxq.calibrate.calibration import one_blas_thread, run_ahead
     from onnxq.io.session import make_session
 
     try:

@@ -18,8 +18,8 @@ from typing import Any
 import numpy as np
 import onnx
 
-from onnxq.calibrate.calibration import run_checked
 from onnxq.calibrate.dataset import Feed, IterableDataset, model_inputs, shared_batch
+from onnxq.calibrate.streaming import run_checked
 from onnxq.io.graph import proto_size
 from onnxq.io.session import make_session
 from onnxq.tools.compare import TensorStats, compare

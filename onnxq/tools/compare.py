@@ -24,8 +24,8 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
-from onnxq.calibrate.calibration import run_checked
 from onnxq.calibrate.dataset import DatasetManager
+from onnxq.calibrate.streaming import run_checked
 from onnxq.io.session import make_session, output_types
 
 FLOAT_TYPES = {onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.DOUBLE}
