@@ -11,7 +11,9 @@ set itself is never held in memory by the harness for the two small models).
 * the floor (``fp32``): plain float inference of the same feeds in onnxruntime at its default
   threads, the least a calibration pass can cost; onnxq's calibrate step (its own timer, the
   ``calibrate N.NNs`` of the CLI summary) is reported as a ratio to it, for each ``--workers``
-  count; onnxruntime's and NNCF's whole quantization (they time no step apart) likewise.
+  count and for ``--ray`` tasks on a local cluster started for the run (its start-up is in
+  the step; the feeds are written to a folder of .npz files first, untimed, for the tasks to
+  read); onnxruntime's and NNCF's whole quantization (they time no step apart) likewise.
 * ``residual_cnn``: the 5-conv residual CNN of ``latency.py`` with a 1×3×64×64 input and seeded
   random weights; quality is the top-1 agreement with fp32 on 500 held-out inputs.
 * ``fashion_cnn``: the trained Fashion-MNIST CNN of ``models/``; quality is test accuracy (10k).
@@ -117,6 +119,14 @@ def _floor(path: Path, feeds) -> float:
     return time.perf_counter() - start
 
 
+def _feed_folder(feeds, folder: Path) -> str:
+    """``feeds`` written one per .npz file (the folder a Ray task reads its share of)."""
+    folder.mkdir()
+    for i, feed in enumerate(feeds):
+        np.savez(folder / f"{i:06d}.npz", **feed)
+    return str(folder)
+
+
 def worker(tool: str, method: str, n: int, model: str) -> dict:
     """One quantization (or the floor) in this process: seconds, peak RSS, quality."""
     path, samples, evaluate = _source(model)
@@ -130,13 +140,18 @@ def worker(tool: str, method: str, n: int, model: str) -> dict:
         import onnxq
 
         workers = int(tool.split("-w")[1]) if "-w" in tool else 1
+        data, ray = (lambda: samples(n)), None
+        if tool.startswith("onnxq-ray"):  # tasks read their own files: one .npz per feed
+            data, ray = _feed_folder(samples(n), out.parent / "feeds"), ""
+            t = time.perf_counter()  # writing the folder is not onnxq's time
         _, report = onnxq.quantize(
             str(path),
-            lambda: samples(n),
+            data,
             method=method,
             output=str(out),
             progress=False,
             workers=workers,
+            ray=ray,
         )
         step = report.seconds["calibrate"]
     elif tool == "nncf":
@@ -203,6 +218,9 @@ def main() -> int:
     ap.add_argument("--methods", nargs="+", default=["minmax", "entropy", "percentile"])
     ap.add_argument("--models", nargs="+", default=["residual_cnn", "fashion_cnn"])
     ap.add_argument("--workers", type=int, nargs="+", default=[1, 2])
+    ap.add_argument(
+        "--ray", type=int, default=2, help="Ray tasks on a local cluster (0: leave Ray out)"
+    )
     ap.add_argument("--no-nncf", action="store_true", help="leave NNCF out")
     ap.add_argument("--markdown", default=None, help="also write the table here")
     ap.add_argument("--worker", nargs=4, default=None, help=argparse.SUPPRESS)
@@ -212,6 +230,8 @@ def main() -> int:
         print(json.dumps(worker(tool, method, int(n), model)))
         return 0
     onnxq_tools = [f"onnxq-w{w}" for w in args.workers]
+    if args.ray:
+        onnxq_tools.append(f"onnxq-ray-w{args.ray}")
     rows = []
     for model in args.models:
         for n in args.samples:

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import json
+import tempfile
+from pathlib import Path
+
 import numpy as np
 import onnx
 import pytest
@@ -126,6 +130,12 @@ def test_qdq_raises_opset_for_per_channel_and_keeps_low_opset_per_tensor():
         np.testing.assert_allclose(run(q, feeds)[0], ref, atol=0.05 * float(np.ptp(ref)))
 
 
+def _step_of(table: Path, tensor: str) -> float:
+    """The uint8 step of ``tensor``'s range in a saved range table (the range covers 0)."""
+    lo, hi = json.loads(Path(table).read_text())["tensors"][tensor]
+    return (max(hi, 0.0) - min(lo, 0.0)) / 255
+
+
 def test_cli_format_qdq_on_zoo_model(tmp_path):
     x = R.uniform(0, 1, (16, 1, 28, 28)).astype(np.float32)
     np.savez(tmp_path / "c.npz", input=x)
@@ -142,19 +152,17 @@ def test_cli_format_qdq_on_zoo_model(tmp_path):
                     "--format",
                     fmt,
                     "--quiet",
+                    "--save-ranges",
+                    str(tmp_path / f"{fmt}.json"),
                 ]
             )
             == 0
         )
     a = run(tmp_path / "qoperator.onnx", {"input": x[:4]})[0]
     b = run(tmp_path / "qdq.onnx", {"input": x[:4]})[0]
-    scale = onnx.numpy_helper.to_array(
-        next(
-            i
-            for i in onnx.load(str(tmp_path / "qdq.onnx")).graph.initializer
-            if i.name == "logits_scale"
-        )
-    )
+    # the logits are written in float (onnxq.post.float_outputs), so no output scale is left
+    # in the model: the step the calibrated range would have had is the unit
+    scale = _step_of(tmp_path / "qdq.json", "logits")
     assert np.abs(a - b).max() <= float(scale) + 1e-6
 
 
@@ -214,9 +222,12 @@ def test_three_formats_agree_within_one_step(name):
     assert {n.domain for n in fq.graph.node} <= {"", "org.openvinotoolkit"}
     assert "FakeQuantize" in ops(fq)
     last = fp32.graph.output[0].name
-    inits = {i.name: onnx.numpy_helper.to_array(i) for i in models["qoperator"].graph.initializer}
-    # the MLP's Softmax stays float: its output moves less than the step of its input
-    scale = inits.get(f"{last}_scale", inits.get("logits_scale"))
+    table = Path(tempfile.mkdtemp()) / "ranges.json"
+    onnxq.quantize(path, {inp: calib}, weight_bits=7, progress=False, save_ranges=table)
+    # the unit: the step of the last layer's calibrated range (it writes float, so the model
+    # keeps no output scale); the MLP's Softmax stays float and moves less than its input's step
+    ranges = json.loads(table.read_text())["tensors"]
+    scale = _step_of(table, last if last in ranges else "logits")
     outputs = {}
     for f, model in models.items():
         m = onnx.ModelProto()
