@@ -288,6 +288,15 @@ def test_smoothquant_reads_a_one_shot_iterator_once():
     assert report.calibration.samples == 24 and report.smoothing
 
 
+def test_a_function_returning_a_generator_is_read_again_on_every_pass():
+    """SmoothQuant, calibration and the check each read the data: a function that returns a
+    fresh generator each call must not be taken for a consumed one-shot iterator (it was)."""
+    model = _encoder(outlier=40.0)
+    feeds = _padded(6, 1)
+    q, report = onnxq.quantize(model, lambda: (f for f in feeds), progress=False)
+    assert report.calibration.samples == 24 and report.smoothing
+
+
 def test_smoothquant_output_is_byte_identical_across_runs():
     model = _encoder(outlier=40.0)
     a, _ = onnxq.quantize(model, _padded(6, 1), progress=False, smoothquant="on")

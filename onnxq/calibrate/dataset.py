@@ -610,8 +610,9 @@ class IterableDataset(DatasetManager):
         return callable(self.source) or iter(self.source) is not self.source
 
     def _raw(self) -> Iterator[Mapping[str, Any]]:
-        src = self.source() if callable(self.source) else self.source
-        if iter(src) is src:  # a one-shot iterator
+        fresh = callable(self.source)  # a function gives a fresh iterable on every call
+        src = self.source() if fresh else self.source
+        if not fresh and iter(src) is src:  # a one-shot iterator
             if self._used:
                 raise DataError(
                     "the calibration iterator was already consumed; pass a list or a "
