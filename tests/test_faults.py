@@ -86,12 +86,12 @@ if stage == "save":
     real = graph.os.fsync
     graph.os.fsync = lambda fd: (block(), real(fd))
 else:
-    import onnxq.calibrate.calibration as calibration
-    real_run = calibration.run_checked
+    import onnxq.calibrate.streaming as streaming
+    real_run = streaming.run_checked
     def slow(*args, **kwargs):
         block()
         return real_run(*args, **kwargs)
-    calibration.run_checked = slow
+    streaming.run_checked = slow
 sys.exit(main(["quantize", sys.argv[3], "-o", sys.argv[4], "--data", sys.argv[5], "--quiet"]))
 """
 
