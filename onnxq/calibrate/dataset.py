@@ -610,9 +610,11 @@ class IterableDataset(DatasetManager):
         return callable(self.source) or iter(self.source) is not self.source
 
     def _raw(self) -> Iterator[Mapping[str, Any]]:
-        fresh = callable(self.source)  # a function gives a fresh iterable on every call
-        src = self.source() if fresh else self.source
-        if not fresh and iter(src) is src:  # a one-shot iterator
+        if callable(self.source):  # a function gives a fresh iterable on every call
+            yield from self.source()
+            return
+        src = self.source
+        if iter(src) is src:  # a one-shot iterator
             if self._used:
                 raise DataError(
                     "the calibration iterator was already consumed; pass a list or a "
