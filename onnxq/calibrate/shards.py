@@ -98,6 +98,9 @@ def observe_in_processes(
             while len(results) < workers:
                 _collect(outbox, procs, results, block=True)
         finally:
+            if len(results) < workers:  # stopped early: batches nobody will read stay queued,
+                for box in inboxes:  # and this process must not wait to flush them at exit
+                    box.cancel_join_thread()
             for p in procs:
                 if p.is_alive() and len(results) < workers:
                     p.terminate()
