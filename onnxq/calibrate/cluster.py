@@ -39,7 +39,7 @@ from onnxq.calibrate.dataset import Feed, FolderDataset, InputSpec, feed_samples
 from onnxq.calibrate.images import ImageFolderDataset
 from onnxq.calibrate.sources import as_dataset
 from onnxq.calibrate.statistics import Statistics, block_size
-from onnxq.calibrate.streaming import available_cores, one_blas_thread, run_checked
+from onnxq.calibrate.streaming import available_cores
 from onnxq.errors import CalibrationError, ConfigError, OnnxqError
 from onnxq.io.graph import TWO_GIB, proto_size
 from onnxq.io.loader import is_reference, load_object
@@ -222,12 +222,8 @@ def _shard_task(
     threads: int,
 ) -> Statistics:  # pragma: no cover - runs in Ray's worker processes (tested through them)
     """One task: its share of the data folded into the blank statistics."""
-    from onnxq.io.session import make_session
+    from onnxq.calibrate.shards import fold_numbered
 
-    stats: Statistics = pickle.loads(blank)
-    session = make_session(onnx.load_from_string(model_bytes), threads=threads, expose=names)
-    with one_blas_thread():
-        for index, feed in shard_feeds(data, inputs, shard, shards, block):
-            outs = run_checked(session, names, feed, index)
-            stats.add(names, outs, feed_samples(feed), index)
-    return stats
+    model = onnx.load_from_string(model_bytes)
+    feeds = shard_feeds(data, inputs, shard, shards, block)
+    return fold_numbered(model, names, blank, feeds, threads)

@@ -31,6 +31,7 @@ from onnxq.calibrate.dataset import Feed, feed_samples
 from onnxq.calibrate.statistics import Statistics, block_size
 from onnxq.calibrate.streaming import available_cores, one_blas_thread, run_ahead
 from onnxq.errors import CalibrationError, OnnxqError
+from onnxq.io.graph import save_model
 
 #: batches waiting in each worker's queue
 QUEUE_BATCHES = 2
@@ -73,7 +74,7 @@ def observe_in_processes(
     ctx = multiprocessing.get_context("spawn")
     with tempfile.TemporaryDirectory(prefix="onnxq-workers-") as tmp:
         path = Path(tmp) / "float.onnx"
-        _save_for_workers(model, path)
+        save_model(model, path)  # initializers beside it when it would pass 2 GB
         inboxes = [ctx.Queue(maxsize=QUEUE_BATCHES) for _ in range(workers)]
         outbox = ctx.Queue()
         procs = [
@@ -132,13 +133,6 @@ def _thread_limits(threads: int) -> Iterator[None]:
                 os.environ[k] = v
 
 
-def _save_for_workers(model: onnx.ModelProto, path: Path) -> None:
-    """The model the workers load (initializers beside it when it would pass 2 GB)."""
-    from onnxq.io.graph import save_model
-
-    save_model(model, path)
-
-
 def _put(
     box: Any, item: Any, procs: list[Any], outbox: Any, results: dict[int, Statistics]
 ) -> None:
@@ -173,6 +167,35 @@ def _collect(outbox: Any, procs: list[Any], results: dict[int, Statistics], bloc
         return
 
 
+def fold_numbered(
+    model: onnx.ModelProto,
+    names: list[str],
+    blank: bytes,
+    numbered: Iterable[tuple[int, Feed]],
+    threads: int,
+) -> Statistics:
+    """The blank statistics with every (batch number, feed) folded in (a worker's or a task's).
+
+    onnxruntime runs the next batch while this one is folded, as in one process.
+    """
+    from onnxq.io.session import make_session
+
+    stats: Statistics = pickle.loads(blank)
+    session = make_session(model, threads=threads, expose=names)
+    indices: list[int] = []
+
+    def feeds() -> Iterator[Feed]:
+        for index, feed in numbered:
+            indices.append(index)
+            yield feed
+
+    with one_blas_thread():
+        ran = run_ahead(session, names, feeds(), indices.__getitem__)
+        for n, (feed, outs) in enumerate(ran):
+            stats.add(names, outs, feed_samples(feed), indices[n])
+    return stats
+
+
 def _work(
     path: str,
     names: list[str],
@@ -183,22 +206,13 @@ def _work(
     threads: int,
 ) -> None:  # pragma: no cover - runs in the worker processes (tested through them)
     """One worker: load the model, fold every batch it is handed, send the statistics back."""
-    from onnxq.io.session import make_session
+
+    def numbered() -> Iterator[tuple[int, Feed]]:
+        while (item := inbox.get()) is not None:
+            yield item
 
     try:
-        stats: Statistics = pickle.loads(blank)
-        session = make_session(onnx.load(path), threads=threads, expose=names)
-        indices: list[int] = []
-
-        def feeds() -> Iterator[Feed]:
-            while (item := inbox.get()) is not None:
-                indices.append(item[0])
-                yield item[1]
-
-        with one_blas_thread():
-            ran = run_ahead(session, names, feeds(), indices.__getitem__)
-            for n, (feed, outs) in enumerate(ran):
-                stats.add(names, outs, feed_samples(feed), indices[n])
+        stats = fold_numbered(onnx.load(path), names, blank, numbered(), threads)
         outbox.put((index, None, stats))
     except OnnxqError as exc:
         outbox.put((index, str(exc), None))
