@@ -65,6 +65,7 @@ def quantize(
     model_kind: str = "auto",
     max_drop: float | None = None,
     metric: str | None = None,
+    budget: float | None = None,
 ) -> tuple[onnx.ModelProto, QuantizeReport]:
     """Quantize ``model`` with calibration ``data``; return the int8 model and a report.
 
@@ -104,7 +105,11 @@ def quantize(
     correction for CNNs, equalization for CNNs with per-tensor weights, SmoothQuant for
     transformers, optimized rounding for both;
     ``model_kind`` overrides the detection: ``cnn``, ``transformer``, ``rnn`` or ``other``).
-    The report's ``algorithms`` says what ran. ``max_drop`` turns on the accuracy-driven
+    The report's ``algorithms`` says what ran. ``budget`` (seconds) bounds the whole call:
+    a default algorithm whose estimated time does not fit, after the calibration and the other
+    required steps are reserved, is left out (onnxq.passes.budget; the estimates come from
+    timing the float model on the first batch, so the choice depends on the machine);
+    algorithms asked for by name always run. ``max_drop`` turns on the accuracy-driven
     fallback (onnxq.tools.fallback): every 8th calibration batch is held back, and the fewest
     groups, ranked by the output error each causes (onnxq.tools.sensitivity), go back to float
     until the metric (``metric``:

@@ -213,6 +213,16 @@ def _quantize_io(q: argparse.ArgumentParser) -> None:
         "number (higher is better); default: mean output cosine with fp32, in %%",
     )
     q.add_argument(
+        "--budget",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="bound the whole call: a default algorithm (equalization, SmoothQuant, optimized "
+        "rounding) whose estimated time does not fit is left out, and the summary says which; "
+        "estimates come from timing the float model on the first batch (default: no limit, "
+        "every default runs)",
+    )
+    q.add_argument(
         "--model-kind",
         default="auto",
         choices=list(KINDS),
@@ -558,6 +568,7 @@ def _quantize(args: argparse.Namespace) -> int:
             max_drop=args.max_drop,
             metric=args.metric,
             model_kind=args.model_kind,
+            budget=args.budget,
         ),
         cli=True,
     )

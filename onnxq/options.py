@@ -61,6 +61,7 @@ _PARAMETERS: dict[str, tuple[str, ...] | None] = {
     "equalization": EQUALIZATIONS,
     "rounding": ROUNDINGS,
     "model-kind": KINDS,
+    "budget": (),
     "weight-bits": (),
     "bins": (),
     "percentile": (),
@@ -161,6 +162,9 @@ class QuantizeOptions:
     metric: str | None = None
     #: the model's kind, or "auto" to read it from the graph (onnxq.prepare.kind)
     model_kind: str = "auto"
+    #: seconds the whole call may take: default algorithms that would not fit are left out
+    #: (None: no limit, every default runs; onnxq.passes.budget)
+    budget: float | None = None
     #: choices onnxq made on its own (e.g. 7-bit weights), for the report
     notes: tuple[str, ...] = ()
     #: explicit choices this machine's runtime will not run exactly
@@ -267,6 +271,11 @@ def resolve(
         raise ConfigError(
             f"{spell('max_drop', cli, max_drop)} must be a number ≥ 0 (metric points)"
         )
+    budget = rest.get("budget")
+    if budget is not None and (
+        isinstance(budget, bool) or not isinstance(budget, (int, float)) or not budget > 0
+    ):
+        raise ConfigError(f"{spell('budget', cli, budget)} must be a number of seconds > 0")
     if rest.get("metric") is not None and max_drop is None:
         raise ConfigError(
             f"{spell('metric', cli)} is the metric of the accuracy-driven fallback; add "

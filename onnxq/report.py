@@ -18,6 +18,7 @@ from onnxq.annotate.quantizer import Quantizer
 from onnxq.annotate.specs import Decision
 from onnxq.calibrate.calibration import CalibrationReport
 from onnxq.options import pythonize, spell
+from onnxq.passes.budget import budget_line
 from onnxq.passes.manager import PassRecord, State, op_histogram
 from onnxq.post.requantize import Requantizer, RequantizeStats, rescales
 from onnxq.solve.qparams import qrange
@@ -62,6 +63,8 @@ class QuantizeReport:
     rounding: dict[str, Any] = field(default_factory=dict)
     #: accuracy-driven fallback (max_drop): the metric, the bar, every trial and the choice
     fallback: dict[str, Any] = field(default_factory=dict)
+    #: the time budget (budget set): the float pass timed, each estimate, what was left out
+    budget: dict[str, Any] = field(default_factory=dict)
 
     @property
     def quantized_nodes(self) -> list[str]:
@@ -93,6 +96,8 @@ class QuantizeReport:
                 for p in self.passes
             ),
         ]
+        if self.budget:
+            lines.append(budget_line(self.budget, sum(p.seconds for p in self.passes)))
         if self.fallback:
             lines.append(fallback_line(self.fallback))
         if self.latency:
@@ -141,6 +146,7 @@ class QuantizeReport:
             "equalization": self.equalization,
             "rounding": self.rounding,
             "fallback": self.fallback,
+            "budget": self.budget,
         }
 
 
@@ -171,6 +177,7 @@ def build_report(state: State) -> QuantizeReport:
         smoothing=dict(state.smoothing),
         equalization=dict(state.equalization),
         rounding=dict(state.rounding),
+        budget=dict(state.budget),
     )
     explain_constraints(report.decisions, sol)
     if not o.cli:

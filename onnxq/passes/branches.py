@@ -12,6 +12,7 @@ from typing import Any
 import onnx
 
 from onnxq.options import QuantizeOptions
+from onnxq.passes.budget import settle
 from onnxq.passes.manager import PassResult, State
 from onnxq.post.subgraphs import BranchResult, has_branches, quantize_branches
 
@@ -44,7 +45,7 @@ class Branches:
             return PassResult(f"{len(ifs)} If nodes left float")
         state.dataset.reset()
         feeds = [dict(f) for f in state.dataset.batches()]
-        options = state.options.for_branches()
+        options = settle(state.options.for_branches(), state.over_budget)
 
         def run(model: onnx.ModelProto, samples: list[dict[str, Any]]) -> Any:
             return self.quantize(model, samples, options)

@@ -42,12 +42,17 @@ from onnxq.solve.equalize import (
 THROUGH = frozenset({"Relu", "LeakyRelu", "Clip", "Pad"})
 
 
+def auto(state: State) -> bool:
+    """Whether ``auto`` picks equalization for this model (a CNN with per-tensor weights)."""
+    return state.kind == "cnn" and not state.options.per_channel
+
+
 def active(state: State) -> bool:
-    """Whether equalization runs (``on``, or ``auto`` on a CNN with per-tensor weights)."""
+    """Whether equalization runs (``on``, or ``auto`` where it helps and the budget allows)."""
     o = state.options
     if o.equalization == "on":
         return True
-    return o.equalization == "auto" and state.kind == "cnn" and not o.per_channel
+    return o.equalization == "auto" and auto(state) and "equalization" not in state.over_budget
 
 
 @dataclass
@@ -95,7 +100,9 @@ class Equalize:
     def run(self, state: State) -> PassResult:
         """Find the links, equalize them, rewrite the float model."""
         if not active(state):
-            why = "per-channel weights" if state.options.per_channel else f"{state.kind} model"
+            why = state.over_budget.get("equalization") or (
+                "per-channel weights" if state.options.per_channel else f"{state.kind} model"
+            )
             return PassResult(f"off ({state.options.equalization}, {why})")
         if state.data is None and state.dataset is None:
             return PassResult("off (no calibration data)")

@@ -86,6 +86,9 @@ class State:
     float_nodes: dict[str, str] = field(default_factory=dict)
     #: int8 MatMul/Gemm nodes that write float (onnxq.post.float_outputs)
     float_outputs: list[str] = field(default_factory=list)
+    #: the budget pass (budget set): algorithm -> why it is left out, and the plan it made
+    over_budget: dict[str, str] = field(default_factory=dict)
+    budget: dict[str, Any] = field(default_factory=dict)
     solution: Any = None
     #: the model being produced; empty until materialized
     model: onnx.ModelProto = field(default_factory=onnx.ModelProto)

@@ -10,6 +10,7 @@ from onnxq.options import QuantizeOptions
 from onnxq.passes.annotate import Annotate
 from onnxq.passes.bias_correction import BiasCorrection, requests
 from onnxq.passes.branches import Branches, BranchQuantizer
+from onnxq.passes.budget import Budget
 from onnxq.passes.calibrate import Calibrate
 from onnxq.passes.check import Check
 from onnxq.passes.equalize import Equalize
@@ -33,6 +34,8 @@ def build(options: QuantizeOptions, quantize_branch: BranchQuantizer) -> list[Pa
         return [Load(raise_opsets=False), WeightOnlyInt4(), Verify(), Save()]
     fmt = options.output_format
     passes: list[Pass] = [Load()]
+    if options.budget is not None:
+        passes.append(Budget())
     if options.equalization != "off" and options.load_ranges is None:
         passes.append(Equalize())
     if options.smoothquant != "off" and options.load_ranges is None:

@@ -49,10 +49,17 @@ class _Layer:
     transposed: bool  # dense weight stored (N, K) (Gemm transB=1)
 
 
+def auto(state: State) -> bool:
+    """Whether ``auto`` picks optimized rounding for this model (a CNN or a transformer)."""
+    return state.kind in AUTO_KINDS
+
+
 def active(state: State) -> bool:
-    """Whether optimized rounding runs (``rounding`` optimized, or auto on CNNs/transformers)."""
+    """Whether optimized rounding runs (``optimized``, or ``auto`` where the budget allows)."""
     o = state.options
-    return o.rounding == "optimized" or (o.rounding == "auto" and state.kind in AUTO_KINDS)
+    if o.rounding == "optimized":
+        return True
+    return o.rounding == "auto" and auto(state) and "rounding" not in state.over_budget
 
 
 def _layers(state: State) -> tuple[list[_Layer], dict[str, str]]:
@@ -185,7 +192,8 @@ class WeightRounding:
     def run(self, state: State) -> PassResult:
         """Round every layer whose input Hessian was collected."""
         if not active(state):
-            return PassResult(f"off ({state.options.rounding}, {state.kind} model)")
+            why = state.over_budget.get("rounding", f"{state.kind} model")
+            return PassResult(f"off ({state.options.rounding}, {why})")
         if not state.hessians:
             if state.options.load_ranges is not None:
                 return PassResult("off (ranges loaded: no calibration data streamed)")

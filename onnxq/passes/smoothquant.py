@@ -52,10 +52,17 @@ class _Stats:
     seen: int = 0
 
 
+def auto(state: State) -> bool:
+    """Whether ``auto`` picks SmoothQuant for this model (a transformer)."""
+    return state.kind == "transformer"
+
+
 def active(state: State) -> bool:
-    """Whether SmoothQuant runs for this model (``smoothquant`` on, or auto on a transformer)."""
+    """Whether SmoothQuant runs (``on``, or ``auto`` on a transformer the budget allows)."""
     o = state.options
-    return o.smoothquant == "on" or (o.smoothquant == "auto" and state.kind == "transformer")
+    if o.smoothquant == "on":
+        return True
+    return o.smoothquant == "auto" and auto(state) and "smoothquant" not in state.over_budget
 
 
 class SmoothQuant:
@@ -66,7 +73,8 @@ class SmoothQuant:
     def run(self, state: State) -> PassResult:
         """Gather input statistics, choose alpha per input, rewrite the float model."""
         if not active(state):
-            return PassResult(f"off ({state.options.smoothquant}, {state.kind} model)")
+            why = state.over_budget.get("smoothquant", f"{state.kind} model")
+            return PassResult(f"off ({state.options.smoothquant}, {why})")
         if state.data is None:
             return PassResult("off (no calibration data)")
         model = state.float_model

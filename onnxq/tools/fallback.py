@@ -36,6 +36,7 @@ from onnxq.io.graph import load_model, save_model
 from onnxq.io.loader import load_object
 from onnxq.io.session import make_session
 from onnxq.options import QuantizeOptions, spell
+from onnxq.passes.budget import settle
 from onnxq.passes.manager import State, run_passes
 from onnxq.passes.pipeline import build
 from onnxq.report import QuantizeReport, build_report
@@ -192,6 +193,7 @@ def search(
         return t
 
     first, state = run([])
+    base = settle(base, state.over_budget)  # the trials repeat the first one's budget plan
     trials.append(first)
     ranked = _ranked_groups(state, held)[:CANDIDATES] if first.drop > bar else []
     del state

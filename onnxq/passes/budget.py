@@ -1,0 +1,180 @@
+"""Budget: which default algorithms fit in the seconds ``budget`` gives the whole call.
+
+Runs after loading, only when ``budget`` is set. Needs ``state.float_model``, ``state.kind`` and
+the calibration data. Leaves ``state.over_budget`` (algorithm -> why it is left out), which the
+equalization, SmoothQuant and rounding passes read: an algorithm their ``auto`` setting would
+run is left out when it does not fit. An algorithm asked for by name (``on``, ``optimized``,
+``layerwise``) always runs; its estimate is spent first. Leaves ``state.budget`` for the report.
+
+The unit of every estimate is one float inference pass over the calibration data, measured by
+running the float model on the first batch (twice: the first run warms the session up) times
+the number of batches. Each algorithm costs a fixed number of such passes: about the median
+ratio measured on the zoo's models (:data:`COST`; the table in docs/usage.md), so an estimate
+can err either way by about 2x; the summary puts the whole estimate beside the time taken. The
+calibrate pass and the rest of the call are reserved before any algorithm is kept. When not
+all fit, they are kept in :data:`PRIORITY` order (the largest accuracy gains measured first).
+
+The choice depends on this machine's speed, so a budget that cuts an algorithm may cut it on
+one machine and not another: the report names what was left out, so a run can be repeated with
+the algorithms written out (``--rounding nearest``, ...). Without a budget nothing is timed and
+the output depends on the inputs only.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+from typing import Any
+
+from onnxq.calibrate.dataset import model_inputs
+from onnxq.calibrate.sources import as_dataset
+from onnxq.io.session import make_session
+from onnxq.options import QuantizeOptions, spell
+from onnxq.passes import equalize, rounding, smoothquant
+from onnxq.passes.manager import PassResult, State
+
+#: float passes over the calibration data each algorithm costs (about the median ratio of its
+#: measured time to one float pass on MobileNetV2, EfficientNet-Lite1, nudenet and MiniLM;
+#: rounding counts its Hessians, which the calibrate pass gathers, and its solve)
+COST = {"equalization": 5.0, "smoothquant": 7.0, "rounding": 9.0, "layerwise": 6.0}
+#: float passes the calibrate pass costs per method (histogram methods: :data:`HISTOGRAMS`;
+#: the Hessians of optimized rounding are counted in its own cost)
+CALIBRATE = {"minmax": 4.0, "average-max": 4.0, "output-aware": 50.0}
+HISTOGRAMS = 6.0
+#: the rest of the call (annotate, materialize, lower, verify, checks): passes and seconds
+REST_PASSES, REST_SECONDS = 2.0, 1.0
+#: the algorithms a budget may leave out, kept in this order when not all fit
+PRIORITY = ("equalization", "smoothquant", "rounding")
+#: the test ``auto`` applies, and the explicit setting that runs each regardless
+AUTO = {
+    "equalization": (equalize.auto, "equalization", "on"),
+    "smoothquant": (smoothquant.auto, "smoothquant", "on"),
+    "rounding": (rounding.auto, "rounding", "optimized"),
+}
+
+
+#: the setting that leaves each algorithm out by name
+OFF = {"equalization": "off", "smoothquant": "off", "rounding": "nearest"}
+
+
+def settle(options: QuantizeOptions, over_budget: dict[str, str]) -> QuantizeOptions:
+    """``options`` with the budget's choice written out, for the quantizations that repeat it.
+
+    The If branches and the trials of the accuracy-driven fallback follow the main
+    quantization's plan instead of timing and planning again.
+    """
+    off: dict[str, Any] = {AUTO[n][1]: OFF[n] for n in over_budget}
+    return replace(options, budget=None, **off)
+
+
+def pass_seconds(state: State) -> tuple[float | None, str]:
+    """One float pass over the calibration data, in seconds, and how it was found."""
+    o = state.options
+    model = state.float_model
+    ds = state.dataset
+    if ds is None:
+        ds = as_dataset(state.data, model_inputs(model), o.batch_size, o.samples, o.preprocess)
+        state.dataset = ds
+    if not ds.replayable:
+        return None, "a one-shot data source cannot be read ahead to time it"
+    n = ds.num_batches()
+    if n is None:
+        return None, "the data's number of batches is not known before it is read"
+    first = next(iter(ds.batches()))
+    ds.reset()
+    session = make_session(model)
+    session.run(None, first)  # warm-up: allocations, first-run kernels
+    start = time.perf_counter()
+    session.run(None, first)
+    one = time.perf_counter() - start
+    return one * n, f"{n} batches × {one * 1e3:.1f} ms"
+
+
+def calibrate_cost(method: str) -> float:
+    """Float passes the calibrate pass of ``method`` costs."""
+    return CALIBRATE.get(method, HISTOGRAMS)
+
+
+class Budget:
+    """Keep the default algorithms that fit in ``budget`` seconds, the most valuable first."""
+
+    name = "budget"
+
+    def run(self, state: State) -> PassResult:
+        """Time one float pass, reserve the required steps, keep what fits."""
+        o = state.options
+        limit = o.budget
+        if limit is None:
+            return PassResult("")
+        wanted = [n for n in PRIORITY if AUTO[n][0](state) and getattr(o, AUTO[n][1]) == "auto"]
+        asked = [n for n in PRIORITY if getattr(o, AUTO[n][1]) == AUTO[n][2]]
+        if o.bias_correction == "layerwise":
+            asked.append("layerwise")
+        plan: dict[str, Any] = {"seconds": limit, "wanted": wanted, "asked": asked}
+        state.budget = plan
+        if state.data is None or o.load_ranges is not None:
+            plan["note"] = "no calibration data is read: nothing to plan"
+            return PassResult(f"{limit:g} s: no calibration data is read, nothing to plan")
+        start = time.perf_counter()
+        p, how = pass_seconds(state)
+        spent = sum(r.seconds for r in state.records) + (time.perf_counter() - start)
+        if p is None:
+            plan["note"] = f"{how}: every default algorithm runs"
+            return PassResult(f"{limit:g} s: {how}; every default algorithm runs")
+        reserve = p * (calibrate_cost(o.method) + REST_PASSES) + REST_SECONDS
+        left = limit - spent - reserve - sum(COST[n] * p for n in asked)
+        plan.update(
+            {
+                "float_pass_seconds": round(p, 3),
+                "float_pass": how,
+                "spent_before_seconds": round(spent, 3),
+                "reserved_seconds": round(reserve, 3),
+                "estimates": {n: round(COST[n] * p, 3) for n in wanted + asked},
+            }
+        )
+        kept, cut = [], []
+        for n in wanted:
+            cost = COST[n] * p
+            if cost <= left:
+                left -= cost
+                kept.append(n)
+                continue
+            state.over_budget[n] = (
+                f"over the {limit:g} s budget: about {cost:.1f} s, "
+                f"{max(left, 0.0):.1f} s left after the required steps"
+            )
+            cut.append(n)
+        plan["kept"], plan["left_out"] = kept, cut
+        runs = sum(COST[n] * p for n in kept + asked)
+        plan["estimated_seconds"] = round(spent + reserve + runs, 3)
+        plan["to_run_anyway"] = " ".join(spell(AUTO[n][1], o.cli, AUTO[n][2]) for n in cut)
+        parts = [f"{limit:g} s; a float pass ≈ {p:.2f} s; required steps ≈ {reserve:.1f} s"]
+        if kept:
+            parts.append("kept " + ", ".join(f"{n} (≈ {COST[n] * p:.1f} s)" for n in kept))
+        if cut:
+            parts.append("left out " + ", ".join(f"{n} (≈ {COST[n] * p:.1f} s)" for n in cut))
+        if not wanted:
+            parts.append("no default algorithm to weigh")
+        return PassResult("; ".join(parts))
+
+
+def budget_line(plan: dict[str, Any], took: float) -> str:
+    """The summary's budget line: the limit, what was left out and the time taken."""
+    limit = plan["seconds"]
+    head = f"budget {limit:g} s"
+    if "estimated_seconds" in plan:
+        head += f", estimated {plan['estimated_seconds']:.1f} s"
+    head += f", the passes took {took:.1f} s"
+    if took > limit:
+        head += f" ({took - limit:.1f} s over)"
+    if "note" in plan:
+        return f"{head}: {plan['note']}"
+    cut = plan.get("left_out", [])
+    tail = (
+        f"left out {', '.join(cut)} ({plan['to_run_anyway']} to run "
+        + ("it" if len(cut) == 1 else "them")
+        + " anyway)"
+        if cut
+        else "every default algorithm fit"
+    )
+    return f"{head}: {tail}"
