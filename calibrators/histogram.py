@@ -11,6 +11,8 @@ whatever the number of samples.
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from onnxq.calibrate.callbacks import ObserverCallback
@@ -18,6 +20,12 @@ from onnxq.errors import CalibrationError, ConfigError
 from onnxq.solve.qparams import params_from_range, qrange
 
 DEFAULT_BINS = 2048
+#: values of one sample (one row of the leading axis) a histogram takes at least; past
+#: :data:`SAMPLE_FROM` times that, a strided sample of them (:func:`sample`)
+SAMPLE_VALUES = 16384
+#: the smallest stride used: primes from here on share no factor with the sizes of tensor axes
+#: (products of 2, 3, 5 and 7 in practice), so a sample does not keep to a few columns
+SAMPLE_FROM = 11
 _CHUNK = 1 << 15
 _SCRATCH: list[np.ndarray] = []
 
@@ -27,6 +35,32 @@ def _scratch() -> tuple[np.ndarray, np.ndarray]:
     if not _SCRATCH:
         _SCRATCH.extend([np.empty(_CHUNK, np.float32), np.empty(_CHUNK, np.intp)])
     return _SCRATCH[0], _SCRATCH[1]
+
+
+@functools.cache
+def _stride(per_row: int) -> int:
+    """The largest prime ≥ :data:`SAMPLE_FROM` keeping at least SAMPLE_VALUES of ``per_row``."""
+    want = per_row // SAMPLE_VALUES
+    for s in range(want, SAMPLE_FROM - 1, -1):
+        if all(s % d for d in range(2, int(s**0.5) + 1)):
+            return s
+    return 1
+
+
+def sample(x: np.ndarray) -> np.ndarray:
+    """The values a histogram counts: every one, or a strided sample of each sample's.
+
+    Ranges need the shape of the distribution, not every value: a tensor of more than
+    SAMPLE_FROM × SAMPLE_VALUES values a sample keeps every s-th of them (s prime, at least
+    SAMPLE_VALUES kept), row by row of the leading axis, so that the values kept do not depend
+    on how the samples are batched. The extremes are taken from all values by the caller.
+    """
+    rows = x.shape[0] if x.ndim > 1 else 1
+    per_row = x.size // rows if rows else 0
+    stride = _stride(per_row) if per_row else 1
+    if stride == 1:
+        return x.ravel()
+    return x.reshape(rows, per_row)[:, ::stride].ravel()
 
 
 def power_above(value: float) -> float:
@@ -46,6 +80,10 @@ def _doubled(counts: np.ndarray) -> np.ndarray:
 
 class Histogram:
     """Counts of values in ``bins`` equal bins over ``[-R, R]``, grown by doubling ``R``."""
+
+    #: count :func:`sample`'s values instead of every one: for ranges that weigh the whole
+    #: distribution (MSE); the far tail that Percentile and Entropy read needs every value
+    sampled = False
 
     def __init__(self, bins: int = DEFAULT_BINS):
         if bins < 64 or bins % 2:
@@ -70,14 +108,18 @@ class Histogram:
         return float(self.min), float(self.max)
 
     def observe(self, x: np.ndarray) -> None:
-        """Add a batch of values."""
-        x = np.asarray(x, np.float32).ravel()
+        """Add a batch of values (samples on the leading axis, see :func:`sample`)."""
+        x = np.asarray(x, np.float32)
         if x.size:
             self.observe_range(x, float(x.min()), float(x.max()))
 
     def observe_range(self, x: np.ndarray, lo: float, hi: float) -> None:
-        """Add a batch of finite values whose extremes ``lo``, ``hi`` the caller knows."""
-        x = np.asarray(x, np.float32).ravel()
+        """Add a batch of finite values whose extremes ``lo``, ``hi`` the caller knows.
+
+        The counts are of :func:`sample`'s values when :attr:`sampled`; the extremes of all.
+        """
+        x = np.asarray(x, np.float32)
+        x = sample(x) if self.sampled else x.ravel()
         if not x.size:
             return
         self._cache.clear()
@@ -331,8 +373,12 @@ class MSEObserver(Histogram):
 
     For every ``α`` on a grid the bin centres are quantized and dequantized with the parameters
     the range gives (the real dtype, zero point and clipping), and the error is weighted by the
-    bin counts: ``E(α) = Σ_b n_b (c_b − dq(q(c_b)))²``.
+    bin counts: ``E(α) = Σ_b n_b (c_b − dq(q(c_b)))²``. The counts are of a strided sample of
+    each large tensor (:func:`sample`): the error weighs the whole distribution, which the
+    sample keeps, and the grid of ``α`` scales the exact extremes.
     """
+
+    sampled = True
 
     def __init__(self, bins: int = DEFAULT_BINS, grid: int = 100):
         super().__init__(bins)

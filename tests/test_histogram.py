@@ -157,3 +157,52 @@ def test_bad_options():
         Histogram(63)
     with pytest.raises(ConfigError, match="--percentile"):
         PercentileObserver(20.0)
+
+
+def test_a_large_tensor_is_sampled_row_by_row_whatever_the_batching():
+    """Past SAMPLE_FROM × SAMPLE_VALUES values a sample, a prime stride keeps at least
+    SAMPLE_VALUES of each sample's values, the same ones in any batching; extremes stay exact."""
+    from onnxq.calibrators import histogram
+
+    x = R.laplace(0, 1, (6, 64, 80, 80)).astype(np.float32)
+    per_row = x[0].size
+    stride = histogram._stride(per_row)
+    assert stride >= histogram.SAMPLE_FROM and per_row // stride >= histogram.SAMPLE_VALUES
+    assert all(stride % d for d in range(2, stride))
+    whole, one_by_one, pairs = MSEObserver(), MSEObserver(), MSEObserver()
+    whole.observe(x)
+    for i in range(6):
+        one_by_one.observe(x[i : i + 1])
+    for i in range(0, 6, 2):
+        pairs.observe(x[i : i + 2])
+    for other in (one_by_one, pairs):
+        np.testing.assert_array_equal(whole.counts, other.counts)
+    assert whole.total == 6 * -(-per_row // stride)
+    assert (whole.min, whole.max) == (x.min(), x.max())
+    small = MSEObserver()
+    small.observe(x[:, :16])  # 102,400 values a sample: all counted
+    assert small.total == x[:, :16].size
+
+
+def test_mse_ranges_from_the_sample_match_those_from_every_value(monkeypatch):
+    from onnxq.calibrators import histogram
+
+    x = np.abs(R.laplace(0, 1, (32, 400_000))).astype(np.float32) * 3.0
+    sampled = feed(MSEObserver(), [x])
+    monkeypatch.setattr(histogram, "SAMPLE_FROM", 10**9)
+    histogram._stride.cache_clear()
+    try:
+        full = feed(MSEObserver(), [x])
+    finally:
+        histogram._stride.cache_clear()
+    assert full.total == x.size and sampled.total < x.size // 10
+    (lo_s, hi_s), (lo_f, hi_f) = sampled.compute(), full.compute()
+    assert lo_s == lo_f == 0.0 or abs(lo_s - lo_f) <= 0.02 * hi_f
+    assert abs(hi_s - hi_f) <= 0.02 * hi_f
+
+
+@pytest.mark.parametrize("make", [EntropyObserver, PercentileObserver])
+def test_the_tail_methods_count_every_value(make):
+    """Entropy and Percentile read the far tail, which a sample would thin out."""
+    x = R.laplace(0, 1, (2, 300_000)).astype(np.float32)
+    assert feed(make(), [x]).total == x.size
