@@ -197,3 +197,17 @@ def test_a_float_layer_reading_an_int8_input_gets_that_grid_s_shift_removed():
     fq, _ = onnxq.quantize(model, calib, bias_correction="fast", format="openvino", **kw)
     b2 = {i.name: onnx.numpy_helper.to_array(i) for i in fq.graph.initializer}["B2"]
     assert not np.allclose(b2, inits["B2"])  # the FakeQuantize form holds the corrected bias
+
+
+def test_channel_sums_match_a_float64_reference_in_every_dtype():
+    from onnxq.solve.bias_correction import channel_means
+
+    x = np.random.default_rng(3).normal(2.0, 3.0, (4, 24, 30, 30))
+    ref = x.transpose(1, 0, 2, 3).reshape(24, -1).sum(axis=1)
+    for dtype, tol in ((np.float64, 1e-12), (np.float32, 1e-6)):
+        sums, count = channel_means(x.astype(dtype), 1)
+        assert count == 4 * 30 * 30 and sums.dtype == np.float64
+        np.testing.assert_allclose(sums, ref, rtol=tol, atol=tol * np.abs(x).sum() / 24)
+    big = np.full((2, 3, 100, 100), 60000.0, np.float16)  # rows sum past float16's range
+    sums, _ = channel_means(big, 1)
+    np.testing.assert_allclose(sums, 60000.0 * 2 * 100 * 100)
