@@ -131,3 +131,28 @@ def test_cli(tmp_path):
     assert main([*args, "--max-drop", "0.5", "--report", str(rep)]) == 0 and out.is_file()
     assert json.loads(rep.read_text())["fallback"]["chosen"] == 1
     assert main([*args, "--max-drop", "-2"]) == 2
+
+
+def test_edges_between_int8_and_float_count_the_chains_a_fallback_cuts():
+    from onnxq.tools.fallback import breaks
+
+    model, data = _fragile_mlp()
+    data = {"x": data["x"][:64]}
+    counts = {}
+    for keep in ((), ("A", "reluA"), ("B", "reluB"), ("C",)):
+        _, report = onnxq.quantize(model, data, exclude=list(keep), **KW)
+        counts[keep] = breaks(model, report)
+    assert counts[()] == 0
+    assert counts[("A", "reluA")] == 1 and counts[("C",)] == 1  # a chain's ends
+    assert counts[("B", "reluB")] == 2  # the middle: int8 → float → int8
+
+
+def test_of_equal_fallbacks_the_one_keeping_int8_chains_whole_is_returned():
+    from onnxq.tools.fallback import Trial, _best
+
+    def t(groups, metric, edges):
+        return Trial(groups, [], metric, 100.0 - metric, 1.0, edges, onnx.ModelProto(), None)
+
+    middle, end, worse = t(1, 99.8, 2), t(1, 99.6, 1), t(2, 99.9, 0)
+    assert _best([t(0, 90.0, 0), middle, end, worse], bar=0.5) is end
+    assert _best([t(0, 90.0, 0), middle, worse], bar=0.5) is middle  # fewest groups first

@@ -12,8 +12,10 @@ debug`` prints: each group alone quantized and alone left float) are each tried 
 back to float together, 2, 4, ... of them until the bar is met, and bisection finds the
 fewest. Every trial is a full quantization with those nodes excluded, so each algorithm runs
 as it would for the user. The best model found is returned (and written): the fewest groups
-meeting the bar, else the best metric. ``report.fallback`` lists every trial: the float groups,
-the metric, the drop and the int8 latency on the held-back batches.
+meeting the bar (of those, the one that cuts the fewest int8 chains: a single group meeting
+the bar in the middle of a chain lets the other candidates be tried for one at a chain's end),
+else the best metric. ``report.fallback`` lists every trial: the float groups, the metric, the
+drop, the int8 latency on the held-back batches and the edges between int8 and float nodes.
 """
 
 from __future__ import annotations
@@ -62,6 +64,9 @@ class Trial:
     metric: float
     drop: float
     int8_ms: float
+    #: edges between an int8 node and a float one (onnxq.tools.fallback.breaks): each costs a
+    #: QuantizeLinear or DequantizeLinear at run time
+    breaks: int
     #: kept only while this trial could still be the one returned (see _best)
     model: onnx.ModelProto | None
     report: QuantizeReport | None
@@ -74,6 +79,7 @@ class Trial:
             "metric": round(self.metric, 6),
             "drop": round(self.drop, 6),
             "int8_ms": round(self.int8_ms, 3),
+            "int8_float_edges": self.breaks,
         }
 
 
@@ -181,7 +187,9 @@ def search(
         value = metric(state.model)
         latency = latency_ms(state.model, held)
         drop = fp32 - value
-        t = Trial(len(groups), excluded, value, drop, latency, state.model, build_report(state))
+        report = build_report(state)
+        edges = breaks(source, report)
+        t = Trial(len(groups), excluded, value, drop, latency, edges, state.model, report)
         return t, state
 
     trials: list[Trial] = []
@@ -204,7 +212,9 @@ def search(
     for group in ranked:
         t = trial([group])
         singles.append((t, group))
-        if t.drop <= bar:
+        # one group meeting the bar ends the search unless it cut an int8 chain: then the
+        # other candidates are tried for one that meets it at a chain's end
+        if t.drop <= bar and t.breaks <= first.breaks:
             break
     helpful = [g for t, g in sorted(singles, key=lambda p: -p[0].metric) if t.metric > first.metric]
     if not any(t.drop <= bar for t in trials):
@@ -255,14 +265,37 @@ def fewest(count: int, meets: Callable[[int], bool], start: int = 1) -> int | No
 def _best(trials: list[Trial], bar: float) -> Trial:
     """The trial to return: the fewest float groups meeting the bar, else the best metric.
 
-    The other trials' models and reports are dropped (a search keeps one model in memory).
+    Of the trials meeting it with the fewest groups, the one with the fewest int8/float edges
+    (int8 chains kept whole), then the best metric. The other trials' models and reports are
+    dropped (a search keeps one model in memory).
     """
     meeting = [t for t in trials if t.drop <= bar]
-    best = min(meeting, key=lambda t: t.groups) if meeting else max(trials, key=lambda t: t.metric)
+    best = (
+        min(meeting, key=lambda t: (t.groups, t.breaks, -t.metric))
+        if meeting
+        else max(trials, key=lambda t: t.metric)
+    )
     for t in trials:
         if t is not best:
             t.model = t.report = None
     return best
+
+
+def breaks(model: onnx.ModelProto, report: QuantizeReport) -> int:
+    """Edges of ``model``'s graph between a node quantized in ``report`` and a float one.
+
+    Each is a QuantizeLinear or DequantizeLinear at run time, whatever the format: a group
+    returned to float at the end of an int8 chain adds none, one in the middle adds two.
+    """
+    quantized = {d.node: d.quantized for d in report.decisions}
+    producer = {o: n.name for n in model.graph.node for o in n.output}
+    count = 0
+    for n in model.graph.node:
+        for t in n.input:
+            p = producer.get(t)
+            if p is not None and quantized.get(p, False) != quantized.get(n.name, False):
+                count += 1
+    return count
 
 
 def _ranked_groups(state: State, held: list[Any]) -> list[list[str]]:
