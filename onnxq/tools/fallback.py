@@ -212,9 +212,10 @@ def search(
     for group in ranked:
         t = trial([group])
         singles.append((t, group))
-        # one group meeting the bar ends the search unless it cut an int8 chain: then the
-        # other candidates are tried for one that meets it at a chain's end
-        if t.drop <= bar and t.breaks <= first.breaks:
+        # one group meeting the bar ends the search unless it cut an int8 chain in its middle
+        # (two more edges; a chain's end adds one): then the other candidates are tried for one
+        # that meets it at a chain's end
+        if t.drop <= bar and t.breaks - first.breaks < 2:
             break
     helpful = [g for t, g in sorted(singles, key=lambda p: -p[0].metric) if t.metric > first.metric]
     if not any(t.drop <= bar for t in trials):
@@ -285,7 +286,7 @@ def breaks(model: onnx.ModelProto, report: QuantizeReport) -> int:
     """Edges of ``model``'s graph between a node quantized in ``report`` and a float one.
 
     Each is a QuantizeLinear or DequantizeLinear at run time, whatever the format: a group
-    returned to float at the end of an int8 chain adds none, one in the middle adds two.
+    returned to float at the end of an int8 chain adds one, one in the middle adds two.
     """
     quantized = {d.node: d.quantized for d in report.decisions}
     producer = {o: n.name for n in model.graph.node for o in n.output}
