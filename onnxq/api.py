@@ -93,17 +93,20 @@ def quantize(
     float output is compared with fp32 on a few calibration batches (a warning below 15 dB
     SQNR names the first layer below it); ``latency_check`` also times fp32 against int8 and
     warns when int8 is slower (the CLI does this unless ``--no-latency-check``).
-    ``bias_correction="fast"`` subtracts from each Conv/Gemm/MatMul bias the mean output shift
-    its weight rounding causes (from the calibration data's per-channel input means).
+    ``bias_correction="sequential"`` runs the int8 model layer after layer on the first 64
+    calibration samples and sets each Conv/Gemm/MatMul bias so that the layer's output mean
+    per channel matches the float layer's, every earlier correction applied; ``"fast"``
+    subtracts the mean output shift the weight rounding causes (from the per-channel input
+    means); ``"layerwise"`` the shift of the int8 layer on its int8 input.
     ``smoothquant="on"`` moves activation outliers of MatMul/Gemm inputs into their weights,
     alpha chosen per layer. ``equalization="on"`` equalizes the channel ranges of Conv →
     [Relu/Clip/Pad] → Conv chains and absorbs activation offsets into the next bias (exact in
     float; a Clip's bound becomes per channel). ``rounding="optimized"`` rounds each
     Conv/Gemm/MatMul weight for the least output error on the layer's calibration inputs
     (GPTQ-style) instead of to nearest.
-    All four default to ``"auto"``: what helps the model's kind, read from its graph (bias
-    correction for CNNs, equalization for CNNs with per-tensor weights, SmoothQuant for
-    transformers, optimized rounding for both;
+    All four default to ``"auto"``: what helps the model's kind, read from its graph
+    (sequential bias correction for CNNs, equalization for CNNs with per-tensor weights,
+    SmoothQuant for transformers, optimized rounding for both;
     ``model_kind`` overrides the detection: ``cnn``, ``transformer``, ``rnn`` or ``other``).
     The report's ``algorithms`` says what ran. ``budget`` (seconds) bounds the whole call:
     a default algorithm whose estimated time does not fit, after the calibration and the other

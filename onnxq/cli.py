@@ -169,9 +169,12 @@ def _quantize_io(q: argparse.ArgumentParser) -> None:
         "--bias-correction",
         default="auto",
         choices=list(BIAS_CORRECTIONS),
-        help="fast: subtract from each Conv/Gemm/MatMul bias the mean output shift its weight "
-        "rounding causes, from the calibration data's input means; auto (default): fast for "
-        "CNNs, none otherwise",
+        help="sequential: run the int8 model layer after layer on the first 64 calibration "
+        "samples and set each Conv/Gemm/MatMul bias so that its output mean per channel "
+        "matches the float layer's, earlier corrections applied; fast: subtract the mean shift "
+        "of the weight rounding, from the input means; layerwise: the shift of the int8 layer "
+        "on its int8 input; auto (default): sequential for CNNs (fast when --budget leaves it "
+        "out or the data cannot be read twice), none otherwise",
     )
     q.add_argument(
         "--smoothquant",

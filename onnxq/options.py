@@ -43,7 +43,7 @@ def spell(option: str, cli: bool, value: Any = _FLAG) -> str:
 
 
 #: the bias corrections quantize() runs after solving
-BIAS_CORRECTIONS = ("auto", "none", "fast", "layerwise")
+BIAS_CORRECTIONS = ("auto", "none", "fast", "layerwise", "sequential")
 SMOOTHQUANT = ("auto", "on", "off")
 #: cross-layer equalization of Conv chains (onnxq.passes.equalize)
 EQUALIZATIONS = ("auto", "on", "off")

@@ -27,27 +27,38 @@ def test_a_generous_budget_keeps_every_default_and_changes_nothing():
     plain, _ = onnxq.quantize(path, calib, progress=False)
     q, report = onnxq.quantize(path, calib, progress=False, budget=1e6)
     assert _bytes(q) == _bytes(plain)
-    assert report.budget["kept"] == ["rounding"] and report.budget["left_out"] == []
+    assert report.budget["kept"] == ["bias-correction", "rounding"]
+    assert report.budget["left_out"] == []
     assert report.budget["float_pass_seconds"] > 0
+    assert "sequential" in report.algorithms["bias-correction"]
     assert "every default algorithm fit" in report.summary()
 
 
-def test_a_tight_budget_leaves_rounding_out_as_if_nearest_were_asked():
+def test_a_tight_budget_leaves_the_costly_defaults_out_as_if_the_cheap_ones_were_asked():
     path, calib = _digits()
-    nearest, _ = onnxq.quantize(path, calib, progress=False, rounding="nearest")
+    cheap, _ = onnxq.quantize(
+        path, calib, progress=False, rounding="nearest", bias_correction="fast"
+    )
     q, report = onnxq.quantize(path, calib, progress=False, budget=0.001)
-    assert _bytes(q) == _bytes(nearest)
-    assert report.budget["left_out"] == ["rounding"]
+    assert _bytes(q) == _bytes(cheap)
+    assert report.budget["left_out"] == ["bias-correction", "rounding"]
     assert report.algorithms["rounding"].startswith("off (auto, over the 0.001 s budget")
+    assert (
+        "fast (sequential left out: over the 0.001 s budget" in report.algorithms["bias-correction"]
+    )
     assert not any("sqnr_db" in v for v in report.rounding.values())
     line = next(x for x in report.summary().splitlines() if x.startswith("budget"))
-    assert "left out rounding (rounding='optimized' to run it anyway)" in line
+    assert (
+        "left out bias-correction, rounding (bias_correction='sequential' "
+        "rounding='optimized' to run them anyway)" in line
+    )
 
 
 def test_an_algorithm_asked_for_by_name_runs_whatever_the_budget():
     path, calib = _digits()
     q, report = onnxq.quantize(path, calib, progress=False, budget=0.001, rounding="optimized")
-    assert report.budget["asked"] == ["rounding"] and report.budget["left_out"] == []
+    assert report.budget["asked"] == ["rounding"]
+    assert report.budget["left_out"] == ["bias-correction"]
     assert any("sqnr_db" in v for v in report.rounding.values())
 
 
@@ -66,25 +77,46 @@ def test_smoothquant_is_weighed_on_a_transformer():
 
 def test_the_estimates_follow_the_measured_float_pass(monkeypatch):
     """Kept in priority order while they fit: with a 1 s float pass, 15 s leaves room for the
-    required steps (calibration 6 passes + 2 + 1 s) and not for rounding (9 passes)."""
+    required steps (calibration 6 passes + 2 + 1 s) and for neither the sequential bias
+    correction nor rounding (9 passes each: the 32 samples are within its 64)."""
     path, calib = _digits()
     monkeypatch.setattr(budget_pass, "pass_seconds", lambda state: (1.0, "as set by the test"))
     _, report = onnxq.quantize(path, calib, progress=False, budget=15.0)
     plan = report.budget
-    assert plan["reserved_seconds"] == 9.0 and plan["estimates"] == {"rounding": 9.0}
-    assert plan["left_out"] == ["rounding"]
+    assert plan["reserved_seconds"] == 9.0
+    assert plan["estimates"] == {"bias-correction": 9.0, "rounding": 9.0}
+    assert plan["left_out"] == ["bias-correction", "rounding"]
     _, report = onnxq.quantize(path, calib, progress=False, budget=17.0, method="minmax")
     plan = report.budget
-    assert plan["reserved_seconds"] == 7.0 and plan["kept"] == ["rounding"]
+    assert plan["reserved_seconds"] == 7.0 and plan["kept"] == ["bias-correction"]
     assert 16.0 <= plan["estimated_seconds"] <= 17.0
+    _, report = onnxq.quantize(path, calib, progress=False, budget=26.0, method="minmax")
+    assert report.budget["kept"] == ["bias-correction", "rounding"]
+
+
+def test_the_sequential_estimate_counts_only_the_samples_it_runs(monkeypatch):
+    path, _ = _digits()
+    _, data = demo_files()
+    calib = {"input": data["calib"]}  # 200 samples
+    timed = budget_pass.pass_seconds  # opens the data, whose length sets the share
+
+    def one_second(state):
+        timed(state)
+        return 1.0, "as set by the test"
+
+    monkeypatch.setattr(budget_pass, "pass_seconds", one_second)
+    _, report = onnxq.quantize(path, calib, progress=False, budget=1e6, rounding="nearest")
+    assert report.budget["estimates"] == {"bias-correction": 9.0 * 64 / 200}
 
 
 def test_data_of_unknown_length_runs_every_default_and_says_why():
     path, calib = _digits(8)
-    plain, _ = onnxq.quantize(path, calib, progress=False)
+    # one-shot data cannot be read again: the sequential correction falls back to fast
+    plain, _ = onnxq.quantize(path, calib, progress=False, bias_correction="fast")
     feeds = iter([{"input": calib["input"][i : i + 1]} for i in range(8)])
     q, report = onnxq.quantize(path, feeds, progress=False, budget=0.001)
     assert "one-shot data source" in report.budget["note"]
+    assert "fast (the data cannot be read again)" in report.algorithms["bias-correction"]
     assert any("sqnr_db" in v for v in report.rounding.values())
     assert _bytes(q) == _bytes(plain)
 
@@ -92,7 +124,7 @@ def test_data_of_unknown_length_runs_every_default_and_says_why():
 def test_the_fallback_trials_repeat_the_first_plan():
     path, calib = _digits()
     _, report = onnxq.quantize(path, calib, progress=False, budget=0.001, max_drop=100.0)
-    assert report.budget["left_out"] == ["rounding"]
+    assert report.budget["left_out"] == ["bias-correction", "rounding"]
     assert report.algorithms["rounding"].startswith("off (auto, over the")
 
 
@@ -112,7 +144,10 @@ def test_cli(tmp_path):
     base += ["--data", str(data)]
     r = subprocess.run(base + ["--budget", "0.001"], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
-    assert "left out rounding (--rounding optimized to run it anyway)" in r.stdout
+    assert (
+        "left out bias-correction, rounding (--bias-correction sequential --rounding optimized "
+        "to run them anyway)" in r.stdout
+    )
     r = subprocess.run(base + ["--budget", "-3"], capture_output=True, text=True)
     assert r.returncode == 2 and "--budget -3.0 must be a number of seconds > 0" in r.stderr
     assert "Traceback" not in r.stderr

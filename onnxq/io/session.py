@@ -23,6 +23,7 @@ def make_session(
     optimize: bool = True,
     exact: bool = False,
     expose: Iterable[str] = (),
+    as_written: bool = False,
 ) -> Any:
     """An onnxruntime CPU InferenceSession for ``model`` (``threads`` 0 = onnxruntime's choice).
 
@@ -32,6 +33,12 @@ def make_session(
     ``exact`` selects onnxruntime's exact U8S8 path on CPUs without VNNI (see onnxq.io.hostcheck):
     for onnxq's own layer-by-layer measurements, which must see the quantization error, not the
     host's int16 clipping. What users run (verify, compare, the zoo) uses the default session.
+
+    ``as_written`` runs QuantizeLinear and DequantizeLinear as the model writes them, with the
+    other optimisations on: onnxruntime's QDQ transformers otherwise fuse them into integer
+    kernels, and since version 1.20 quantize the float weight of a Conv whose input comes
+    from a DequantizeLinear (on its own per-tensor grid: an emulation whose weights are already
+    on their grids moved by 0.33 at MobileNetV2's first layer).
     """
     import onnxruntime as ort
 
@@ -44,6 +51,8 @@ def make_session(
         opts.inter_op_num_threads = 1
         if not optimize:
             opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+        if as_written:
+            opts.add_session_config_entry("session.disable_quant_qdq", "1")
         return opts
 
     precise = exact and u8s8_saturates()
@@ -71,7 +80,7 @@ def _append_outputs(model: onnx.ModelProto, names: Iterable[str]) -> int:
         return 0
     types = output_types(model)
     if any(n not in types for n in wanted):  # a model saved without value_info (a peer's)
-        types = {**_inferred_types(model), **types}
+        types = {**inferred_types(model), **types}
     model.graph.output.extend(
         onnx.helper.make_tensor_value_info(n, types.get(n, onnx.TensorProto.FLOAT), None)
         for n in wanted
@@ -79,7 +88,7 @@ def _append_outputs(model: onnx.ModelProto, names: Iterable[str]) -> int:
     return len(wanted)
 
 
-def _inferred_types(model: onnx.ModelProto) -> dict[str, int]:
+def inferred_types(model: onnx.ModelProto) -> dict[str, int]:
     """Element types onnx's type inference finds (on a weightless copy); {} if it cannot."""
     try:
         return output_types(onnx.shape_inference.infer_shapes(graph.skeleton(model)))

@@ -2,9 +2,10 @@
 
 Runs after loading, only when ``budget`` is set. Needs ``state.float_model``, ``state.kind`` and
 the calibration data. Leaves ``state.over_budget`` (algorithm -> why it is left out), which the
-equalization, SmoothQuant and rounding passes read: an algorithm their ``auto`` setting would
-run is left out when it does not fit. An algorithm asked for by name (``on``, ``optimized``,
-``layerwise``) always runs; its estimate is spent first. Leaves ``state.budget`` for the report.
+bias correction, equalization, SmoothQuant and rounding passes read: an algorithm their ``auto``
+setting would run is left out when it does not fit (the sequential bias correction falls back
+to fast). An algorithm asked for by name (``on``, ``optimized``, ``sequential``, ``layerwise``)
+always runs; its estimate is spent first. Leaves ``state.budget`` for the report.
 
 The unit of every estimate is one float inference pass over the calibration data, measured by
 running the float model on the first batch (twice: the first run warms the session up) times
@@ -30,13 +31,22 @@ from onnxq.calibrate.dataset import model_inputs
 from onnxq.calibrate.sources import as_dataset
 from onnxq.io.session import make_session
 from onnxq.options import QuantizeOptions, spell
-from onnxq.passes import equalize, rounding, smoothquant
+from onnxq.passes import bias_correction, equalize, rounding, smoothquant
 from onnxq.passes.manager import PassResult, State
 
 #: float passes over the calibration data each algorithm costs (about the median ratio of its
 #: measured time to one float pass on MobileNetV2, EfficientNet-Lite1, nudenet and MiniLM;
-#: rounding counts its Hessians, which the calibrate pass gathers, and its solve)
-COST = {"equalization": 5.0, "smoothquant": 7.0, "rounding": 9.0, "layerwise": 6.0}
+#: rounding counts its Hessians, which the calibrate pass gathers, and its solve). The
+#: sequential bias correction runs on at most its first SEQUENTIAL_SAMPLES samples: its cost is
+#: per pass over those (6 to 14 on MobileNetV2, Lite1, nudenet, OriNet and fashion_cnn), scaled
+#: by their share of the data; the fast correction it falls back to costs next to nothing.
+COST = {
+    "bias-correction": 9.0,
+    "equalization": 5.0,
+    "smoothquant": 7.0,
+    "rounding": 9.0,
+    "layerwise": 6.0,
+}
 #: float passes the calibrate pass costs per method (histogram methods: :data:`HISTOGRAMS`;
 #: the Hessians of optimized rounding are counted in its own cost)
 CALIBRATE = {"minmax": 4.0, "average-max": 4.0, "output-aware": 50.0}
@@ -44,9 +54,10 @@ HISTOGRAMS = 6.0
 #: the rest of the call (annotate, materialize, lower, verify, checks): passes and seconds
 REST_PASSES, REST_SECONDS = 2.0, 1.0
 #: the algorithms a budget may leave out, kept in this order when not all fit
-PRIORITY = ("equalization", "smoothquant", "rounding")
+PRIORITY = ("bias-correction", "equalization", "smoothquant", "rounding")
 #: the test ``auto`` applies, and the explicit setting that runs each regardless
 AUTO = {
+    "bias-correction": (bias_correction.auto, "bias_correction", "sequential"),
     "equalization": (equalize.auto, "equalization", "on"),
     "smoothquant": (smoothquant.auto, "smoothquant", "on"),
     "rounding": (rounding.auto, "rounding", "optimized"),
@@ -54,7 +65,12 @@ AUTO = {
 
 
 #: the setting that leaves each algorithm out by name
-OFF = {"equalization": "off", "smoothquant": "off", "rounding": "nearest"}
+OFF = {
+    "bias-correction": "fast",
+    "equalization": "off",
+    "smoothquant": "off",
+    "rounding": "nearest",
+}
 
 
 def settle(options: QuantizeOptions, over_budget: dict[str, str]) -> QuantizeOptions:
@@ -90,6 +106,16 @@ def pass_seconds(state: State) -> tuple[float | None, str]:
     return one * n, f"{n} batches × {one * 1e3:.1f} ms"
 
 
+def sequential_share(state: State) -> float:
+    """The share of the calibration data the sequential bias correction runs on."""
+    ds = state.dataset
+    n = ds.num_batches() if ds is not None else None
+    if not n:
+        return 1.0
+    samples = n * (ds.batch_size() or 1)
+    return min(1.0, bias_correction.SEQUENTIAL_SAMPLES / samples)
+
+
 def calibrate_cost(method: str) -> float:
     """Float passes the calibrate pass of ``method`` costs."""
     return CALIBRATE.get(method, HISTOGRAMS)
@@ -122,37 +148,42 @@ class Budget:
             plan["note"] = f"{how}: every default algorithm runs"
             return PassResult(f"{limit:g} s: {how}; every default algorithm runs")
         reserve = p * (calibrate_cost(o.method) + REST_PASSES) + REST_SECONDS
-        left = limit - spent - reserve - sum(COST[n] * p for n in asked)
+        share = sequential_share(state)
+
+        def cost(n: str) -> float:
+            return COST[n] * p * (share if n == "bias-correction" else 1.0)
+
+        left = limit - spent - reserve - sum(cost(n) for n in asked)
         plan.update(
             {
                 "float_pass_seconds": round(p, 3),
                 "float_pass": how,
                 "spent_before_seconds": round(spent, 3),
                 "reserved_seconds": round(reserve, 3),
-                "estimates": {n: round(COST[n] * p, 3) for n in wanted + asked},
+                "estimates": {n: round(cost(n), 3) for n in wanted + asked},
             }
         )
         kept, cut = [], []
         for n in wanted:
-            cost = COST[n] * p
-            if cost <= left:
-                left -= cost
+            seconds = cost(n)
+            if seconds <= left:
+                left -= seconds
                 kept.append(n)
                 continue
             state.over_budget[n] = (
-                f"over the {limit:g} s budget: about {cost:.1f} s, "
+                f"over the {limit:g} s budget: about {seconds:.1f} s, "
                 f"{max(left, 0.0):.1f} s left after the required steps"
             )
             cut.append(n)
         plan["kept"], plan["left_out"] = kept, cut
-        runs = sum(COST[n] * p for n in kept + asked)
+        runs = sum(cost(n) for n in kept + asked)
         plan["estimated_seconds"] = round(spent + reserve + runs, 3)
         plan["to_run_anyway"] = " ".join(spell(AUTO[n][1], o.cli, AUTO[n][2]) for n in cut)
         parts = [f"{limit:g} s; a float pass ≈ {p:.2f} s; required steps ≈ {reserve:.1f} s"]
         if kept:
-            parts.append("kept " + ", ".join(f"{n} (≈ {COST[n] * p:.1f} s)" for n in kept))
+            parts.append("kept " + ", ".join(f"{n} (≈ {cost(n):.1f} s)" for n in kept))
         if cut:
-            parts.append("left out " + ", ".join(f"{n} (≈ {COST[n] * p:.1f} s)" for n in cut))
+            parts.append("left out " + ", ".join(f"{n} (≈ {cost(n):.1f} s)" for n in cut))
         if not wanted:
             parts.append("no default algorithm to weigh")
         return PassResult("; ".join(parts))

@@ -111,6 +111,63 @@ class Emulation:
         model.graph.initializer.append(numpy_helper.from_array(self.flags(on), FLAGS))
         return model
 
+    def resolved(self, on: Any = None) -> onnx.ModelProto:
+        """The model with the switches ``on`` (None: all) taken: no flags, no If, no Where.
+
+        Each switch's If is replaced by the nodes of the branch it takes (their outputs named
+        as the If's), each switched constant by an Identity of the one it picks. The same
+        arithmetic as :meth:`fixed`, as a flat graph that can be cut into pieces
+        (onnxq.calibrate.sequential runs it piece by piece). Run it with
+        ``make_session(model, as_written=True)``: onnxruntime's QDQ transformers would
+        otherwise put the float weights of a Conv that reads a DequantizeLinear on a grid of
+        their own (in :meth:`fixed` the If branches keep them apart).
+        """
+        flags = self.flags(on)
+        graph = self.model.graph
+        inits = {i.name: i for i in graph.initializer}
+        gates = {
+            n.output[0]: bool(flags[int(numpy_helper.to_array(inits[n.input[1]]))])
+            for n in graph.node
+            if n.op_type == "Gather" and n.input[0] == FLAGS
+        }
+        nodes: list[onnx.NodeProto] = []
+        for node in graph.node:
+            if node.output[0] in gates:
+                continue
+            taken = gates.get(node.input[0]) if node.input else None
+            if taken is None:
+                nodes.append(node)
+            elif node.op_type == "Where":
+                picked = node.input[1] if taken else node.input[2]
+                nodes.append(helper.make_node("Identity", [picked], [node.output[0]], node.name))
+            else:  # If
+                branch = next(
+                    a.g
+                    for a in node.attribute
+                    if a.name == ("then_branch" if taken else "else_branch")
+                )
+                rename = {o.name: out for o, out in zip(branch.output, node.output, strict=True)}
+                for inner in branch.node:
+                    copy = onnx.NodeProto()
+                    copy.CopyFrom(inner)
+                    for j, name in enumerate(copy.output):
+                        copy.output[j] = rename.get(name, name)
+                    for j, name in enumerate(copy.input):
+                        copy.input[j] = rename.get(name, name)
+                    nodes.append(copy)
+        model = onnx.ModelProto()
+        model.CopyFrom(self.model)
+        read = _read(nodes)
+        kept = [i for i in graph.initializer if i.name in read]
+        del model.graph.node[:]
+        model.graph.node.extend(nodes)
+        del model.graph.initializer[:]
+        model.graph.initializer.extend(kept)
+        inputs = [i for i in model.graph.input if i.name != FLAGS]
+        del model.graph.input[:]
+        model.graph.input.extend(inputs)
+        return model
+
 
 def _fq(x: np.ndarray, lo: np.ndarray, hi: np.ndarray, levels: int) -> np.ndarray:
     """FakeQuantize in numpy, as the emulation computes it."""

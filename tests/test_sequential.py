@@ -1,0 +1,181 @@
+"""Sequential bias correction: the piece-by-piece runner, and the correction it drives."""
+
+import numpy as np
+import onnx
+from helpers import make_model, rng, run
+from onnx import helper as h
+from test_bias_correction import CHAIN_KW, _chain_errors, _depthwise_chain
+
+import onnxq
+from onnxq.api import quantize_state
+from onnxq.calibrate.sequential import run_in_order
+from onnxq.io.session import make_session
+from onnxq.solve.bias_correction import channel_means
+from onnxq.tools.emulate import emulate
+
+
+def _residual_qdq():
+    """x → Q/DQ → c1 → Relu → Q/DQ → c2 → Add(with the DQ'd c1 branch) → c3: three targets,
+    a residual edge held across pieces, DequantizeLinears between them."""
+    r = rng(21)
+    c = 6
+    s, z = np.float32(0.05), np.uint8(100)
+
+    def qdq(x, name):
+        return [
+            h.make_node("QuantizeLinear", [x, "s", "z"], [f"{name}_q"], f"{name}/Q"),
+            h.make_node("DequantizeLinear", [f"{name}_q", "s", "z"], [name], f"{name}/DQ"),
+        ]
+
+    nodes = [
+        *qdq("x", "xd"),
+        h.make_node("Conv", ["xd", "W1", "B1"], ["y1"], "c1", pads=[1, 1, 1, 1]),
+        h.make_node("Relu", ["y1"], ["r1"], "relu"),
+        *qdq("r1", "r1d"),
+        h.make_node("Conv", ["r1d", "W2", "B2"], ["y2"], "c2", group=c, pads=[1, 1, 1, 1]),
+        h.make_node("Add", ["y2", "r1d"], ["a"], "add"),
+        h.make_node("Conv", ["a", "W3", "B3"], ["y3"], "c3"),
+    ]
+    inits = {
+        "W1": r.normal(0, 0.3, (c, 3, 3, 3)), "B1": r.normal(0, 0.1, c),
+        "W2": r.normal(0, 0.3, (c, 1, 3, 3)), "B2": r.normal(0, 0.1, c),
+        "W3": r.normal(0, 0.3, (4, c, 1, 1)), "B3": r.normal(0, 0.1, 4), "s": s, "z": z,
+    }  # fmt: skip
+    inits = {k: v if k in "sz" else np.float32(v) for k, v in inits.items()}
+    model = make_model(nodes, [("x", ["N", 3, 8, 8])], [("y3", None)], inits)
+    batches = [{"x": r.normal(0, 1, (4, 3, 8, 8)).astype(np.float32)} for _ in range(5)]
+    return model, batches
+
+
+TARGETS = [("y3", 1), ("y1", 1), ("y2", 1)]  # in any order: measured in graph order
+
+
+def _exposed_sums(model, batches, names):
+    m = onnx.ModelProto()
+    m.CopyFrom(model)
+    m.graph.output.extend(h.make_tensor_value_info(n, onnx.TensorProto.FLOAT, None) for n in names)
+    session = make_session(m, optimize=False)  # Q/DQ and float Convs as written
+    sums = {n: 0.0 for n in names}
+    count = 0
+    for feed in batches:
+        outs = session.run(names, feed)
+        for n, arr in zip(names, outs, strict=True):
+            total, k = channel_means(arr, 1)
+            sums[n] = sums[n] + total
+        count += k
+    return sums, count
+
+
+def test_pieces_measure_what_one_run_of_the_whole_model_computes():
+    model, batches = _residual_qdq()
+    seen = {}
+
+    def correct(k, sums, count, used):
+        seen[TARGETS[k][0]] = (sums / count, used)
+        return None  # no shift: every piece runs the model as it is
+
+    assert run_in_order(model, TARGETS, batches, correct) == 5
+    ref, count = _exposed_sums(model, batches, ["y1", "y2", "y3"])
+    assert list(seen) == ["y1", "y2", "y3"]  # graph order
+    for name in ref:
+        np.testing.assert_allclose(seen[name][0], ref[name] / count, rtol=1e-5, atol=1e-6)
+    assert model.graph.node[2].output[0] == "y1"  # the caller's model is left as it was
+
+
+def test_a_shift_is_applied_before_the_next_target_is_measured():
+    """Shift y1 by +1 per channel: y2 and y3 are measured on the shifted model (each piece
+    starts from the held, shifted tensors), as one run of the model with B1 + 1 computes."""
+    model, batches = _residual_qdq()
+    seen = {}
+
+    def correct(k, sums, count, used):
+        seen[TARGETS[k][0]] = sums / count
+        return np.ones(6) if TARGETS[k][0] == "y1" else None
+
+    run_in_order(model, TARGETS, batches, correct)
+    moved = onnx.ModelProto()
+    moved.CopyFrom(model)
+    for init in moved.graph.initializer:
+        if init.name == "B1":
+            init.CopyFrom(onnx.numpy_helper.from_array(onnx.numpy_helper.to_array(init) + 1, "B1"))
+    ref, count = _exposed_sums(moved, batches, ["y2", "y3"])
+    for name in ref:
+        np.testing.assert_allclose(seen[name], ref[name] / count, rtol=1e-5, atol=1e-6)
+
+
+def test_held_tensors_over_the_limit_drop_the_later_batches():
+    model, batches = _residual_qdq()
+    used = []
+
+    def correct(k, sums, count, used_now):
+        used.append((TARGETS[k][0], used_now, count))
+        return None
+
+    assert run_in_order(model, TARGETS, batches, correct, limit=1) == 1
+    assert used[0] == ("y1", 5, 5 * 4 * 64)  # the first piece runs every batch
+    assert [u[1] for u in used[1:]] == [1, 1]  # then only the first is held
+    assert [u[2] for u in used[1:]] == [4 * 64, 4 * 64]
+
+
+def test_the_resolved_emulation_is_the_fixed_one():
+    model, data = _depthwise_chain()
+    state = quantize_state(model, data, **CHAIN_KW)
+    emu = emulate(state)
+    feed = {"x": data["x"][:8]}
+    for on in (None, [], emu.without([0])):
+        flat = make_session(emu.resolved(on), as_written=True).run(None, feed)[0]
+        np.testing.assert_allclose(flat, run(emu.fixed(on), feed)[0], rtol=1e-5, atol=1e-5)
+    flat = emu.resolved()
+    assert not any(n.op_type in ("If", "Where", "Gather") for n in flat.graph.node)
+    assert all(i.name != "onnxq_debug_flags" for i in flat.graph.input)
+
+
+def test_sequential_correction_removes_the_mean_shift_and_falls_back_on_one_shot_data():
+    before, after, report = _chain_errors("sequential")
+    assert before.mean() > 0.01
+    assert after.mean() < 0.25 * before.mean(), (before, after)
+    assert "biases corrected, sequential on 64 samples" in report.algorithms["bias-correction"]
+    model, data = _depthwise_chain()
+    one_shot = ({"x": data["x"][i : i + 8]} for i in range(0, 64, 8))
+    _, report = onnxq.quantize(model, one_shot, bias_correction="sequential", **CHAIN_KW)
+    assert "fast (the data cannot be read again)" in report.algorithms["bias-correction"]
+
+
+def _two_layer_chain():
+    """conv (3×3, Relu) → dw (3×3, Relu) → pw (1×1): the input of each sits on a coarse grid
+    (7-bit weights, a wide calibrated range), so every layer inherits the earlier ones' shift."""
+    r = rng(31)
+    c = 8
+    nodes = [
+        h.make_node("Conv", ["x", "W1", "B1"], ["y1"], "conv", pads=[1, 1, 1, 1]),
+        h.make_node("Relu", ["y1"], ["r1"], "relu1"),
+        h.make_node("Conv", ["r1", "W2", "B2"], ["y2"], "dw", group=c, pads=[1, 1, 1, 1]),
+        h.make_node("Relu", ["y2"], ["r2"], "relu2"),
+        h.make_node("Conv", ["r2", "W3", "B3"], ["y3"], "pw"),
+    ]
+    inits = {
+        "W1": r.normal(0, 0.4, (c, 3, 3, 3)), "B1": r.normal(0.2, 0.2, c),
+        "W2": r.normal(0.1, 0.4, (c, 1, 3, 3)), "B2": r.normal(0, 0.2, c),
+        "W3": r.normal(0, 0.4, (c, c, 1, 1)), "B3": r.normal(0, 0.1, c),
+    }  # fmt: skip
+    inits = {k: np.float32(v) for k, v in inits.items()}
+    model = make_model(nodes, [("x", ["N", 3, 12, 12])], [("y3", None)], inits)
+    x = r.normal(0, 1, (64, 3, 12, 12)).astype(np.float32)
+    x[:, :, 0, 0] = 12.0  # a wide range: a coarse input grid
+    return model, {"x": x}
+
+
+def test_sequential_matches_the_last_layer_s_means_where_fast_does_not():
+    """On the calibration samples, the int8 model's output means per channel are the float
+    model's once every layer is corrected on its int8 input; fast leaves the shift the input
+    grids and the earlier layers put in."""
+    model, data = _two_layer_chain()
+    ref = run(model, data)[0].mean(axis=(0, 2, 3))
+    kw = dict(progress=False, weight_bits=7, method="minmax", rounding="nearest")
+    errors = {}
+    for mode in ("none", "fast", "sequential"):
+        q, _ = onnxq.quantize(model, data, bias_correction=mode, **kw)
+        errors[mode] = np.abs(run(q, data)[0].mean(axis=(0, 2, 3)) - ref).mean()
+    assert errors["none"] > 0.005, errors
+    assert errors["sequential"] < 0.3 * errors["fast"], errors
+    assert errors["sequential"] < 0.2 * errors["none"], errors
