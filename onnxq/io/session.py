@@ -38,7 +38,9 @@ def make_session(
     other optimisations on: onnxruntime's QDQ transformers otherwise fuse them into integer
     kernels, and since version 1.20 quantize the float weight of a Conv whose input comes
     from a DequantizeLinear (on its own per-tensor grid: an emulation whose weights are already
-    on their grids moved by 0.33 at MobileNetV2's first layer).
+    on their grids moved by 0.33 at MobileNetV2's first layer). Such sessions are built for
+    one piece of a model each (onnxq.calibrate.sequential) and use no memory arena: each
+    would keep its own peak.
     """
     import onnxruntime as ort
 
@@ -53,6 +55,7 @@ def make_session(
             opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
         if as_written:
             opts.add_session_config_entry("session.disable_quant_qdq", "1")
+            opts.enable_cpu_mem_arena = False
         return opts
 
     precise = exact and u8s8_saturates()
