@@ -4,9 +4,9 @@
                                      [--models residual_cnn fashion_cnn zoo:mobilenetv2_dogs]
                                      [--workers 1 2] [--markdown FILE]
 
-Every (tool, method, sample count, model) runs in its own process, so peak RSS
-(``ru_maxrss``) is that run's alone. Every tool reads the same feeds from a generator (the data
-set itself is never held in memory by the harness for the two small models).
+Every (tool, method, sample count, model) runs in its own process, so peak RSS (``VmHWM``,
+benchmarks.memory) is that run's alone. Every tool reads the same feeds from a generator (the
+data set itself is never held in memory by the harness for the two small models).
 
 * the floor (``fp32``): plain float inference of the same feeds in onnxruntime at its default
   threads, the least a calibration pass can cost; onnxq's calibrate step (its own timer, the
@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
 import subprocess
 import sys
 import tempfile
@@ -37,6 +36,8 @@ import time
 from pathlib import Path
 
 import numpy as np
+
+from benchmarks.memory import peak_rss_bytes
 
 ROOT = Path(__file__).resolve().parents[1]
 HERE = Path(__file__).resolve().parent
@@ -131,7 +132,7 @@ def worker(tool: str, method: str, n: int, model: str) -> dict:
     """One quantization (or the floor) in this process: seconds, peak RSS, quality."""
     path, samples, evaluate = _source(model)
     out = Path(tempfile.mkdtemp()) / "q.onnx"
-    rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    rss_before = peak_rss_bytes() / 1024
     step = None
     t = time.perf_counter()
     if tool == "fp32":
@@ -182,7 +183,7 @@ def worker(tool: str, method: str, n: int, model: str) -> dict:
             str(path), str(out), Reader(), quant_format=QuantFormat.QOperator, calibrate_method=cm
         )
     seconds = time.perf_counter() - t
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    rss = peak_rss_bytes() / 1024
     quality = None
     if tool != "fp32" and evaluate is not None:
         quality = evaluate(str(out))

@@ -27,7 +27,6 @@ import argparse
 import json
 import multiprocessing as mp
 import platform
-import resource
 import sys
 import tempfile
 import time
@@ -38,6 +37,8 @@ from typing import Any
 import numpy as np
 import onnx
 import onnxruntime as ort
+
+from benchmarks.memory import peak_rss_bytes
 
 ROOT = Path(__file__).resolve().parents[1]
 VARIANTS = ("fp32", "onnxq", "onnxq-qdq", "ort", "ort-pc", "nncf")
@@ -126,7 +127,7 @@ def _build(args: tuple[str, str, str]) -> tuple[float, float, str]:
             0.0,
             f"{type(exc).__name__}: {str(exc).splitlines()[0][:120] if str(exc) else ''}",
         )
-    return seconds, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, ""
+    return seconds, peak_rss_bytes() / 2**20, ""
 
 
 def _session(path: Path, threads: int) -> ort.InferenceSession:

@@ -179,3 +179,40 @@ def test_sequential_matches_the_last_layer_s_means_where_fast_does_not():
     assert errors["none"] > 0.005, errors
     assert errors["sequential"] < 0.3 * errors["fast"], errors
     assert errors["sequential"] < 0.2 * errors["none"], errors
+
+
+def test_batches_are_joined_only_where_every_input_has_one_symbolic_batch_axis():
+    from types import SimpleNamespace
+
+    from onnxq.calibrate.dataset import InputSpec
+    from onnxq.passes.bias_correction import _grouped, _merged
+
+    def state(*specs):
+        return SimpleNamespace(dataset=SimpleNamespace(inputs=list(specs)))
+
+    image = InputSpec("x", np.dtype(np.float32), (None, 3, 8, 8))
+    feeds = [{"x": np.full((1, 3, 8, 8), i, np.float32)} for i in range(6)]
+    runs, sizes = _merged(state(image), feeds)
+    assert sizes == [4, 2] and [r["x"].shape[0] for r in runs] == [4, 2]
+    np.testing.assert_array_equal(runs[1]["x"][:, 0, 0, 0], [4, 5])  # in order
+    sums = [(np.full(3, float(i)), 10) for i in range(6)]
+    assert [(list(s), n) for s, n in _grouped(sums, sizes)] == [([6.0] * 3, 40), ([9.0] * 3, 20)]
+    # a fixed batch, an undeclared shape: as they come
+    assert _merged(state(InputSpec("x", np.dtype(np.float32), (1, 3, 8, 8))), feeds)[1] == [1] * 6
+    assert _merged(state(InputSpec("x", np.dtype(np.float32), None)), feeds)[1] == [1] * 6
+    # a recurrent state with its batch on axis 1 (silero-vad): the feeds' first axes differ
+    rnn = [
+        {"x": np.zeros((1, 512), np.float32), "state": np.zeros((2, 1, 128), np.float32)}
+        for _ in range(3)
+    ]
+    specs = (
+        InputSpec("x", np.dtype(np.float32), (None, None)),
+        InputSpec("state", np.dtype(np.float32), (None, None, None)),
+    )
+    assert _merged(state(*specs), rnn)[1] == [1, 1, 1]
+    # different shapes are never joined (padded text batches of different lengths)
+    mixed = [{"x": np.zeros((1, 3, 8, w), np.float32)} for w in (8, 8, 9, 9, 9)]
+    assert _merged(state(InputSpec("x", np.dtype(np.float32), (None, 3, 8, None))), mixed)[1] == [
+        2,
+        3,
+    ]
