@@ -9,9 +9,10 @@ always runs; its estimate is spent first. Leaves ``state.budget`` for the report
 
 The unit of every estimate is one float inference pass over the calibration data, measured by
 running the float model on the first batch (once to warm the session up, then the fastest of
-three runs) times the number of batches. Each algorithm costs a fixed number of such passes: about the median
-ratio measured on the zoo's models (:data:`COST`; the table in docs/usage.md), so an estimate
-can err either way by about 2x; the summary puts the whole estimate beside the time taken. The
+three runs) times the number of batches. Each algorithm costs a fixed number of such passes:
+about the median ratio measured on the zoo's models (:data:`COST`; the table in
+docs/usage.md), so an estimate can err either way by about 2x; the summary puts the whole
+estimate beside the time taken. The
 calibrate pass and the rest of the call are reserved before any algorithm is kept. When not
 all fit, they are kept in :data:`PRIORITY` order (the largest accuracy gains measured first).
 
