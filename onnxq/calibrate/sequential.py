@@ -29,6 +29,7 @@ import onnx
 from onnx import helper, numpy_helper
 
 from onnxq.calibrate.streaming import run_ahead
+from onnxq.io.graph import names_read
 from onnxq.io.session import inferred_types, make_session, output_types
 from onnxq.solve.bias_correction import channel_means
 
@@ -56,7 +57,7 @@ def run_in_order(
     nodes = list(model.graph.node)
     inits = {i.name: i for i in model.graph.initializer}
     producer = {o: i for i, n in enumerate(nodes) for o in n.output if o}
-    reads = [_reads(n) for n in nodes]
+    reads = [names_read([n]) for n in nodes]
     lazy = {
         i
         for i, n in enumerate(nodes)
@@ -139,16 +140,6 @@ def _with_shifts(
     return copy, shifts
 
 
-def _reads(node: onnx.NodeProto) -> set[str]:
-    """Every name ``node`` reads, those of its subgraphs included."""
-    names = {i for i in node.input if i}
-    for a in node.attribute:
-        if a.type == onnx.AttributeProto.GRAPH:
-            for inner in a.g.node:
-                names |= _reads(inner)
-    return names
-
-
 def _pieces(
     nodes: list[onnx.NodeProto],
     producer: dict[str, int],
@@ -207,7 +198,7 @@ def _submodel(
     live: Mapping[str, list[np.ndarray]],
 ) -> onnx.ModelProto:
     """The model of one piece: its nodes, the constants they read, typed inputs and outputs."""
-    read = set().union(*(_reads(n) for n in nodes))
+    read = names_read(nodes)
 
     def typed(name: str) -> onnx.ValueInfoProto:
         if name in live and live[name]:

@@ -266,6 +266,16 @@ def graphs_of(node: onnx.NodeProto) -> Iterator[tuple[str, onnx.GraphProto]]:
                 yield f"{attr.name}[{i}]", body
 
 
+def names_read(nodes: Iterable[onnx.NodeProto]) -> set[str]:
+    """Every tensor name ``nodes`` read, those their bodies read included (no empty names)."""
+    names: set[str] = set()
+    for node in nodes:
+        names.update(i for i in node.input if i)
+        for _, body in graphs_of(node):
+            names |= names_read(body.node)
+    return names
+
+
 def _subgraphs(graph: onnx.GraphProto) -> list[onnx.GraphProto]:
     return [body for node in graph.node for _, body in graphs_of(node)]
 

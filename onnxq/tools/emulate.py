@@ -32,6 +32,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
+from onnxq.io.graph import names_read
 from onnxq.lower.fakequantize import OV_DOMAIN, to_fakequantize
 
 #: the emulation model's input that holds the switches
@@ -157,7 +158,7 @@ class Emulation:
                     nodes.append(copy)
         model = onnx.ModelProto()
         model.CopyFrom(self.model)
-        read = _read(nodes)
+        read = names_read(nodes)
         kept = [i for i in graph.initializer if i.name in read]
         del model.graph.node[:]
         model.graph.node.extend(nodes)
@@ -304,7 +305,7 @@ def emulate(state: Any, int32_biases: bool = True) -> Emulation:
                 nodes.append(helper.make_node("Where", [gate(k), on_name, off_name], [out], out))
                 node.input[j] = out
         nodes.append(node)
-    read = _read(nodes)
+    read = names_read(nodes)
     kept = [i for i in graph.initializer if i.name in read]
     del graph.node[:]
     graph.node.extend(nodes)
@@ -337,17 +338,6 @@ def _int32_bias(
     value = np.asarray(value, np.float64).reshape(-1)
     rounded = np.round(value / step) * step
     copy.input[2] = constant(f"{node.name}/bias/int32", rounded.reshape(-1).astype(np.float32))
-
-
-def _read(nodes: list[onnx.NodeProto]) -> set[str]:
-    """Every name ``nodes`` read, their If branches included."""
-    names: set[str] = set()
-    for n in nodes:
-        names.update(n.input)
-        for a in n.attribute:
-            if a.type == onnx.AttributeProto.GRAPH:
-                names |= _read(list(a.g.node))
-    return names
 
 
 def _branch(name: str, nodes: list[onnx.NodeProto], outputs: list[str]) -> onnx.GraphProto:
