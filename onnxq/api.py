@@ -19,6 +19,7 @@ from onnxq.calibrate.calibration import CalibrationReport
 from onnxq.calibrate.callbacks import CalibrationCallback
 from onnxq.calibrators import DEFAULT_METHOD
 from onnxq.errors import ConfigError, OnnxqError
+from onnxq.io.graph import with_file_weights
 from onnxq.options import QuantizeOptions, pythonize, resolve, spell
 from onnxq.passes import pipeline
 from onnxq.passes.manager import State, op_histogram, run_passes
@@ -122,7 +123,10 @@ def quantize(
     """
     try:
         options = resolve_call(locals())
-        return quantize_with(model, data, options)
+        qmodel, report = quantize_with(model, data, options)
+        # weights the output shares with a model file's external data are read in: the
+        # caller gets a self-contained model (the CLI's writer reads them one at a time)
+        return with_file_weights(qmodel), report
     except OnnxqError as exc:  # name Python parameters where the message names CLI flags
         text = pythonize(str(exc))
         if text == str(exc):

@@ -24,7 +24,6 @@ from typing import Any
 import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
-from onnx import numpy_helper
 
 from onnxq.annotate.explain import explain
 from onnxq.annotate.placement import attention_masks
@@ -43,9 +42,12 @@ from onnxq.io.graph import (
     constant_value,
     export_model,
     import_graph,
+    in_file,
+    is_file_weight,
     load_model,
     node_label,
     producer,
+    tensor_array,
 )
 from onnxq.lower.formats import Format, get_format
 from onnxq.lower.qoperator import TemplateWriter
@@ -293,7 +295,7 @@ class Quantizer:
         scale = self._placeholder(f"{base}_scale", "scale", base, "float32", shape)
         zp = self._placeholder(f"{base}_zero_point", "zero_point", base, wdt, shape)
         q = self._placeholder(f"{base}_quantized", "weight", base, wdt, tuple(value.shape))
-        self._keep_float(base, value)
+        self._keep_float(base, value, in_file(tensor))
         qt = QTensor(base, q, scale, zp, "weight", wdt, axis, True, self.config.weight_bits)
         self.weights[q] = WeightDerivation(base, scale, zp, axis)
         self._qtensors[key] = qt
@@ -405,19 +407,24 @@ class Quantizer:
     def float_value(self, name: str) -> np.ndarray:
         """The float value of a quantized weight or bias."""
         if name in self._lazy_floats:
-            return numpy_helper.to_array(self._float_inits[name])
+            return tensor_array(self._float_inits[name])
         return self._float_values[name]
 
     def has_float_value(self, name: str) -> bool:
         """Whether ``name`` is a quantized weight or bias (with a float value)."""
         return name in self._float_values or name in self._lazy_floats
 
-    def _keep_float(self, name: str, value: np.ndarray) -> None:
+    def _keep_float(self, name: str, value: np.ndarray, from_file: bool = False) -> None:
+        """Remember a weight's float value: as the float model's initializer where it is one.
+
+        ``from_file``: the value was read from the model's data file, where the float
+        model's initializer of that name also stays (no need to compare them).
+        """
         init = self._float_inits.get(name)
         if (
             init is not None
             and init.data_type == onnx.TensorProto.FLOAT
-            and np.array_equal(numpy_helper.to_array(init), value)
+            and ((from_file and is_file_weight(init)) or np.array_equal(tensor_array(init), value))
         ):
             self._lazy_floats.add(name)
         else:

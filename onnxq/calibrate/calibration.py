@@ -35,7 +35,7 @@ from onnxq.calibrate.streaming import (
 )
 from onnxq.calibrators import MinMaxCallback
 from onnxq.errors import CalibrationError
-from onnxq.io.graph import graphs_of
+from onnxq.io.graph import graphs_of, tensor_array
 from onnxq.io.session import make_session
 
 #: output steps the saturation bounds assume: Sigmoid's fixed 1/255 grid, Tanh's [-1, 1] on
@@ -49,7 +49,7 @@ def _scalar(name: str, consts: dict[str, onnx.TensorProto]) -> float | None:
     t = consts.get(name) if name else None
     if t is None:
         return None
-    value = onnx.numpy_helper.to_array(t)
+    value = tensor_array(t)
     return float(value.reshape(-1)[0]) if value.size == 1 else None
 
 
@@ -145,7 +145,7 @@ def clamped_by_reader(model: onnx.ModelProto) -> dict[str, tuple[str, np.ndarray
         if n.domain not in ("", "ai.onnx") or len(n.input) != 2 or n.input[0] != name:
             continue
         if n.input[1] in consts and n.input[0] != n.input[1]:
-            c = onnx.numpy_helper.to_array(consts[n.input[1]])
+            c = tensor_array(consts[n.input[1]])
             if c.size > 0 and np.issubdtype(c.dtype, np.floating):
                 out[name] = (n.op_type, c)
     return out
@@ -489,7 +489,7 @@ class Calibrator:
         dynamic = [n for n in names if n not in self._quant_inits]
         for n in names:
             if n in self._quant_inits:
-                res[n] = onnx.numpy_helper.to_array(self._quant_inits[n])
+                res[n] = tensor_array(self._quant_inits[n])
         if dynamic:
             res.update(zip(dynamic, self._quant_session.run(dynamic, dict(feeds))))
         return [res[n] for n in names]

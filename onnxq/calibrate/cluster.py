@@ -41,7 +41,7 @@ from onnxq.calibrate.sources import as_dataset
 from onnxq.calibrate.statistics import Statistics, block_size
 from onnxq.calibrate.streaming import available_cores
 from onnxq.errors import CalibrationError, ConfigError, OnnxqError
-from onnxq.io.graph import TWO_GIB, proto_size
+from onnxq.io.graph import TWO_GIB, proto_size, serialize
 from onnxq.io.loader import is_reference, load_object
 
 #: what a local cluster is started with (besides its CPUs)
@@ -147,7 +147,7 @@ def observe_on_ray(
         threads = threads or max(1, cpus // shards)
         template.block = first_block(data, inputs)
         blank = pickle.dumps(template)
-        model_ref = ray.put(model.SerializeToString())
+        model_ref = ray.put(serialize(model))
         task = ray.remote(num_cpus=min(threads, cpus), max_retries=0)(_shard_task)
         refs = [
             task.remote(model_ref, names, blank, data, inputs, s, shards, template.block, threads)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,7 @@ import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
 from onnx import numpy_helper
+from onnx_graphsurgeon.ir.tensor import LazyValues
 
 from onnxq._version import __version__
 from onnxq.errors import ModelError, OutputError
@@ -52,18 +54,58 @@ def load_model(
         if not path.is_file():
             raise ModelError(f"model file {where} does not exist; pass the path of an .onnx file")
         try:
-            proto = onnx.load(str(path), load_external_data=True)
+            proto = onnx.load(str(path), load_external_data=False)
         except Exception as exc:  # protobuf raises several unrelated types
-            _check_external_data(path)
             raise ModelError(
                 f"model file {where} is not a readable ONNX model ({type(exc).__name__}: "
                 f"{_first_line(exc)}); pass an .onnx file exported by an ONNX exporter"
             ) from None
         if not proto.graph.node and not proto.graph.output:
             raise ModelError(f"model file {where} holds no ONNX graph; pass an .onnx model file")
+        if _leave_in_file(proto, path):
+            if check:  # the checker reads the file itself: external data locations included
+                _checked(lambda: onnx.checker.check_model(str(path)), where)
+            return proto
     if check:
         check_model(proto, where)
     return proto
+
+
+def _leave_in_file(proto: onnx.ModelProto, path: Path) -> bool:
+    """Mark ``proto``'s external-data tensors to be read from their file when needed.
+
+    Each gets :data:`FOLDER_KEY` (the model's folder), after checks of what onnx.load checks
+    when it loads external data: a relative location inside that folder, a file that exists
+    and holds the tensor's bytes. False when the model has no external data.
+    """
+    folder = path.parent.resolve()
+    marked = False
+    for g in _all_graphs(proto.graph):
+        for t in g.initializer:
+            if t.data_location != onnx.TensorProto.EXTERNAL:
+                continue
+            info = {e.key: e.value for e in t.external_data}
+            location = info.get("location", "")
+            file = (folder / location).resolve()
+            if not location or Path(location).is_absolute() or folder not in file.parents:
+                raise ModelError(
+                    f"model file '{path}': initializer '{t.name}' keeps its data at "
+                    f"{location!r}, which is not a file inside the model's folder; re-export "
+                    "the model with its external data beside it"
+                )
+            if not file.is_file():
+                _check_external_data(path)
+            offset, length = int(info.get("offset", 0)), _nbytes(t)
+            if offset + length > file.stat().st_size:
+                raise ModelError(
+                    f"model file '{path}': initializer '{t.name}' needs bytes {offset} to "
+                    f"{offset + length} of '{location}', which has {file.stat().st_size}; the "
+                    "external data file is truncated or belongs to another export"
+                )
+            entry = t.external_data.add()
+            entry.key, entry.value = FOLDER_KEY, str(folder)
+            marked = True
+    return marked
 
 
 def _check_external_data(path: Path) -> None:
@@ -90,11 +132,20 @@ def _check_external_data(path: Path) -> None:
 
 def check_model(proto: onnx.ModelProto, where: str = "the model") -> None:
     """Run onnx.checker (full check, size-aware) and raise ModelError with its first line."""
+    if proto_size(proto) < CHECK_WEIGHTS_BYTES and not has_file_weights(proto):
+        _checked(lambda: onnx.checker.check_model(proto), where)
+    else:  # the checker parses a serialized copy (two more copies of the weights, and none
+        # can pass 2 GB): check the graph with the weights as typed inputs
+        _checked(lambda: onnx.checker.check_model(_weights_as_inputs(proto)), where)
+
+
+#: models above this size are checked without their weights' bytes (see check_model)
+CHECK_WEIGHTS_BYTES = 256 * 2**20
+
+
+def _checked(check: Any, where: str) -> None:
     try:
-        if proto_size(proto) < TWO_GIB:
-            onnx.checker.check_model(proto)
-        else:  # the checker parses a serialized copy, which cannot pass 2 GB: check the graph
-            onnx.checker.check_model(_weights_as_inputs(proto))  # with weights as typed inputs
+        check()
     except onnx.checker.ValidationError as exc:
         raise ModelError(
             f"{where} is rejected by onnx.checker: {_first_line(exc)}; fix or re-export the model"
@@ -115,15 +166,19 @@ def _weights_as_inputs(model: onnx.ModelProto, limit: int = 4096) -> onnx.ModelP
 
 
 def proto_size(proto: Any) -> int:
-    """``proto.ByteSize()``, or :data:`TWO_GIB` for a message past protobuf's 2 GB limit.
+    """``proto.ByteSize()`` with its file weights in, or :data:`TWO_GIB` past protobuf's limit.
 
     protobuf's own ``ByteSize`` raises EncodeError there (upb), so a size test on a large
-    model must not call it directly.
+    model must not call it directly. Weights left in their file (:data:`FOLDER_KEY`) count
+    as if they were in the message: the size is the model's, however it is held.
     """
     try:
-        return int(proto.ByteSize())
+        size = int(proto.ByteSize())
     except Exception:  # google.protobuf.message.EncodeError: past 2 GB
         return TWO_GIB
+    if isinstance(proto, onnx.ModelProto):
+        size += sum(_nbytes(t) for g in _all_graphs(proto.graph) for t in _file_weights(g))
+    return min(size, TWO_GIB)
 
 
 def save_model(proto: onnx.ModelProto, path: str | os.PathLike[str]) -> None:
@@ -139,7 +194,7 @@ def save_model(proto: onnx.ModelProto, path: str | os.PathLike[str]) -> None:
     if not folder.is_dir():
         raise ModelError(f"output folder '{folder}' does not exist; create it or choose another -o")
     if proto_size(proto) < TWO_GIB:
-        write_bytes_atomic(path, proto.SerializeToString(deterministic=True))
+        write_bytes_atomic(path, serialize(proto))
         return
     try:
         _save_external(proto, path, folder)
@@ -173,7 +228,7 @@ def write_external(proto: onnx.ModelProto, path: Path, data_name: str, limit: in
     offset = 0
     with open(path.parent / data_name, "wb") as data:
         for s, t in zip(stubs, held, strict=True):
-            raw = t.raw_data if t.HasField("raw_data") else numpy_helper.to_array(t).tobytes()
+            raw = raw_bytes(t)
             pad = -offset % EXTERNAL_ALIGN
             data.write(b"\0" * pad)
             offset += pad
@@ -238,8 +293,150 @@ def _publish(path: Path) -> None:
 
 
 def serialize(proto: onnx.ModelProto) -> bytes:
-    """Deterministic serialization, used for byte-identical outputs and ORT sessions."""
-    return proto.SerializeToString(deterministic=True)
+    """Deterministic bytes of ``proto``, with any weights left in their file read in."""
+    return with_file_weights(proto).SerializeToString(deterministic=True)
+
+
+# --------------------------------------------------------------------------------------------
+# weights left in the model's own external data file
+
+#: the external-data key onnxq adds to a tensor it leaves in the input model's data file: the
+#: folder its location is relative to. A model loaded from a file with external data keeps its
+#: weights there (never whole in memory, where onnxruntime's session takes a copy of its own);
+#: :func:`tensor_array` and :func:`raw_bytes` read one when it is needed. Such tensors never
+#: leave the process: :func:`serialize`, the writers and the sessions read them in.
+FOLDER_KEY = "onnxq_folder"
+
+
+def is_file_weight(t: onnx.TensorProto) -> bool:
+    """Whether ``t`` is left in its model's external data file (:data:`FOLDER_KEY`)."""
+    return t.data_location == onnx.TensorProto.EXTERNAL and any(
+        e.key == FOLDER_KEY for e in t.external_data
+    )
+
+
+def _file_weights(g: onnx.GraphProto) -> list[onnx.TensorProto]:
+    return [t for t in g.initializer if is_file_weight(t)]
+
+
+def has_file_weights(model: onnx.ModelProto) -> bool:
+    """Whether any initializer of ``model`` (subgraphs included) is left in its file."""
+    return any(_file_weights(g) for g in _all_graphs(model.graph))
+
+
+def raw_bytes(t: onnx.TensorProto) -> bytes:
+    """``t``'s data as ``raw_data`` holds it (read from the data file for a file weight)."""
+    if is_file_weight(t):
+        info = {e.key: e.value for e in t.external_data}
+        path = Path(info[FOLDER_KEY]) / info["location"]
+        length = _nbytes(t)
+        with open(path, "rb") as f:
+            f.seek(int(info.get("offset", 0)))
+            raw = f.read(length)
+        if len(raw) != length:
+            raise ModelError(
+                f"initializer '{t.name}': its external data file '{path}' changed while onnxq "
+                "read it (it ends early); keep the model's files unchanged while it runs"
+            )
+        return raw
+    if t.HasField("raw_data"):
+        return t.raw_data
+    return numpy_helper.to_array(t).tobytes()
+
+
+def read_in(t: onnx.TensorProto) -> onnx.TensorProto:
+    """``t`` itself, or for a file weight a copy with its data in it."""
+    if not is_file_weight(t):
+        return t
+    out = onnx.TensorProto(name=t.name, data_type=t.data_type, dims=t.dims, raw_data=raw_bytes(t))
+    out.data_location = onnx.TensorProto.DEFAULT  # set, as onnx.load sets it on what it reads
+    if t.doc_string:
+        out.doc_string = t.doc_string
+    return out
+
+
+def tensor_array(t: onnx.TensorProto) -> np.ndarray:
+    """``numpy_helper.to_array`` for any initializer, file weights included."""
+    return numpy_helper.to_array(read_in(t))
+
+
+def with_file_weights(model: onnx.ModelProto) -> onnx.ModelProto:
+    """``model`` itself, or a copy with every file weight read in (a self-contained model)."""
+    if not has_file_weights(model):
+        return model
+    out = onnx.ModelProto()
+    out.CopyFrom(model)  # cheap: the weights are not in it
+    for g in _all_graphs(out.graph):
+        for t in _file_weights(g):
+            t.CopyFrom(read_in(t))
+    return out
+
+
+def _all_graphs(g: onnx.GraphProto) -> list[onnx.GraphProto]:
+    """``g`` and every graph nested in its nodes' attributes, outermost first."""
+    out = [g]
+    for node in g.node:
+        for _, body in graphs_of(node):
+            out += _all_graphs(body)
+    return out
+
+
+class _FileValues(LazyValues):
+    """graphsurgeon's lazy constant values, read from the data file of a file weight.
+
+    The values read last are kept while they fit in :data:`RECENT_BYTES` (all of them
+    together): matching and annotating one group ask for its weight several times in a row.
+    """
+
+    recent: np.ndarray | None = None
+
+    def load(self) -> np.ndarray:
+        if self.recent is None:
+            self.recent = tensor_array(self.tensor)
+            _RECENT.append(self)
+            while len(_RECENT) > 1 and sum(v.nbytes for v in _RECENT) > RECENT_BYTES:
+                _RECENT.popleft().recent = None
+        return self.recent
+
+
+#: bytes of file weights read through graphsurgeon that stay in memory (the last ones read)
+RECENT_BYTES = 256 * 2**20
+_RECENT: deque[_FileValues] = deque()
+
+
+def forget_recent() -> None:
+    """Let go of the file weights kept after their last read."""
+    while _RECENT:
+        _RECENT.popleft().recent = None
+
+
+class _FileConstant(gs.Constant):
+    """A graphsurgeon Constant whose values stay in the data file: read on each use.
+
+    graphsurgeon's own Constant keeps the values once read, and exports them inline; this
+    one exports the file weight as it came unless a pass sets new values.
+    """
+
+    @property
+    def values(self) -> Any:
+        v = self._values
+        return v.load() if isinstance(v, _FileValues) else v
+
+    @values.setter
+    def values(self, values: Any) -> None:
+        self._values = values
+        if not isinstance(values, _FileValues):  # new values are written inline
+            self.data_location = None
+
+    def copy(self) -> gs.Constant:
+        out = super().copy()
+        out.__class__ = _FileConstant
+        return out
+
+
+def in_file(tensor: gs.Tensor) -> bool:
+    """Whether graphsurgeon ``tensor`` is a file weight whose values no pass has replaced."""
+    return isinstance(getattr(tensor, "_values", None), _FileValues)
 
 
 def _first_line(exc: BaseException) -> str:
@@ -252,8 +449,29 @@ def _first_line(exc: BaseException) -> str:
 
 
 def import_graph(proto: onnx.ModelProto) -> gs.Graph:
-    """Import a ModelProto as an onnx-graphsurgeon graph."""
-    return gs.import_onnx(proto)
+    """Import a ModelProto as an onnx-graphsurgeon graph.
+
+    File weights stay in their file: their values are read when a pass asks for them, and
+    the export writes them back as they came (graphsurgeon keeps a lazy tensor's proto).
+    """
+    graph = gs.import_onnx(proto)
+    if has_file_weights(proto):
+        for g in [graph, *_gs_subgraphs(graph)]:
+            for t in g.tensors().values():
+                values = getattr(t, "_values", None)
+                if isinstance(values, LazyValues) and is_file_weight(values.tensor):
+                    t._values = _FileValues(values.tensor)
+                    t.__class__ = _FileConstant
+    return graph
+
+
+def _gs_subgraphs(graph: gs.Graph) -> list[gs.Graph]:
+    out = []
+    for node in graph.nodes:
+        for value in node.attrs.values():
+            if isinstance(value, gs.Graph):
+                out += [value, *_gs_subgraphs(value)]
+    return out
 
 
 def graphs_of(node: onnx.NodeProto) -> Iterator[tuple[str, onnx.GraphProto]]:
@@ -352,6 +570,8 @@ def split_weights(
 ) -> tuple[onnx.ModelProto, list[onnx.TensorProto]]:
     """:func:`skeleton` and the main-graph initializers it left without data, in graph order.
 
+    File weights are among them, whatever their size (read them with :func:`tensor_array`).
+
     The stubs are marked as external data (location :data:`IN_MEMORY`), so onnxruntime can be
     given the weights as arrays (``add_external_initializers``) instead of serialized bytes.
     """
@@ -360,7 +580,9 @@ def split_weights(
     copy_fields(model.graph, out.graph, skip="initializer")
     held = []
     for t in model.graph.initializer:
-        if _nbytes(t) <= limit or t.data_location == onnx.TensorProto.EXTERNAL:
+        if not is_file_weight(t) and (
+            _nbytes(t) <= limit or t.data_location == onnx.TensorProto.EXTERNAL
+        ):
             out.graph.initializer.append(t)
             continue
         stub = out.graph.initializer.add()
@@ -371,6 +593,19 @@ def split_weights(
         entry.key, entry.value = "location", IN_MEMORY
         held.append(t)
     return out, held
+
+
+def unfilled(name: str, dtype: np.dtype, shape: Sequence[int]) -> onnx.TensorProto:
+    """A tensor of ``dtype`` and ``shape`` without data, whose values are written later.
+
+    Marked as external data at :data:`IN_MEMORY` (never opened): reading it fails loudly.
+    """
+    t = onnx.TensorProto(name=name, dims=list(shape))
+    t.data_type = onnx.helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
+    t.data_location = onnx.TensorProto.EXTERNAL
+    entry = t.external_data.add()
+    entry.key, entry.value = "location", IN_MEMORY
+    return t
 
 
 def _nbytes(t: onnx.TensorProto) -> int:

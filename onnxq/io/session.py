@@ -102,7 +102,7 @@ def inferred_types(model: onnx.ModelProto) -> dict[str, int]:
 #: models above this size hand onnxruntime their weights as arrays, not inside the bytes
 SHARED_WEIGHTS_BYTES = 32 * 2**20
 #: models above this size hand it a file with external data (no array copies at all)
-FILE_WEIGHTS_BYTES = 2**30
+FILE_WEIGHTS_BYTES = 256 * 2**20
 
 
 def _session(ort: Any, model: onnx.ModelProto, opts: Any) -> Any:
@@ -114,7 +114,7 @@ def _session(ort: Any, model: onnx.ModelProto, opts: Any) -> Any:
     # onnxruntime copies them while it loads the model; they are freed on return.
     if graph.proto_size(model) < FILE_WEIGHTS_BYTES:
         stub, held = graph.split_weights(model)
-        values = [ort.OrtValue.ortvalue_from_numpy(onnx.numpy_helper.to_array(t)) for t in held]
+        values = [ort.OrtValue.ortvalue_from_numpy(graph.tensor_array(t)) for t in held]
         opts.add_external_initializers([t.name for t in held], values)
         return ort.InferenceSession(serialize(stub), opts, providers=providers)
     # a large model (or one past protobuf's 2 GB): a file with external data, written one
@@ -143,9 +143,11 @@ def free_memory() -> None:
     glibc keeps freed blocks in its arenas; ``malloc_trim`` returns them (a no-op elsewhere).
     After calibration of PP-OCRv4's recogniser (373 MB of exposed outputs per batch) RSS fell
     from 1.61 to 1.51 GB; the rest is held natively by onnxruntime (no session is alive).
+    File weights read last (onnxq.io.graph.RECENT_BYTES) are let go too.
     """
     import gc
 
+    graph.forget_recent()
     gc.collect()
     if sys.platform.startswith("linux"):
         try:

@@ -17,6 +17,7 @@ import onnx
 from onnx import helper, numpy_helper
 
 from onnxq.errors import QuantizationError
+from onnxq.io.graph import tensor_array
 from onnxq.optable import BY_QOP, MS_DOMAIN, QOp
 from onnxq.prepare.opset import default_opset
 
@@ -45,7 +46,7 @@ class _Builder:
             raise QuantizationError(
                 f"'{name}' is not a constant; QDQ export needs constant scales and zero points"
             )
-        return numpy_helper.to_array(self.inits[name])
+        return tensor_array(self.inits[name])
 
     def const(self, base: str, value: np.ndarray) -> str:
         name = self.name(base)

@@ -14,13 +14,18 @@ One QuantizeLinear is written per activation edge and dtype, shared by every gro
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import onnx_graphsurgeon as gs
+from onnx_graphsurgeon.ir.tensor import LazyValues
 
 from onnxq.annotate.specs import PatternRecord, Placeholder, QTensor
-from onnxq.io.graph import GraphEditor
+from onnxq.io.graph import GraphEditor, unfilled
 from onnxq.optable import BY_QOP, QOp
+
+#: int8 weights larger than this are left without data in the template
+UNFILLED_BYTES = 2**20
 
 
 def slots(
@@ -127,9 +132,19 @@ class TemplateWriter:
     # tensors --------------------------------------------------------------------------------
 
     def const(self, name: str) -> gs.Constant:
-        """The template initializer of placeholder ``name`` (its default value until solved)."""
+        """The template initializer of placeholder ``name`` (its default value until solved).
+
+        An int8 weight over :data:`UNFILLED_BYTES` has no data in the template: materialize
+        derives it from the float weight (its zeros were a quarter of a model's weights).
+        """
         if name not in self._consts:
-            self._consts[name] = gs.Constant(name, self.placeholders[name].default())
+            ph = self.placeholders[name]
+            dtype = np.dtype(ph.dtype)
+            if ph.kind == "weight" and int(np.prod(ph.shape)) * dtype.itemsize > UNFILLED_BYTES:
+                values: Any = LazyValues(unfilled(name, dtype, ph.shape))
+            else:
+                values = ph.default()
+            self._consts[name] = gs.Constant(name, values)
         return self._consts[name]
 
     def operands(self, qt: QTensor) -> list[gs.Tensor]:

@@ -26,6 +26,7 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
+from onnxq.io.graph import tensor_array
 from onnxq.passes.manager import PassResult, State
 from onnxq.passes.stream import float_batches
 from onnxq.solve.equalize import (
@@ -159,10 +160,10 @@ def describe(equalization: dict[str, dict], rounds: int) -> str:
 
 
 def _consts(model: onnx.ModelProto) -> dict[str, np.ndarray]:
-    out = {i.name: numpy_helper.to_array(i) for i in model.graph.initializer}
+    out = {i.name: tensor_array(i) for i in model.graph.initializer}
     for n in model.graph.node:
         if n.op_type == "Constant" and n.attribute and n.attribute[0].name == "value":
-            out[n.output[0]] = numpy_helper.to_array(n.attribute[0].t)
+            out[n.output[0]] = tensor_array(n.attribute[0].t)
     return out
 
 
@@ -251,9 +252,9 @@ def _homogeneous(n: onnx.NodeProto, consts: dict[str, np.ndarray], chain: _Chain
 
 
 def _layer(conv: onnx.NodeProto, inits: dict[str, onnx.TensorProto]) -> Layer:
-    w = numpy_helper.to_array(inits[conv.input[1]]).astype(np.float64)
+    w = tensor_array(inits[conv.input[1]]).astype(np.float64)
     if len(conv.input) > 2 and conv.input[2]:
-        b = numpy_helper.to_array(inits[conv.input[2]]).astype(np.float64)
+        b = tensor_array(inits[conv.input[2]]).astype(np.float64)
     else:
         b = np.zeros(w.shape[0])
     groups = next((int(a.i) for a in conv.attribute if a.name == "group"), 1)

@@ -1,12 +1,14 @@
 """Save: the output model (atomically) and the range table, where asked.
 
-Needs ``state.model`` and, for ``save_ranges``, the calibrator's ranges.
+Needs ``state.model`` and, for ``save_ranges``, the calibrator's ranges. Lets go of
+``state.session`` (the verification session: nothing after the checks runs it).
 """
 
 from __future__ import annotations
 
 from onnxq.calibrate.ranges import write_ranges
 from onnxq.io.graph import save_model
+from onnxq.io.session import free_memory
 from onnxq.passes.manager import PassResult, State
 
 
@@ -19,6 +21,10 @@ class Save:
         """Write the model and the ranges."""
         o = state.options
         wrote = []
+        # nothing after the checks runs the verification session: let its copy of the
+        # model go before the writer serializes one (a 2 GB model's peak was here)
+        state.session = None
+        free_memory()
         if o.output is not None:
             save_model(state.model, o.output)
             wrote.append(str(o.output))

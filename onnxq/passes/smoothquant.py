@@ -20,6 +20,7 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
+from onnxq.io.graph import tensor_array
 from onnxq.passes.manager import PassResult, State
 from onnxq.passes.stream import float_batches
 from onnxq.solve.smoothquant import Smoothing, choose
@@ -140,7 +141,7 @@ def _readers(model: onnx.ModelProto, excluded: set[str]) -> dict[str, list[_Read
 
 
 def _as_kn(init: onnx.TensorProto, transposed: bool) -> np.ndarray:
-    w = numpy_helper.to_array(init).astype(np.float64)
+    w = tensor_array(init).astype(np.float64)
     return w.T if transposed else w
 
 
@@ -176,7 +177,7 @@ def _apply(model: onnx.ModelProto, x: str, readers: list[_Reader], choice: Smoot
     g = model.graph
     inits = {i.name: i for i in g.initializer}
     for r in readers:
-        w = numpy_helper.to_array(inits[r.weight]).astype(np.float64)
+        w = tensor_array(inits[r.weight]).astype(np.float64)
         w = w * s[None, :] if r.transposed else w * s[:, None]
         inits[r.weight].CopyFrom(numpy_helper.from_array(w.astype(np.float32), r.weight))
     inv = (1.0 / s).astype(np.float32)
@@ -193,7 +194,7 @@ def _apply(model: onnx.ModelProto, x: str, readers: list[_Reader], choice: Smoot
         and all(t in inits for t in producer.input[1:3])
     ):
         for t in producer.input[1:3]:
-            v = numpy_helper.to_array(inits[t]).astype(np.float64) * inv
+            v = tensor_array(inits[t]).astype(np.float64) * inv
             inits[t].CopyFrom(numpy_helper.from_array(v.astype(np.float32), t))
         return f"LayerNormalization '{producer.name}'"
     name = f"{x}_smoothed"

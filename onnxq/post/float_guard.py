@@ -18,6 +18,8 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from onnxq.io.graph import tensor_array
+
 #: float ops onnxruntime quantizes on its own behind a DequantizeLinear (tested: MatMul is not)
 GUARDED_OPS = frozenset({"Conv", "ConvTranspose", "Gemm"})
 
@@ -104,14 +106,14 @@ def _per_tensor_params(
     """(scale, zero point) of a per-tensor DequantizeLinear with constant parameters, or None."""
     if len(dq.input) < 2 or dq.input[1] not in inits:
         return None
-    scale = numpy_helper.to_array(inits[dq.input[1]])
+    scale = tensor_array(inits[dq.input[1]])
     if scale.size != 1:
         return None
     zero = np.zeros((), np.float32)
     if len(dq.input) > 2 and dq.input[2]:
         if dq.input[2] not in inits:
             return None
-        zp = numpy_helper.to_array(inits[dq.input[2]])
+        zp = tensor_array(inits[dq.input[2]])
         if zp.size != 1 or not np.issubdtype(zp.dtype, np.integer):
             return None
         zero = zp.astype(np.float32)

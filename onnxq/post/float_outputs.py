@@ -21,7 +21,9 @@ from __future__ import annotations
 
 import numpy as np
 import onnx
-from onnx import helper, numpy_helper
+from onnx import helper
+
+from onnxq.io.graph import tensor_array
 
 MS_DOMAIN = "com.microsoft"
 #: the QOperator ops that can write float
@@ -117,7 +119,7 @@ def _to_integer_to_float(
 def _clips_at_zero(n: onnx.NodeProto, inits: dict[str, onnx.TensorProto]) -> bool:
     """Whether the output grid starts at 0 (see :func:`starts_at_zero`)."""
     zp = inits.get(n.input[-1] if n.op_type == "QLinearMatMul" else n.input[8])
-    return zp is None or starts_at_zero(numpy_helper.to_array(zp))
+    return zp is None or starts_at_zero(tensor_array(zp))
 
 
 def starts_at_zero(zero_point: np.ndarray) -> bool:

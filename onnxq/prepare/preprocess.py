@@ -17,6 +17,7 @@ import tempfile
 import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
+from onnx_graphsurgeon.ir.tensor import LazyValues
 
 from onnxq.io.graph import (
     GraphEditor,
@@ -25,6 +26,7 @@ from onnxq.io.graph import (
     export_model,
     import_graph,
     is_absent,
+    is_file_weight,
     iter_subgraph_nodes,
     skeleton,
 )
@@ -176,6 +178,7 @@ def _fold_constants(graph: gs.Graph) -> None:
             editor.redirect(out, gs.Constant(out.name + "_value", np.asarray(arr)))
             editor.remove_node(node)
     graph.cleanup(remove_unused_graph_inputs=False)
+    _read_folded_weights(graph)
     _quiet()
     try:
         # flatten_subgraphs=False: graphsurgeon 0.6's inlining of an If with a constant
@@ -186,6 +189,21 @@ def _fold_constants(graph: gs.Graph) -> None:
     except Exception as exc:  # graphsurgeon folding is an optimisation, never required
         logging.getLogger("onnxq").info("constant folding skipped: %s", exc)
     graph.toposort()
+
+
+def _read_folded_weights(graph: gs.Graph) -> None:
+    """Read in the file weights a foldable node reads (a Transpose of a weight, a Cast).
+
+    graphsurgeon folds by running onnxruntime on an exported copy of the constant subgraph;
+    a weight left in the model's data file would reach it without its folder. Only the
+    weights of nodes whose every input is constant are read; the rest stay in the file.
+    """
+    for node in graph.nodes:
+        ins = [t for t in node.inputs if not is_absent(t)]
+        if ins and all(isinstance(t, gs.Constant) for t in ins):
+            for t in ins:
+                if isinstance(t._values, LazyValues) and is_file_weight(t._values.tensor):
+                    t.values = t.values
 
 
 def _quiet() -> None:

@@ -63,9 +63,6 @@ def materialize(
         full[name] = arr
     _check_relu_folds(q.records, full)
     widened = _fit_biases(q, full, constant_of)
-    for qname, w in q.weights.items():
-        qp = QParams(full[w.scale], full[w.zero_point], w.axis)
-        full[qname] = quantize(constant_of(w.weight), qp)
     for bname, b in q.biases.items():
         s = full[b.input_scale].astype(np.float64) * full[b.weight_scale].astype(np.float64)
         rounded = np.round(constant_of(b.bias) / s)
@@ -74,7 +71,11 @@ def materialize(
     proto = onnx.ModelProto()
     proto.CopyFrom(q.template)
     for init in proto.graph.initializer:
-        if init.name in full:
+        w = q.weights.get(init.name)
+        if w is not None:  # derived here, one at a time (never all held beside the model)
+            qp = QParams(full[w.scale], full[w.zero_point], w.axis)
+            init.CopyFrom(numpy_helper.from_array(quantize(constant_of(w.weight), qp), init.name))
+        elif init.name in full:
             init.CopyFrom(numpy_helper.from_array(full[init.name], init.name))
         elif constants and init.name in constants:  # a float layer's corrected bias
             value = np.asarray(constants[init.name], np.float32).reshape(tuple(init.dims))

@@ -22,10 +22,10 @@ from typing import Any
 
 import numpy as np
 import onnx
-from onnx import numpy_helper
 
 from onnxq.calibrate.dataset import DatasetManager
 from onnxq.calibrate.streaming import run_checked
+from onnxq.io.graph import tensor_array
 from onnxq.io.session import make_session, output_types
 
 FLOAT_TYPES = {onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.DOUBLE}
@@ -149,7 +149,7 @@ class Comparison:
 
 
 def _initializers(model: onnx.ModelProto) -> dict[str, np.ndarray]:
-    return {i.name: numpy_helper.to_array(i) for i in model.graph.initializer}
+    return {i.name: tensor_array(i) for i in model.graph.initializer}
 
 
 def compare(

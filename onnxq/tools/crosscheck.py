@@ -33,10 +33,11 @@ from typing import Any
 
 import numpy as np
 import onnx
-from onnx import helper, numpy_helper
+from onnx import helper
 
 from onnxq.calibrate.dataset import model_inputs
 from onnxq.calibrate.sources import as_dataset
+from onnxq.io.graph import serialize, tensor_array
 from onnxq.lower.fakequantize import OV_DOMAIN
 from onnxq.tools.compare import TensorStats, compare, dequantized, link_inputs, tensor_plan
 from onnxq.tools.emulate import FLAGS, Emulation
@@ -210,7 +211,7 @@ def _onnxruntime_reader(target: onnx.ModelProto, tensors: Sequence[str]) -> Read
     """The target's outputs and its (dequantized) values of ``tensors``."""
     from onnxq.io.session import make_session
 
-    inits = {i.name: numpy_helper.to_array(i) for i in target.graph.initializer}
+    inits = {i.name: tensor_array(i) for i in target.graph.initializer}
     plan = tensor_plan(list(tensors), target, inits)
     outputs = [o.name for o in target.graph.output]
     fetch = sorted({v[0] for v in plan.values()} - set(outputs))
@@ -233,7 +234,7 @@ def _openvino_reader(model: onnx.ModelProto, extra: Sequence[str]) -> Reader:
     from onnxq.io.openvino import openvino_compile
 
     core = ov.Core()
-    ov_model = core.read_model(model.SerializeToString())
+    ov_model = core.read_model(serialize(model))
     for name in extra:
         try:
             ov_model.add_outputs([name])

@@ -32,7 +32,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from onnxq.io.graph import names_read
+from onnxq.io.graph import names_read, tensor_array
 from onnxq.lower.fakequantize import OV_DOMAIN, to_fakequantize
 
 #: the emulation model's input that holds the switches
@@ -127,7 +127,7 @@ class Emulation:
         graph = self.model.graph
         inits = {i.name: i for i in graph.initializer}
         gates = {
-            n.output[0]: bool(flags[int(numpy_helper.to_array(inits[n.input[1]]))])
+            n.output[0]: bool(flags[int(tensor_array(inits[n.input[1]]))])
             for n in graph.node
             if n.op_type == "Gather" and n.input[0] == FLAGS
         }
@@ -247,13 +247,13 @@ def emulate(state: Any, int32_biases: bool = True) -> Emulation:
         x, y = node.input[0], node.output[0]
         fq_inputs.add(x)
         levels = next(a.i for a in node.attribute if a.name == "levels")
-        lo = numpy_helper.to_array(inits[node.input[1]])
-        hi = numpy_helper.to_array(inits[node.input[2]])
+        lo = tensor_array(inits[node.input[1]])
+        hi = tensor_array(inits[node.input[2]])
         steps[y] = _step(lo, hi, levels)
         if x not in inits:
             continue
-        rounded = numpy_helper.to_array(inits[x])
-        float_w = numpy_helper.to_array(originals[x]) if x in originals else rounded
+        rounded = tensor_array(inits[x])
+        float_w = tensor_array(originals[x]) if x in originals else rounded
         k = switch(x, "weight", readers.get(x, []))
         weights[y] = (
             k,
@@ -266,8 +266,8 @@ def emulate(state: Any, int32_biases: bool = True) -> Emulation:
             continue
         if original.SerializeToString() != init.SerializeToString():
             replaced[name] = (
-                constant(f"{name}/on", numpy_helper.to_array(init)),
-                constant(f"{name}/off", numpy_helper.to_array(original)),
+                constant(f"{name}/on", tensor_array(init)),
+                constant(f"{name}/off", tensor_array(original)),
             )
 
     for node in graph.node:
@@ -331,7 +331,7 @@ def _int32_bias(
     x, w, b = node.input[0], node.input[1], node.input[2]
     if x not in steps or w not in steps or steps[x].size != 1 or b not in inits:
         return
-    value = numpy_helper.to_array(inits[b])
+    value = tensor_array(inits[b])
     step = (steps[x].reshape(()) * steps[w].reshape(-1)).astype(np.float64)
     if step.size not in (1, value.size):
         return
@@ -374,7 +374,7 @@ def _activation(
     y = node.output[0]
     # quantized while any group that writes it int8 or reads it int8 is int8
     needers = [produced_by[tensor]] if tensor in produced_by else []
-    lo_v, hi_v = numpy_helper.to_array(inits[lo]), numpy_helper.to_array(inits[hi])
+    lo_v, hi_v = tensor_array(inits[lo]), tensor_array(inits[hi])
     step_v = _step(lo_v, hi_v, levels)
     step = float(step_v.reshape(-1)[0]) if step_v.size == 1 else None
     k = switch(tensor, "activation", needers + readers.get(tensor, []), step)

@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 
 from onnxq.errors import ConfigError
+from onnxq.io.graph import tensor_array
 
 #: the worst tensors whose range histograms are drawn
 HISTOGRAMS = 6
@@ -238,15 +239,13 @@ def int8_range(model: Any, tensor: str) -> tuple[float, float] | None:
     From ``<tensor>_scale`` and its zero point (QOperator, QDQ) or its FakeQuantize bounds
     (OpenVINO).
     """
-    from onnx import numpy_helper
-
     from onnxq.solve.qparams import qrange
 
     inits = {i.name: i for i in model.graph.initializer}
     scale, zero = inits.get(f"{tensor}_scale"), inits.get(f"{tensor}_zero_point")
     if scale is not None and zero is not None:
-        s = numpy_helper.to_array(scale).astype(np.float64)
-        z = numpy_helper.to_array(zero)
+        s = tensor_array(scale).astype(np.float64)
+        z = tensor_array(zero)
         if s.size != 1:
             return None
         dtype = {np.dtype(np.uint8): "uint8", np.dtype(np.int8): "int8"}.get(z.dtype, "int16")
@@ -255,7 +254,7 @@ def int8_range(model: Any, tensor: str) -> tuple[float, float] | None:
         return (lo - zf) * float(s.reshape(())), (hi - zf) * float(s.reshape(()))
     low, high = inits.get(f"{tensor}/input_low"), inits.get(f"{tensor}/input_high")
     if low is not None and high is not None:
-        lo_v, hi_v = numpy_helper.to_array(low), numpy_helper.to_array(high)
+        lo_v, hi_v = tensor_array(low), tensor_array(high)
         if lo_v.size == 1:
             return float(lo_v.reshape(())), float(hi_v.reshape(()))
     return None

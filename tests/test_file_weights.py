@@ -1,0 +1,132 @@
+"""A model with external data keeps its weights in its data file while onnxq works on it.
+
+onnxq.io.graph leaves such weights in the file (file weights) and reads each when a step needs
+it, so no whole copy of the float weights sits beside onnxruntime's session. The output must be
+the same bytes as when the weights are loaded first, the input files untouched, and the
+model handed back to a Python caller self-contained.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import numpy as np
+import onnx
+import pytest
+from helpers import DIGITS_CNN, run
+
+import onnxq
+import onnxq.lower.qoperator as qoperator
+from onnxq.api import quantize_state
+from onnxq.cli import main
+from onnxq.errors import ModelError
+from onnxq.io.graph import (
+    FOLDER_KEY,
+    has_file_weights,
+    load_model,
+    serialize,
+    tensor_array,
+)
+from scripts import big_model
+
+
+def _external(tmp_path, source=DIGITS_CNN, name="ext.onnx"):
+    """``source`` saved with every initializer in ``name``.data; returns the model path."""
+    model = onnx.load(str(source))
+    path = tmp_path / name
+    onnx.save_model(
+        model, str(path), save_as_external_data=True, location=name + ".data", size_threshold=0
+    )
+    return path
+
+
+@pytest.fixture
+def digits():
+    pixels = np.load(str(DIGITS_CNN.parent / "digits.npz"))["calib"][:48]
+    return {"input": pixels.astype(np.float32) / 255}
+
+
+def _hashes(folder):
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.iterdir())}
+
+
+def test_a_loaded_model_leaves_its_weights_in_the_file(tmp_path):
+    path = _external(tmp_path)
+    model = load_model(str(path))
+    inline = onnx.load(str(path))  # onnx reads the data in
+    assert has_file_weights(model)
+    assert model.ByteSize() < inline.ByteSize() / 10
+    for t, u in zip(model.graph.initializer, inline.graph.initializer, strict=True):
+        assert any(e.key == FOLDER_KEY for e in t.external_data)
+        np.testing.assert_array_equal(tensor_array(t), onnx.numpy_helper.to_array(u))
+
+
+@pytest.mark.parametrize("fmt", ["qoperator", "qdq"])
+def test_the_output_is_the_same_bytes_as_with_the_weights_loaded(tmp_path, digits, fmt):
+    """Sequential bias correction, emulation and lowering all read the weights from the file."""
+    path = _external(tmp_path)
+    before = _hashes(tmp_path)
+    from_file, _ = onnxq.quantize(str(path), digits, format=fmt, progress=False)
+    loaded, _ = onnxq.quantize(onnx.load(str(path)), digits, format=fmt, progress=False)
+    assert not has_file_weights(from_file)  # handed back self-contained
+    assert serialize(from_file) == serialize(loaded)
+    assert _hashes(tmp_path) == before  # the input model and its data file are untouched
+    (out,) = run(from_file, {"input": digits["input"][:4]})
+    (ref,) = run(onnx.load(str(path)), {"input": digits["input"][:4]})
+    assert (out.argmax(1) == ref.argmax(1)).mean() >= 0.75
+
+
+def test_the_cli_writes_the_same_file_as_from_the_loaded_model(tmp_path, digits):
+    path = _external(tmp_path)
+    data = tmp_path / "calib.npz"
+    np.savez(data, **digits)
+    out = tmp_path / "out" / "q.onnx"
+    out.parent.mkdir()
+    rc = main(["quantize", str(path), "--data", str(data), "-o", str(out), "--quiet"])
+    assert rc == 0
+    loaded, _ = onnxq.quantize(onnx.load(str(path)), digits, progress=False)
+    assert out.read_bytes() == serialize(loaded)  # one file: the int8 model is under 2 GB
+    assert sorted(p.name for p in out.parent.iterdir()) == ["q.onnx"]
+
+
+def test_the_template_holds_no_copy_of_the_weights(tmp_path, monkeypatch):
+    """Float weights stay in the file; int8 weights over the limit have no data until solved."""
+    path = big_model.build(tmp_path / "model", hidden=64, blocks=2)
+    tokens = {"x": np.random.default_rng(0).standard_normal((4, 8, 64)).astype(np.float32)}
+    expected, _ = onnxq.quantize(onnx.load(str(path)), tokens, progress=False)
+    monkeypatch.setattr(qoperator, "UNFILLED_BYTES", 1024)
+    state = quantize_state(str(path), tokens, progress=False)
+    weights = big_model.weight_bytes(path)
+    assert state.quantizer.float_model.ByteSize() < weights / 20
+    assert state.quantizer.template.ByteSize() < weights / 20
+    assert serialize(onnxq.io.graph.with_file_weights(state.model)) == serialize(expected)
+
+
+@pytest.mark.parametrize(
+    ("location", "says"),
+    [
+        ("../elsewhere.data", "not a file inside the model's folder"),
+        ("/tmp/absolute.data", "not a file inside the model's folder"),
+    ],
+)
+def test_external_data_outside_the_folder_is_refused(tmp_path, location, says, capsys):
+    path = _external(tmp_path)
+    model = onnx.load(str(path), load_external_data=False)
+    for e in model.graph.initializer[0].external_data:
+        if e.key == "location":
+            e.value = location
+    onnx.save(model, str(path))
+    with pytest.raises(ModelError, match=says):
+        load_model(str(path))
+    assert main(["inspect", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert says in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_truncated_data_file_is_named_before_any_work(tmp_path, capsys):
+    path = _external(tmp_path)
+    data = tmp_path / "ext.onnx.data"
+    data.write_bytes(data.read_bytes()[:-100])
+    assert main(["inspect", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "truncated" in err and "ext.onnx.data" in err and "Traceback" not in err
