@@ -159,6 +159,24 @@ def test_statistics_merge_counts_and_channel_sums():
     assert block_size(1) == 128 and block_size(64) == 2 and block_size(512) == 1
 
 
+@pytest.mark.parametrize(("samples", "workers"), [(1, 2), (16, 2), (64, 3), (512, 2)])
+def test_every_worker_gets_its_first_block_before_any_batch_is_taken(samples, workers):
+    """The parent deals blocks in turn into bounded queues; no worker may wait on another's.
+
+    With room for two batches, the parent blocked on worker 0's queue for the rest of block 0
+    while worker 1 had nothing: two workers ran as slowly as one.
+    """
+    import queue
+
+    from onnxq.calibrate.shards import inbox_capacity, worker_of
+
+    block = block_size(samples)
+    inboxes = [queue.Queue(maxsize=inbox_capacity(block)) for _ in range(workers)]
+    for index in range(block * workers):  # nobody takes anything meanwhile
+        inboxes[worker_of(index, block, workers)].put_nowait(index)  # raises queue.Full
+    assert [box.qsize() for box in inboxes] == [block] * workers
+
+
 def _digits(tmp_path):
     from onnxq.demo import demo_files
 

@@ -1,11 +1,12 @@
 """The calibration pass on several local processes (``onnxq quantize --workers N``).
 
 The parent reads the data once and hands each block of consecutive batches to the next worker
-in turn, through a bounded queue (two batches waiting per worker: memory stays flat in the
-number of samples). Each worker is a fresh process (``spawn``: no onnxruntime threads copied
-by ``fork``) that loads the model once, runs it with ``cores / N`` threads and folds its
-batches into its own :class:`~onnxq.calibrate.statistics.Statistics`; only those statistics
-come back, and the parent merges them in worker order.
+in turn, through a bounded queue (a block and two batches waiting per worker, so each has its
+next block while the parent deals the others': memory stays flat in the number of samples).
+Each worker is a fresh process (``spawn``: no onnxruntime threads copied by ``fork``) that
+loads the model once, runs it with ``cores / N`` threads and folds its batches into its own
+:class:`~onnxq.calibrate.statistics.Statistics`; only those statistics come back, and the
+parent merges them in worker order.
 
 From Python, a script that calibrates with workers must start under
 ``if __name__ == "__main__":``, as any ``multiprocessing`` program: ``spawn`` imports the
@@ -33,10 +34,24 @@ from onnxq.calibrate.streaming import available_cores, one_blas_thread, run_ahea
 from onnxq.errors import CalibrationError, OnnxqError
 from onnxq.io.graph import save_model
 
-#: batches waiting in each worker's queue
+#: batches waiting in each worker's queue beyond a block
 QUEUE_BATCHES = 2
 #: seconds between checks that the workers are still alive while the parent waits on them
 POLL_S = 0.5
+
+
+def worker_of(index: int, block: int, workers: int) -> int:
+    """The worker batch ``index`` goes to: blocks of ``block`` batches dealt in turn."""
+    return (index // block) % workers
+
+
+def inbox_capacity(block: int) -> int:
+    """Batches a worker's queue holds: a whole block and :data:`QUEUE_BATCHES` more.
+
+    With two batches only, the parent stalled on the worker whose block it was dealing while
+    the others had nothing to do: two workers on two cores ran as slowly as one process.
+    """
+    return block + QUEUE_BATCHES
 
 
 def threads_per_worker(workers: int) -> int:
@@ -75,7 +90,7 @@ def observe_in_processes(
     with tempfile.TemporaryDirectory(prefix="onnxq-workers-") as tmp:
         path = Path(tmp) / "float.onnx"
         save_model(model, path)  # initializers beside it when it would pass 2 GB
-        inboxes = [ctx.Queue(maxsize=QUEUE_BATCHES) for _ in range(workers)]
+        inboxes = [ctx.Queue(maxsize=inbox_capacity(block)) for _ in range(workers)]
         outbox = ctx.Queue()
         procs = [
             ctx.Process(
@@ -92,7 +107,7 @@ def observe_in_processes(
         results: dict[int, Statistics] = {}
         try:
             for index, feeds in enumerate(itertools.chain([first], it)):
-                box = inboxes[(index // block) % workers]
+                box = inboxes[worker_of(index, block, workers)]
                 _put(box, (index, feeds), procs, outbox, results)
             for box in inboxes:
                 _put(box, None, procs, outbox, results)
