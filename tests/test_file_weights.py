@@ -130,3 +130,24 @@ def test_a_truncated_data_file_is_named_before_any_work(tmp_path, capsys):
     assert main(["inspect", str(path)]) == 2
     err = capsys.readouterr().err
     assert "truncated" in err and "ext.onnx.data" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "says"),
+    [
+        ("offset", "twelve", "external data offset 'twelve', not a whole number of bytes"),
+        ("offset", "-4", "external data offset '-4', not a whole number of bytes"),
+        ("length", "7", "declares 7 bytes of external data where its type and shape need"),
+    ],
+)
+def test_a_malformed_external_data_entry_is_named(tmp_path, key, value, says, capsys):
+    path = _external(tmp_path)
+    model = onnx.load(str(path), load_external_data=False)
+    entries = model.graph.initializer[0].external_data
+    found = [e for e in entries if e.key == key]
+    entry = found[0] if found else entries.add()
+    entry.key, entry.value = key, value
+    onnx.save(model, str(path))
+    assert main(["inspect", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert says in err and "Traceback" not in err and len(err.strip().splitlines()) == 1

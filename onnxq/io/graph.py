@@ -95,7 +95,14 @@ def _leave_in_file(proto: onnx.ModelProto, path: Path) -> bool:
                 )
             if not file.is_file():
                 _check_external_data(path)
-            offset, length = int(info.get("offset", 0)), _nbytes(t)
+            length = _nbytes(t)
+            offset = _external_number(info, "offset", 0, t, path)
+            if _external_number(info, "length", length, t, path) != length:
+                raise ModelError(
+                    f"model file '{path}': initializer '{t.name}' declares {info['length']} "
+                    f"bytes of external data where its type and shape need {length}; "
+                    "re-export the model"
+                )
             if offset + length > file.stat().st_size:
                 raise ModelError(
                     f"model file '{path}': initializer '{t.name}' needs bytes {offset} to "
@@ -106,6 +113,22 @@ def _leave_in_file(proto: onnx.ModelProto, path: Path) -> bool:
             entry.key, entry.value = FOLDER_KEY, str(folder)
             marked = True
     return marked
+
+
+def _external_number(
+    info: dict[str, str], key: str, default: int, t: onnx.TensorProto, path: Path
+) -> int:
+    """A whole-number field of a tensor's external data entry (offset, length), checked."""
+    try:
+        value = int(info.get(key, default))
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise ModelError(
+            f"model file '{path}': initializer '{t.name}' has external data {key} "
+            f"{info.get(key)!r}, not a whole number of bytes; re-export the model"
+        )
+    return value
 
 
 def _check_external_data(path: Path) -> None:
