@@ -89,6 +89,43 @@ def test_the_cli_writes_the_same_file_as_from_the_loaded_model(tmp_path, digits)
     assert sorted(p.name for p in out.parent.iterdir()) == ["q.onnx"]
 
 
+def test_a_weight_folded_before_matching_is_read_in(tmp_path):
+    """Transpose(W) is folded by running onnxruntime on it: W must reach it with its data."""
+    from onnx import TensorProto
+    from onnx import helper as h
+
+    rng = np.random.default_rng(0)
+    inits = [
+        onnx.numpy_helper.from_array(rng.standard_normal((32, 16)).astype(np.float32), "W"),
+        onnx.numpy_helper.from_array(rng.standard_normal(32).astype(np.float32), "b"),
+    ]
+    nodes = [
+        h.make_node("Transpose", ["W"], ["Wt"], perm=[1, 0]),
+        h.make_node("MatMul", ["x", "Wt"], ["y0"]),
+        h.make_node("Add", ["y0", "b"], ["y1"]),
+        h.make_node("Relu", ["y1"], ["y"]),
+    ]
+    graph = h.make_graph(
+        nodes,
+        "transposed_weight",
+        [h.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 16])],
+        [h.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 32])],
+        inits,
+    )
+    model = h.make_model(graph, opset_imports=[h.make_opsetid("", 17)])
+    model.ir_version = 8
+    path = tmp_path / "t.onnx"
+    onnx.save_model(
+        model, str(path), save_as_external_data=True, location="t.onnx.data", size_threshold=0
+    )
+    x = {"x": rng.standard_normal((64, 16)).astype(np.float32)}
+    from_file, _ = onnxq.quantize(str(path), x, progress=False)
+    loaded, _ = onnxq.quantize(onnx.load(str(path)), x, progress=False)
+    ops = [n.op_type for n in from_file.graph.node]
+    assert ops == ["QuantizeLinear", "QGemm", "DequantizeLinear"]  # folded, then matched
+    assert serialize(from_file) == serialize(loaded)
+
+
 def test_the_template_holds_no_copy_of_the_weights(tmp_path, monkeypatch):
     """Float weights stay in the file; int8 weights over the limit have no data until solved."""
     path = big_model.build(tmp_path / "model", hidden=64, blocks=2)
