@@ -84,7 +84,7 @@ def _leave_in_file(proto: onnx.ModelProto, path: Path) -> bool:
         for t in g.initializer:
             if t.data_location != onnx.TensorProto.EXTERNAL:
                 continue
-            info = {e.key: e.value for e in t.external_data}
+            info = _external_info(t)
             location = info.get("location", "")
             file = (folder / location).resolve()
             if not location or Path(location).is_absolute() or folder not in file.parents:
@@ -131,6 +131,11 @@ def _external_number(
     return value
 
 
+def _external_info(t: onnx.TensorProto) -> dict[str, str]:
+    """A tensor's external data entry (location, offset, length, ...) as a dict."""
+    return {e.key: e.value for e in t.external_data}
+
+
 def _check_external_data(path: Path) -> None:
     """After a failed load: name a missing external-data file (onnx says only 'No such file')."""
     try:
@@ -140,7 +145,7 @@ def _check_external_data(path: Path) -> None:
     wanted = set()
     for init in header.graph.initializer:
         if init.data_location == onnx.TensorProto.EXTERNAL:
-            info = {e.key: e.value for e in init.external_data}
+            info = _external_info(init)
             if "location" in info:
                 wanted.add(info["location"])
     missing = sorted(w for w in wanted if not (path.parent / w).is_file())
@@ -350,7 +355,7 @@ def has_file_weights(model: onnx.ModelProto) -> bool:
 def raw_bytes(t: onnx.TensorProto) -> bytes:
     """``t``'s data as ``raw_data`` holds it (read from the data file for a file weight)."""
     if is_file_weight(t):
-        info = {e.key: e.value for e in t.external_data}
+        info = _external_info(t)
         path = Path(info[FOLDER_KEY]) / info["location"]
         length = _nbytes(t)
         with open(path, "rb") as f:
@@ -398,9 +403,8 @@ def with_file_weights(model: onnx.ModelProto) -> onnx.ModelProto:
 def _all_graphs(g: onnx.GraphProto) -> list[onnx.GraphProto]:
     """``g`` and every graph nested in its nodes' attributes, outermost first."""
     out = [g]
-    for node in g.node:
-        for _, body in graphs_of(node):
-            out += _all_graphs(body)
+    for body in _subgraphs(g):
+        out += _all_graphs(body)
     return out
 
 
@@ -479,22 +483,17 @@ def import_graph(proto: onnx.ModelProto) -> gs.Graph:
     """
     graph = gs.import_onnx(proto)
     if has_file_weights(proto):
-        for g in [graph, *_gs_subgraphs(graph)]:
-            for t in g.tensors().values():
+        for node in iter_subgraph_nodes(graph):
+            for t in node.inputs:
                 values = getattr(t, "_values", None)
-                if isinstance(values, LazyValues) and is_file_weight(values.tensor):
+                if (
+                    isinstance(values, LazyValues)
+                    and not isinstance(values, _FileValues)
+                    and is_file_weight(values.tensor)
+                ):
                     t._values = _FileValues(values.tensor)
                     t.__class__ = _FileConstant
     return graph
-
-
-def _gs_subgraphs(graph: gs.Graph) -> list[gs.Graph]:
-    out = []
-    for node in graph.nodes:
-        for value in node.attrs.values():
-            if isinstance(value, gs.Graph):
-                out += [value, *_gs_subgraphs(value)]
-    return out
 
 
 def graphs_of(node: onnx.NodeProto) -> Iterator[tuple[str, onnx.GraphProto]]:
@@ -608,14 +607,18 @@ def split_weights(
         ):
             out.graph.initializer.append(t)
             continue
-        stub = out.graph.initializer.add()
-        stub.name, stub.data_type = t.name, t.data_type
-        stub.dims.extend(t.dims)
-        stub.data_location = onnx.TensorProto.EXTERNAL
-        entry = stub.external_data.add()
-        entry.key, entry.value = "location", IN_MEMORY
+        out.graph.initializer.append(_in_memory_stub(t.name, t.data_type, t.dims))
         held.append(t)
     return out, held
+
+
+def _in_memory_stub(name: str, data_type: int, dims: Sequence[int]) -> onnx.TensorProto:
+    """A tensor of that type and shape whose data lives elsewhere (location :data:`IN_MEMORY`)."""
+    t = onnx.TensorProto(name=name, data_type=data_type, dims=list(dims))
+    t.data_location = onnx.TensorProto.EXTERNAL
+    entry = t.external_data.add()
+    entry.key, entry.value = "location", IN_MEMORY
+    return t
 
 
 def unfilled(name: str, dtype: np.dtype, shape: Sequence[int]) -> onnx.TensorProto:
@@ -623,12 +626,7 @@ def unfilled(name: str, dtype: np.dtype, shape: Sequence[int]) -> onnx.TensorPro
 
     Marked as external data at :data:`IN_MEMORY` (never opened): reading it fails loudly.
     """
-    t = onnx.TensorProto(name=name, dims=list(shape))
-    t.data_type = onnx.helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
-    t.data_location = onnx.TensorProto.EXTERNAL
-    entry = t.external_data.add()
-    entry.key, entry.value = "location", IN_MEMORY
-    return t
+    return _in_memory_stub(name, onnx.helper.np_dtype_to_tensor_dtype(np.dtype(dtype)), shape)
 
 
 def _nbytes(t: onnx.TensorProto) -> int:

@@ -178,8 +178,8 @@ def _sequential(
     (zero padding and clipping included: the means are measured, not derived from the weight).
     The int8 model is the emulation of this quantization (onnxq.tools.emulate, every switch
     on: QDQ arithmetic in float; the biases float, since materialize sets their grids), run in
-    pieces by
-    onnxq.calibrate.sequential; the float means come from one float run on the same batches.
+    pieces by onnxq.calibrate.sequential; the float means come from one float run on the same
+    batches.
     """
     from onnxq.calibrate.sequential import run_in_order
     from onnxq.tools.emulate import emulate

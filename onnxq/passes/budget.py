@@ -12,9 +12,9 @@ running the float model on the first batch (once to warm the session up, then th
 three runs) times the number of batches. Each algorithm costs a fixed number of such passes:
 about the median ratio measured on the zoo's models (:data:`COST`; the table in
 docs/usage.md), so an estimate can err either way by about 2x; the summary puts the whole
-estimate beside the time taken. The
-calibrate pass and the rest of the call are reserved before any algorithm is kept. When not
-all fit, they are kept in :data:`PRIORITY` order (the largest accuracy gains measured first).
+estimate beside the time taken. The calibrate pass and the rest of the call are reserved
+before any algorithm is kept. When not all fit, they are kept in :data:`PRIORITY` order (the
+largest accuracy gains measured first).
 
 The choice depends on this machine's speed, so a budget that cuts an algorithm may cut it on
 one machine and not another: the report names what was left out, so a run can be repeated with

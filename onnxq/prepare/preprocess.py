@@ -17,7 +17,6 @@ import tempfile
 import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
-from onnx_graphsurgeon.ir.tensor import LazyValues
 
 from onnxq.io.graph import (
     GraphEditor,
@@ -25,8 +24,8 @@ from onnxq.io.graph import (
     copy_fields,
     export_model,
     import_graph,
+    in_file,
     is_absent,
-    is_file_weight,
     iter_subgraph_nodes,
     skeleton,
 )
@@ -202,7 +201,7 @@ def _read_folded_weights(graph: gs.Graph) -> None:
         ins = [t for t in node.inputs if not is_absent(t)]
         if ins and all(isinstance(t, gs.Constant) for t in ins):
             for t in ins:
-                if isinstance(t._values, LazyValues) and is_file_weight(t._values.tensor):
+                if in_file(t):
                     t.values = t.values
 
 
