@@ -53,7 +53,7 @@ def _instrument() -> None:
         setattr(owner, name, wrapper)
 
     timed(st, "channel_means", "channel sums")
-    timed(streaming._Run, "result", "inference (waited)")
+    timed(streaming._Runner, "result", "inference (waited)")
     original = st.Statistics.add
 
     def add(self, names, outs, samples, index):

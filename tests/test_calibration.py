@@ -501,3 +501,32 @@ def test_run_ahead_keeps_the_batch_order_and_names_a_failing_batch():
     with pytest.raises(CalibrationError, match="calibration batch 3 "):
         list(run_ahead(Session(), ["y"], [*batches, {"x": np.array([3])}]))
     assert list(run_ahead(Session(), ["y"], [])) == []
+
+
+def test_run_ahead_depth_two_runs_two_batches_at_once_in_order():
+    import threading
+
+    from onnxq.calibrate import streaming
+    from onnxq.calibrate.streaming import run_ahead
+
+    both = threading.Barrier(2, timeout=10)  # broken (an error) unless two runs overlap
+
+    class Session:
+        def run(self, names, feeds):
+            if feeds["x"][0] in (1, 2):  # the first batch runs alone (its size decides)
+                both.wait()
+            return [feeds["x"] * 2]
+
+    batches = [{"x": np.array([i])} for i in range(5)]
+    got = [(int(f["x"][0]), int(o[0][0])) for f, o in run_ahead(Session(), ["y"], batches, depth=2)]
+    assert got == [(i, 2 * i) for i in range(5)]
+
+    threads = set()
+
+    class Big:  # outputs past AHEAD_BYTES: no second run goes ahead, one thread runs all
+        def run(self, names, feeds):
+            threads.add(threading.get_ident())
+            return [np.zeros(streaming.AHEAD_BYTES // 4 + 1, np.float32)]
+
+    assert len(list(run_ahead(Big(), ["y"], batches, depth=2))) == 5
+    assert len(threads) == 1

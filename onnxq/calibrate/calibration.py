@@ -38,6 +38,12 @@ from onnxq.errors import CalibrationError
 from onnxq.io.graph import graphs_of, tensor_array
 from onnxq.io.session import make_session
 
+#: batches in flight in the one-process pass, each run on its own thread sharing the session's
+#: threads: with one run, onnxruntime (exposing the tensors on the cores but one) was the
+#: critical path and the core folding the statistics waited most of the pass; two keep both
+#: busy (see docs/calibration.md, "Where the time goes")
+STREAM_DEPTH = 2
+
 #: output steps the saturation bounds assume: Sigmoid's fixed 1/255 grid, Tanh's [-1, 1] on
 #: 255 steps; a clipped input lands within 1/8 step of the asymptote, so on the same code
 _SIGMOID_EDGE = 1.0 / 255 / 8
@@ -386,7 +392,8 @@ class Calibrator:
         keep: int,
     ) -> None:
         """The pass in this process: onnxruntime runs the next batch while this one is folded."""
-        for index, (feeds, outs) in enumerate(run_ahead(session, fetch, batches)):
+        ran = run_ahead(session, fetch, batches, depth=STREAM_DEPTH)
+        for index, (feeds, outs) in enumerate(ran):
             if len(self.reference) < self.reference_batches:
                 got = dict(zip(fetch, outs))
                 self.reference.append((dict(feeds), {r: got[r] for r in refs}))

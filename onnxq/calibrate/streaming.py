@@ -1,6 +1,6 @@
 """Running an onnxruntime session over calibration batches, on the cores it should have.
 
-* :func:`run_ahead`: each batch's outputs while the next batch already runs on a thread;
+* :func:`run_ahead`: each batch's outputs while the next batches already run on threads;
 * :func:`run_checked`: one run, onnxruntime's failures turned into one clear error;
 * :func:`available_cores` and :func:`one_blas_thread`: the thread budget of the pass.
 
@@ -10,8 +10,10 @@ Shared by the one-process pass (onnxq.calibrate.calibration), the worker process
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import os
+import queue
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
@@ -43,57 +45,98 @@ def one_blas_thread() -> Iterator[None]:
         yield
 
 
+#: the outputs of one batch above which no second run goes ahead (``depth`` 2): the outputs
+#: of one more batch are alive while it runs
+AHEAD_BYTES = 64 << 20
+
+
 def run_ahead(
     session: Any,
     names: list[str],
     batches: Iterable[dict[str, np.ndarray]],
     number: Callable[[int], int] | None = None,
+    depth: int = 1,
 ) -> Iterator[tuple[dict[str, np.ndarray], list[np.ndarray]]]:
-    """Each batch with ``names`` computed, the next batch already running.
+    """Each batch with ``names`` computed, the next ``depth`` batches already running.
 
     onnxruntime releases the GIL while it runs, so the caller's numpy work on one batch
-    (observers, Hessians) overlaps the inference of the next: one batch in flight, so at most
-    two batches' outputs are alive. The caller still sees the batches in order (deterministic).
-    The run is a daemon thread: Ctrl-C in the caller exits at once, not after the batch.
-    ``number`` maps the position of a batch to the number an error names (a worker's share).
+    (observers, Hessians) overlaps the inference of the next ones: ``depth`` batches in flight,
+    so at most ``depth + 1`` batches' outputs are alive (a second run goes ahead only while a
+    batch's outputs are at most :data:`AHEAD_BYTES`). The caller still sees the batches in
+    order (deterministic). The runs happen on ``depth`` daemon threads kept for the whole
+    pass, so Ctrl-C in the caller exits at once, not after the batch. ``number`` maps the
+    position of a batch to the number an error names (a worker's share).
     """
     name = number or (lambda i: i)
     it = iter(batches)
-    current = next(it, None)
-    if current is None:
-        return
-    job = _Run(session, names, current, name(0))
-    for index, upcoming in enumerate(it, start=1):
-        outs = job.result()
-        job = _Run(session, names, upcoming, name(index))
-        yield current, outs
-        current = upcoming
-    yield current, job.result()
+    upcoming = next(it, None)  # pulled while the runs go: loading overlaps inference
+    runners: list[_Runner] = []
+    free: list[_Runner] = []
+    pending: collections.deque[tuple[dict[str, np.ndarray], _Runner]] = collections.deque()
+    index = 0
+
+    def fill() -> None:
+        nonlocal upcoming, index
+        while free and upcoming is not None:
+            runner = free.pop()
+            runner.submit(upcoming, name(index))
+            pending.append((upcoming, runner))
+            index += 1
+            upcoming = next(it, None)
+
+    try:
+        if upcoming is not None:
+            runners.append(_Runner(session, names))
+            free.append(runners[0])
+        fill()
+        while pending:
+            done, runner = pending.popleft()
+            outs = runner.result()
+            free.append(runner)
+            small = sum(getattr(o, "nbytes", 0) for o in outs) <= AHEAD_BYTES
+            if len(runners) < depth and upcoming is not None and small:
+                runners.append(_Runner(session, names))
+                free.append(runners[-1])
+            fill()
+            yield done, outs
+    finally:
+        for runner in runners:
+            runner.stop()
 
 
-class _Run:
-    """One :func:`run_checked` call on a daemon thread."""
+class _Runner:
+    """A daemon thread running :func:`run_checked` on the feeds it is handed, one at a time."""
 
-    def __init__(self, session: Any, names: list[str], feeds: Mapping[str, Any], index: int):
-        self._outs: list[np.ndarray] = []
-        self._error: BaseException | None = None
-        self._thread = threading.Thread(
-            target=self._work, args=(session, names, feeds, index), daemon=True
+    def __init__(self, session: Any, names: list[str]):
+        self._inbox: queue.SimpleQueue[tuple[Mapping[str, Any], int] | None] = queue.SimpleQueue()
+        self._outbox: queue.SimpleQueue[tuple[list[np.ndarray], BaseException | None]] = (
+            queue.SimpleQueue()
         )
+        self._thread = threading.Thread(target=self._work, args=(session, names), daemon=True)
         self._thread.start()
 
-    def _work(self, session: Any, names: list[str], feeds: Mapping[str, Any], index: int) -> None:
-        try:
-            self._outs = run_checked(session, names, feeds, index)
-        except BaseException as exc:  # handed to the caller's thread
-            self._error = exc
+    def _work(self, session: Any, names: list[str]) -> None:
+        while (job := self._inbox.get()) is not None:
+            feeds, index = job
+            try:
+                self._outbox.put((run_checked(session, names, feeds, index), None))
+            except BaseException as exc:  # handed to the caller's thread
+                self._outbox.put(([], exc))
+
+    def submit(self, feeds: Mapping[str, Any], index: int) -> None:
+        """Start the run of one batch (the previous one's result must have been taken)."""
+        self._inbox.put((feeds, index))
 
     def result(self) -> list[np.ndarray]:
-        """The outputs (the thread's exception raised here)."""
-        self._thread.join()
-        if self._error is not None:
-            raise self._error
-        return self._outs
+        """The outputs of the batch submitted last (its exception raised here)."""
+        outs, error = self._outbox.get()
+        if error is not None:
+            raise error
+        return outs
+
+    def stop(self) -> None:
+        """End the thread once its current run (if any) is done."""
+        self._inbox.put(None)
 
 
 def run_checked(
