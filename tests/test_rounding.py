@@ -112,6 +112,40 @@ def test_patches_times_the_weight_is_what_onnxruntime_computes(
     np.testing.assert_allclose(out.reshape(len(ref), m), ref, atol=1e-4)
 
 
+@pytest.mark.parametrize(
+    "kernel, strides, dilations, pads, group, size",
+    [
+        ((1, 1), (1, 1), (1, 1), (0, 0, 0, 0), 1, (40, 40)),  # MobileNetV2's 1x1 layers
+        ((3, 3), (1, 1), (1, 1), (1, 1, 1, 1), 6, (37, 41)),  # depthwise, padded
+        ((3, 3), (2, 2), (1, 1), (0, 1, 2, 0), 2, (40, 33)),  # uneven pads, strided
+        ((3, 2), (1, 2), (2, 1), (1, 0, 1, 1), 1, (30, 35)),  # dilated
+        ((3,), (2,), (1,), (1, 1), 3, (90,)),  # 1-D
+    ],
+)
+def test_sparse_patches_are_the_dense_patches_on_the_grid(
+    kernel, strides, dilations, pads, group, size
+):
+    # a cap that keeps a sparse grid takes the gather path; it must hold the same values in
+    # the same order as every position's patches cut down to that grid (sign of zero too)
+    x = rng(11).normal(0, 1, (1, 6, *size)).astype(np.float32)
+    conv = ConvShape(kernel, strides, dilations, pads, group)
+    full = conv_patches(x, conv, cap=10**9)
+    out = [
+        (size[i] + pads[i] + pads[len(size) + i] - (kernel[i] - 1) * dilations[i] - 1) // strides[i]
+        + 1
+        for i in range(len(size))
+    ]
+    cap = max(1, int(np.prod(out)) // 30)
+    step = int(np.ceil((np.prod(out) / cap) ** (1 / len(size))))
+    grid = full.reshape(group, full.shape[1], *out)[
+        (Ellipsis, *[slice(None, None, step)] * len(size))
+    ]
+    sparse = conv_patches(x, conv, cap=cap)
+    assert step > 1 and sparse.shape == (group, full.shape[1], grid[0, 0].size)
+    np.testing.assert_array_equal(sparse, grid.reshape(sparse.shape))
+    assert not np.signbit(sparse[sparse == 0]).any()
+
+
 def test_hessian_observer_is_the_mean_outer_product_over_batches():
     r = rng(5)
     batches = [r.normal(0, 1, (3, 7, 5)).astype(np.float32) for _ in range(4)]  # dense input
