@@ -188,3 +188,44 @@ def test_a_malformed_external_data_entry_is_named(tmp_path, key, value, says, ca
     assert main(["inspect", str(path)]) == 2
     err = capsys.readouterr().err
     assert says in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_missing_data_file_of_a_branch_weight_is_named(tmp_path, capsys):
+    # the only external weight sits in an If branch: the error must still name its file
+    from onnx import TensorProto, helper
+
+    w = onnx.numpy_helper.from_array(np.arange(64, dtype=np.float32), "w")
+    then = helper.make_graph(
+        [helper.make_node("Add", ["x", "w"], ["y_then"])],
+        "then",
+        [],
+        [helper.make_tensor_value_info("y_then", TensorProto.FLOAT, [64])],
+        [w],
+    )
+    other = helper.make_graph(
+        [helper.make_node("Identity", ["x"], ["y_else"])],
+        "else",
+        [],
+        [helper.make_tensor_value_info("y_else", TensorProto.FLOAT, [64])],
+    )
+    graph = helper.make_graph(
+        [helper.make_node("If", ["c"], ["y"], then_branch=then, else_branch=other)],
+        "g",
+        [
+            helper.make_tensor_value_info("x", TensorProto.FLOAT, [64]),
+            helper.make_tensor_value_info("c", TensorProto.BOOL, []),
+        ],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [64])],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    path = tmp_path / "branch.onnx"
+    onnx.save(
+        model, str(path), save_as_external_data=True, location="branch.data", size_threshold=0
+    )
+    assert (tmp_path / "branch.data").is_file()
+    assert main(["inspect", str(path)]) == 0  # loads while the file is there
+    capsys.readouterr()
+    (tmp_path / "branch.data").unlink()
+    assert main(["inspect", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "'branch.data'" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1

@@ -94,7 +94,12 @@ def _leave_in_file(proto: onnx.ModelProto, path: Path) -> bool:
                     "the model with its external data beside it"
                 )
             if not file.is_file():
-                _check_external_data(path)
+                _check_external_data(path)  # names every missing file
+                raise ModelError(
+                    f"model file '{path}': initializer '{t.name}' keeps its data in "
+                    f"{location!r}, which is not a file in '{folder}'; put the .data file "
+                    "next to the model (the exporter wrote them together)"
+                )
             length = _nbytes(t)
             offset = _external_number(info, "offset", 0, t, path)
             if _external_number(info, "length", length, t, path) != length:
@@ -143,11 +148,12 @@ def _check_external_data(path: Path) -> None:
     except Exception:  # not readable at all: load_model's own message says so
         return
     wanted = set()
-    for init in header.graph.initializer:
-        if init.data_location == onnx.TensorProto.EXTERNAL:
-            info = _external_info(init)
-            if "location" in info:
-                wanted.add(info["location"])
+    for g in _all_graphs(header.graph):  # the weights of If/Loop bodies too
+        for init in g.initializer:
+            if init.data_location == onnx.TensorProto.EXTERNAL:
+                info = _external_info(init)
+                if "location" in info:
+                    wanted.add(info["location"])
     missing = sorted(w for w in wanted if not (path.parent / w).is_file())
     if missing:
         raise ModelError(
@@ -181,15 +187,29 @@ def _checked(check: Any, where: str) -> None:
 
 
 def _weights_as_inputs(model: onnx.ModelProto, limit: int = 4096) -> onnx.ModelProto:
-    """A copy whose large main-graph initializers are graph inputs of their type and shape."""
+    """A copy whose large or external initializers are main-graph inputs of their type and shape.
+
+    Those of If/Loop bodies too: a body reads an outer-scope name as it read its own
+    initializer (names are unique in the model).
+    """
+    def small(t: onnx.TensorProto) -> bool:
+        return _nbytes(t) <= limit and t.data_location != onnx.TensorProto.EXTERNAL
+
+    def as_input(t: onnx.TensorProto) -> onnx.ValueInfoProto:
+        return onnx.helper.make_tensor_value_info(t.name, t.data_type, t.dims)
+
     out = onnx.ModelProto()
     copy_fields(model, out, skip="graph")
     copy_fields(model.graph, out.graph, skip="initializer")
-    for t in model.graph.initializer:
-        if _nbytes(t) <= limit and t.data_location != onnx.TensorProto.EXTERNAL:
-            out.graph.initializer.append(t)
-        else:
-            out.graph.input.append(onnx.helper.make_tensor_value_info(t.name, t.data_type, t.dims))
+    out.graph.initializer.extend(t for t in model.graph.initializer if small(t))
+    out.graph.input.extend(as_input(t) for t in model.graph.initializer if not small(t))
+    for body in _all_graphs(out.graph)[1:]:  # the copy's bodies: their weights move up
+        moved = [t for t in body.initializer if not small(t)]
+        if moved:
+            keep = [t for t in body.initializer if small(t)]
+            del body.initializer[:]
+            body.initializer.extend(keep)
+            out.graph.input.extend(as_input(t) for t in moved)
     return out
 
 
