@@ -1,0 +1,45 @@
+"""scripts/exposure_cost.py: onnxruntime's cost of handing out the tensors calibration observes."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import onnx
+from helpers import DIGITS_CNN
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_exposure_cost_times_the_tensors_of_a_real_pass(tmp_path):
+    model = onnx.load(str(DIGITS_CNN))
+    dims = [d.dim_value or 1 for d in model.graph.input[0].type.tensor_type.shape.dim]
+    x = np.random.default_rng(0).uniform(0, 1, (12, *dims[1:])).astype(np.float32)
+    np.savez(tmp_path / "calib.npz", **{model.graph.input[0].name: x})
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "scripts" / "exposure_cost.py"),
+            str(DIGITS_CNN),
+            "--data",
+            str(tmp_path / "calib.npz"),
+            "--samples",
+            "8",
+        ],
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    head, *rows = done.stdout.strip().splitlines()
+    observed = int(head.split(" tensors observed")[0].split()[-1])
+    assert "8 feeds" in head and observed > 0  # the names of the pass were caught
+    labels = [r.strip().split("  ")[0] for r in rows[1:]]
+    assert labels == [
+        "floor, 1 thread",
+        "exposed, 1 thread",
+        "reduced, 1 thread",
+        "exposed, default threads",
+        "reduced, default threads",
+        "exposed, 2 runs of 1 thread",
+    ]
+    assert all("x the floor" in r for r in rows[1:])
