@@ -530,3 +530,15 @@ def test_run_ahead_depth_two_runs_two_batches_at_once_in_order():
 
     assert len(list(run_ahead(Big(), ["y"], batches, depth=2))) == 5
     assert len(threads) == 1
+
+    class Failing:  # batch 3 fails while batch 4 runs beside it: named, after 0-2 in order
+        def run(self, names, feeds):
+            if feeds["x"][0] == 3:
+                raise RuntimeError("bad shape")
+            return [feeds["x"] * 2]
+
+    seen = []
+    with pytest.raises(CalibrationError, match="calibration batch 3 "):
+        for f, _ in run_ahead(Failing(), ["y"], batches, depth=2):
+            seen.append(int(f["x"][0]))
+    assert seen == [0, 1, 2]
