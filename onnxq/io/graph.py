@@ -192,6 +192,7 @@ def _weights_as_inputs(model: onnx.ModelProto, limit: int = 4096) -> onnx.ModelP
     Those of If/Loop bodies too: a body reads an outer-scope name as it read its own
     initializer (names are unique in the model).
     """
+
     def small(t: onnx.TensorProto) -> bool:
         return _nbytes(t) <= limit and t.data_location != onnx.TensorProto.EXTERNAL
 
