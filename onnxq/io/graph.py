@@ -94,12 +94,7 @@ def _leave_in_file(proto: onnx.ModelProto, path: Path) -> bool:
                     "the model with its external data beside it"
                 )
             if not file.is_file():
-                _check_external_data(path)  # names every missing file
-                raise ModelError(
-                    f"model file '{path}': initializer '{t.name}' keeps its data in "
-                    f"{location!r}, which is not a file in '{folder}'; put the .data file "
-                    "next to the model (the exporter wrote them together)"
-                )
+                raise ModelError(_missing_data_message(proto, path))
             length = _nbytes(t)
             offset = _external_number(info, "offset", 0, t, path)
             if _external_number(info, "length", length, t, path) != length:
@@ -141,27 +136,22 @@ def _external_info(t: onnx.TensorProto) -> dict[str, str]:
     return {e.key: e.value for e in t.external_data}
 
 
-def _check_external_data(path: Path) -> None:
-    """After a failed load: name a missing external-data file (onnx says only 'No such file')."""
-    try:
-        header = onnx.load(str(path), load_external_data=False)
-    except Exception:  # not readable at all: load_model's own message says so
-        return
-    wanted = set()
-    for g in _all_graphs(header.graph):  # the weights of If/Loop bodies too
-        for init in g.initializer:
-            if init.data_location == onnx.TensorProto.EXTERNAL:
-                info = _external_info(init)
-                if "location" in info:
-                    wanted.add(info["location"])
+def _missing_data_message(proto: onnx.ModelProto, path: Path) -> str:
+    """The error for external-data files not beside the model, naming every one (bodies too)."""
+    wanted = {
+        info["location"]
+        for g in _all_graphs(proto.graph)
+        for init in g.initializer
+        if init.data_location == onnx.TensorProto.EXTERNAL
+        and "location" in (info := _external_info(init))
+    }
     missing = sorted(w for w in wanted if not (path.parent / w).is_file())
-    if missing:
-        raise ModelError(
-            f"model file '{path}' keeps its weights in the external file(s) "
-            f"{', '.join(repr(m) for m in missing)}, which are not beside it in "
-            f"'{path.parent}'; put the .data file(s) next to the model (the exporter wrote them "
-            "together)"
-        )
+    return (
+        f"model file '{path}' keeps its weights in the external file(s) "
+        f"{', '.join(repr(m) for m in missing)}, which are not beside it in "
+        f"'{path.parent}'; put the .data file(s) next to the model (the exporter wrote them "
+        "together)"
+    )
 
 
 def check_model(proto: onnx.ModelProto, where: str = "the model") -> None:

@@ -244,26 +244,22 @@ def _gather_index(
     """Flat input indices ``(K·O,)`` of the kept windows and where they fall in the padding.
 
     ``K`` runs over the kernel offsets (first axis slowest), ``O`` over the kept output
-    positions (the same); indices in the padding point at position 0 and are zeroed by the
-    mask (None: the windows stay inside).
+    positions (the same); indices in the padding point at the nearest edge and are zeroed by
+    the mask (None: the windows stay inside).
     """
     spatial = len(conv.kernel)
-    per_axis = []
-    for i in range(spatial):
-        starts = np.arange(0, out_shape[i], step) * conv.strides[i] - conv.pads[i]
-        per_axis.append((np.arange(conv.kernel[i]) * conv.dilations[i])[:, None] + starts[None, :])
-    # every axis's (kernel_i, kept_i) positions broadcast to (k1, .., kS, o1, .., oS)
-    grids = []
-    for i, idx in enumerate(per_axis):
-        shape_i = [1] * (2 * spatial)
-        shape_i[i], shape_i[spatial + i] = idx.shape
-        grids.append(idx.reshape(shape_i))
     inside: np.ndarray = np.ones((), bool)
     flat: np.ndarray = np.zeros((), np.intp)
-    for i, g in enumerate(grids):
-        inside = inside & (g >= 0) & (g < shape[i])
-        flat = flat * shape[i] + np.clip(g, 0, shape[i] - 1)
-    flat = np.where(inside, flat, 0).reshape(-1)
+    for i in range(spatial):
+        starts = np.arange(0, out_shape[i], step) * conv.strides[i] - conv.pads[i]
+        idx = (np.arange(conv.kernel[i]) * conv.dilations[i])[:, None] + starts[None, :]
+        # axis i's (kernel_i, kept_i) positions, placed to broadcast to (k1, .., kS, o1, .., oS)
+        at = [1] * (2 * spatial)
+        at[i], at[spatial + i] = idx.shape
+        idx = idx.reshape(at)
+        inside = inside & (idx >= 0) & (idx < shape[i])
+        flat = flat * shape[i] + np.clip(idx, 0, shape[i] - 1)
+    flat = flat.reshape(-1)
     flat.setflags(write=False)
     if inside.all():
         return flat, None
