@@ -19,6 +19,7 @@ from onnxq.solve.rounding import (
     gptq,
     output_error,
     round_weight,
+    upper_factor_of_inverse,
 )
 
 
@@ -155,6 +156,44 @@ def test_hessian_observer_is_the_mean_outer_product_over_batches():
     rows = np.concatenate([b.reshape(-1, 5) for b in batches]).astype(np.float64)
     np.testing.assert_allclose(obs.hessian()[0], rows.T @ rows / len(rows), rtol=1e-5)
     assert obs.rows == len(rows)
+
+
+def test_hessian_observer_sums_a_block_once_whatever_its_products(monkeypatch):
+    """Products within a block are summed in float64 and reach the order-independent sum once."""
+    import onnxq.solve.rounding as rounding
+    from onnxq.solve.sums import PairSum
+
+    monkeypatch.setattr(rounding, "FLUSH_ROWS", 10)  # a product every batch or two
+    added = []
+    real_add = PairSum.add
+
+    def counted(self, term, own=False):
+        added.append(1)
+        real_add(self, term, own)
+
+    monkeypatch.setattr(PairSum, "add", counted)
+    r = rng(9)
+    batches = [r.normal(0, 1, (2, 3, 6)).astype(np.float32) for _ in range(6)]  # 6 rows each
+    obs = HessianObserver(None, groups=1, inputs=6)
+    for i, b in enumerate(batches):
+        obs.observe(b, index=i, block=i // 4)  # blocks of 4 and 2 batches
+    rows = np.concatenate([b.reshape(-1, 6) for b in batches]).astype(np.float64)
+    np.testing.assert_allclose(obs.hessian()[0], rows.T @ rows / len(rows), rtol=1e-6)
+    assert obs.rows == len(rows)
+    assert len(added) == 2  # one per block
+
+
+@pytest.mark.parametrize("groups,k", [(1, 300), (1, 64), (1, 65), (7, 9), (3, 130)])
+def test_upper_factor_of_inverse_is_the_cholesky_factor_of_the_inverse(groups, k):
+    r = rng(10)
+    x = r.normal(0, 1, (groups, k, 2 * k)) + r.normal(0, 1, (groups, k, 1))
+    hess = x @ np.swapaxes(x, 1, 2) / (2 * k) + 0.01 * np.eye(k)
+    u = upper_factor_of_inverse(hess)
+    assert np.array_equal(u, np.triu(u)) and np.all(np.diagonal(u, axis1=1, axis2=2) > 0)
+    np.testing.assert_allclose(np.swapaxes(u, 1, 2) @ u, np.linalg.inv(hess), rtol=1e-7, atol=1e-9)
+    # the unique factor with a positive diagonal: what factoring the inverse itself gives
+    reference = np.swapaxes(np.linalg.cholesky(np.linalg.inv(hess)), 1, 2)
+    np.testing.assert_allclose(u, reference, rtol=1e-7, atol=1e-9)
 
 
 def _small_cnn():

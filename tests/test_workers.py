@@ -120,6 +120,23 @@ def test_pair_sums_do_not_depend_on_the_order_of_their_terms():
     np.testing.assert_allclose(forward.value(), np.sum(terms, axis=0), rtol=1e-12, atol=1e-3)
 
 
+def test_a_pair_sum_keeps_an_owned_first_term_and_copies_a_lent_one():
+    lent, owned = np.ones(3), np.ones(3)
+    a, b = PairSum(), PairSum()
+    a.add(lent)
+    b.add(owned, own=True)
+    a.add(np.ones(3))
+    lent[:] = 7.0  # the caller's array changes after it was added: the sum does not
+    np.testing.assert_array_equal(a.value(), [2.0, 2.0, 2.0])
+    assert b.hi is owned
+    frozen = np.ones(3)
+    frozen.setflags(write=False)  # read-only (from Ray's object store): copied, not kept
+    c = PairSum()
+    c.add(frozen, own=True)
+    c.add(np.ones(3))
+    np.testing.assert_array_equal(c.value(), [2.0, 2.0, 2.0])
+
+
 @pytest.mark.parametrize("conv", [None, ConvShape((3, 3), (1, 1), (1, 1), (1, 1, 1, 1), 4)])
 def test_a_hessian_split_by_blocks_is_the_one_pass_hessian(conv):
     shape = (3, 4, 12, 12) if conv is not None else (3, 10, 24)

@@ -81,20 +81,19 @@ def output_error(w: np.ndarray, dq: np.ndarray, h: np.ndarray) -> np.ndarray:
 
 def gptq(w: np.ndarray, h: np.ndarray, grid: Grid) -> np.ndarray:
     """GPTQ's grid integers for weights ``w`` (G, M, K) under Hessians ``h`` (G, K, K)."""
-    w = np.array(w, np.float64)
-    h = np.array(h, np.float64)
+    w = np.asarray(w, np.float64)
+    h = np.asarray(h, np.float64)
     groups, _, k = w.shape
-    diag = np.einsum("gkk->gk", h)
-    dead = diag <= 0
     # an input that never varies: its column rounds to nearest and moves no error elsewhere
-    h[:, np.arange(k), np.arange(k)] += np.where(dead, 1.0, 0.0)
-    damp = DAMPING * np.mean(np.einsum("gkk->gk", h), axis=1)
-    h[:, np.arange(k), np.arange(k)] += damp[:, None]
-    order = np.argsort(-np.einsum("gkk->gk", h), axis=1, kind="stable")
+    diag = np.einsum("gkk->gk", h)
+    diag = diag + np.where(diag <= 0, 1.0, 0.0)
+    diag += DAMPING * np.mean(diag, axis=1)[:, None]
+    order = np.argsort(-diag, axis=1, kind="stable")
     w = np.take_along_axis(w, order[:, None, :], axis=2)
-    h = np.take_along_axis(np.take_along_axis(h, order[:, :, None], axis=1), order[:, None], 2)
-    # U: the upper Cholesky factor of H⁻¹ (its rows give each column's update)
-    u = np.swapaxes(np.linalg.cholesky(np.linalg.inv(h)), 1, 2)
+    # H in that order, in one gather (a new array), with the dampened diagonal
+    h = h[np.arange(groups)[:, None, None], order[:, :, None], order[:, None, :]]
+    h[:, np.arange(k), np.arange(k)] = np.take_along_axis(diag, order, axis=1)
+    u = upper_factor_of_inverse(h)  # its rows give each column's update
     q = np.empty_like(w)
     for start in range(0, k, BLOCK):
         stop = min(start + BLOCK, k)
@@ -110,6 +109,39 @@ def gptq(w: np.ndarray, h: np.ndarray, grid: Grid) -> np.ndarray:
             w[:, :, stop:] -= np.matmul(errors, u[:, start:stop, stop:])
     inverse = np.argsort(order, axis=1, kind="stable")
     return np.take_along_axis(q, inverse[:, None, :], axis=2)
+
+
+def upper_factor_of_inverse(h: np.ndarray) -> np.ndarray:
+    """U, upper triangular with ``Uᵀ U = H⁻¹``, for symmetric positive definite ``h`` (G, K, K).
+
+    With ``P`` the reversal of the K axes and ``P H P = L Lᵀ`` (Cholesky), ``U = P L⁻¹ P``:
+    one Cholesky and one triangular inverse, a third of the work of inverting ``H`` and then
+    factoring ``H⁻¹`` (2,304 inputs: 0.72 → 0.19 s).
+    """
+    lower = np.linalg.cholesky(h[:, ::-1, ::-1])
+    return np.ascontiguousarray(_lower_inverse(lower)[:, ::-1, ::-1])
+
+
+#: size below which a triangular block is inverted directly
+_DIRECT = 64
+
+
+def _lower_inverse(lower: np.ndarray) -> np.ndarray:
+    """The inverse of lower triangular ``lower`` (G, K, K), by halves (matrix products).
+
+    ``[[A, 0], [B, C]]⁻¹ = [[A⁻¹, 0], [−C⁻¹ B A⁻¹, C⁻¹]]``; numpy has no triangular inverse.
+    """
+    k = lower.shape[-1]
+    if k <= _DIRECT:
+        return np.tril(np.linalg.inv(lower))
+    half = k // 2
+    a_inv = _lower_inverse(lower[:, :half, :half])
+    c_inv = _lower_inverse(lower[:, half:, half:])
+    out = np.zeros_like(lower)
+    out[:, :half, :half] = a_inv
+    out[:, half:, half:] = c_inv
+    out[:, half:, :half] = -np.matmul(c_inv, np.matmul(lower[:, half:, :half], a_inv))
+    return out
 
 
 def round_weight(w: np.ndarray, h: np.ndarray, grid: Grid) -> Rounded:
@@ -281,8 +313,9 @@ class HessianObserver:
     has, when known. The layer takes about :func:`total_rows` rows in all, spread evenly over
     the batches (else :func:`row_cap` per batch from the first batches). Each batch gives its
     rows from itself alone (a regular grid of its positions); rows are buffered within a block
-    of batches up to :data:`FLUSH_BYTES` or :data:`FLUSH_ROWS` and added as one float32 product
-    per group (relative error ~1e-7; a function of the block's batches alone) to an
+    of batches up to :data:`FLUSH_BYTES` or :data:`FLUSH_ROWS` and multiplied as one float32
+    product per group (relative error ~1e-7), the block's products summed in float64 in their
+    fixed order (a function of the block's batches alone), and each block's sum added to an
     order-independent float64 sum (:class:`~onnxq.solve.sums.PairSum`): calibration split over
     workers by blocks gives the same Hessian as one process.
     """
@@ -303,6 +336,8 @@ class HessianObserver:
         self._pending: list[np.ndarray] = []
         self._pending_rows = 0
         self._pending_bytes = 0
+        #: the open block's sum of products (float64), added to ``sum`` when the block closes
+        self._block_sum: np.ndarray | None = None
         self._seen = 0
         self._block: int | None = None
 
@@ -333,15 +368,37 @@ class HessianObserver:
         self._pending_rows += cols.shape[2]
         self._pending_bytes += cols.nbytes
         if self._pending_rows >= FLUSH_ROWS or self._pending_bytes >= FLUSH_BYTES:
-            self._flush()
+            self._product()
 
-    def _flush(self) -> None:
+    def _product(self) -> None:
+        """Add the buffered rows' ``x xᵀ`` to the open block's sum.
+
+        A plain float64 sum: within a block the order of the products is fixed.
+        """
         if not self._pending:
             return
         cols = np.concatenate(self._pending, axis=2)
-        self.sum.add(np.matmul(cols, np.swapaxes(cols, 1, 2)))
+        product = np.matmul(cols, np.swapaxes(cols, 1, 2))
+        if self._block_sum is None:
+            self._block_sum = product.astype(np.float64)
+        elif not self._block_sum.flags.writeable:  # a shard's, back from Ray's object store
+            self._block_sum = self._block_sum + product
+        else:
+            self._block_sum += product
         self.rows += cols.shape[2]
         self._pending, self._pending_rows, self._pending_bytes = [], 0, 0
+
+    def _flush(self) -> None:
+        """Close the block: its sum goes to the order-independent sum once.
+
+        A PairSum addition is seven passes over a float64 ``K × K`` array (71 ms for a Hessian
+        of 2,304 inputs, 3.4× the product of 455 rows it added): one per block, not one per
+        product, took OriNet's calibrate step from 2.5 to 1.3 s.
+        """
+        self._product()
+        if self._block_sum is not None:
+            self.sum.add(self._block_sum, own=True)
+            self._block_sum = None
 
     def merge(self, other: HessianObserver) -> None:
         """Fold in another shard's rows."""

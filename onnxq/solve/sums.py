@@ -20,11 +20,16 @@ class PairSum:
         self.hi: np.ndarray | None = None
         self.lo: np.ndarray | None = None
 
-    def add(self, term: np.ndarray) -> None:
-        """Add ``term`` (any shape the sum has; the first term sets it)."""
+    def add(self, term: np.ndarray, own: bool = False) -> None:
+        """Add ``term`` (any shape the sum has; the first term sets it).
+
+        ``own``: the caller hands ``term`` over (a float64 array nobody else reads), so the
+        first term is kept rather than copied.
+        """
         term = np.asarray(term, np.float64)
         if self.hi is None or self.lo is None:
-            self.hi, self.lo = term.copy(), np.zeros_like(term)
+            self.hi = term if own and term.flags.writeable else term.copy()
+            self.lo = np.zeros_like(term)
             return
         if not self.lo.flags.writeable:  # a sum that came back from another process (Ray's
             self.lo = self.lo.copy()  # object store) may hold read-only arrays
