@@ -137,8 +137,9 @@ def _lower_inverse(lower: np.ndarray) -> np.ndarray:
     half = k // 2
     a_inv = _lower_inverse(lower[:, :half, :half])
     c_inv = _lower_inverse(lower[:, half:, half:])
-    out = np.zeros_like(lower)
+    out = np.empty_like(lower)
     out[:, :half, :half] = a_inv
+    out[:, :half, half:] = 0.0
     out[:, half:, half:] = c_inv
     out[:, half:, :half] = -np.matmul(c_inv, np.matmul(lower[:, half:, :half], a_inv))
     return out
