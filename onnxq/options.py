@@ -204,6 +204,17 @@ class QuantizeOptions:
             }
         return names
 
+    def named_nodes(self) -> set[str]:
+        """The nodes the call names one by one: ``exclude`` and ``[node."…"]`` entries.
+
+        A pass that rewrites the float model before annotation does not replace these (their
+        names must still be there when the entries are applied).
+        """
+        names = set(self.exclude)
+        if self.user is not None:
+            names |= set(self.user.node)
+        return names
+
     def asks(self, option: str, value: Any) -> bool:
         """The call or any node of its ``--config`` asks ``option`` = ``value``."""
         if getattr(self, option, None) == value:

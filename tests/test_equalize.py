@@ -227,3 +227,46 @@ def test_a_range_table_of_an_equalized_model_is_refused_not_misapplied(tmp_path)
     onnxq.quantize(model, calib, per_channel=False, equalization="off", save_ranges=plain)
     b, _ = onnxq.quantize(model, None, per_channel=False, load_ranges=plain, rounding="nearest")
     assert _sqnr(run(model, _data(8, 1))[0], run(b, _data(8, 1))[0]) > 20
+
+
+def test_a_clip_the_config_names_is_not_replaced_and_the_name_still_applies():
+    """Equalizing a link replaces its Clip by Relu → Min; a Clip a [node] entry names stays."""
+    from onnxq.annotate.config import UserConfig
+
+    model, calib = _chain_model(relu_link=False), _data(16, 8)
+    kw = dict(equalization="on", per_channel=False, rounding="nearest", progress=False)
+    plain, rp = onnxq.quantize(model, calib, **kw)
+    assert "c1 → dw" in rp.equalization
+    for entry in ({"keep_float": True}, {"method": "minmax"}):
+        config = UserConfig.from_dict({"node": {"clip1": entry}})
+        q, report = onnxq.quantize(model, calib, config=config, **kw)
+        assert "c1 → dw" not in report.equalization  # the link through it is left alone
+        if entry.get("keep_float"):
+            assert "clip1" in {n.name for n in q.graph.node}
+        x = _data(8, 9)
+        want = run(model, x)[0]
+        assert _close(want, run(q, x)[0]) < 0.1
+
+
+def test_the_groups_a_tool_returns_to_float_are_named_as_in_the_callers_model():
+    """onnxq debug and --max-drop write keep_float / --exclude for a group's nodes: a Relu or
+    Min that equalization wrote for a Clip is named by that Clip, and the config applies."""
+    from onnxq.annotate.config import UserConfig
+    from onnxq.api import quantize_state
+    from onnxq.tools.emulate import emulate
+
+    model, calib = _chain_model(relu_link=False), _data(16, 8)
+    kw = dict(equalization="on", per_channel=False, rounding="nearest", progress=False)
+    state = quantize_state(model, calib, **kw)
+    assert state.derived == {"clip1_relu": "clip1", "clip1_min": "clip1"}
+    names = {n.name for n in model.graph.node}
+    groups = emulate(state).groups
+    assert all(set(g.nodes) <= names for g in groups), [g.nodes for g in groups]
+    first = next(g for g in groups if g.node == "c1")
+    assert "clip1" in first.nodes
+    config = UserConfig.from_dict({"node": {n: {"keep_float": True} for n in first.nodes}})
+    q, report = onnxq.quantize(model, calib, config=config, **kw)
+    kept = {d.node for d in report.decisions if not d.quantized}
+    assert set(first.nodes) <= kept
+    x = _data(8, 9)
+    assert _close(run(model, x)[0], run(q, x)[0]) < 0.1

@@ -108,7 +108,8 @@ class Equalize:
         if state.data is None and state.dataset is None:
             return PassResult("off (no calibration data)")
         model = state.float_model
-        chains = _chains(model, state.options.kept_float(model))
+        kept = state.options.kept_float(model)
+        chains = _chains(model, kept, kept | state.options.named_nodes())
         if not chains:
             return PassResult("no Conv → Conv chain to equalize")
         inits = {i.name: i for i in model.graph.initializer}
@@ -127,7 +128,10 @@ class Equalize:
         for c, link in zip(chains, links, strict=True):
             if c.clip is not None:
                 rank = layers[c.first.name].weight.ndim
-                _per_channel_clip(model, c, link.scale, absorbed.get(c.first.name), rank)
+                for name in _per_channel_clip(
+                    model, c, link.scale, absorbed.get(c.first.name), rank
+                ):
+                    state.derived[name] = c.clip[0].name
         _drop_unread(model, {t for c in chains if c.clip for t in c.clip[0].input[1:]})
         nodes = {n.name: n for n in model.graph.node}
         inits = {i.name: i for i in model.graph.initializer}
@@ -174,8 +178,12 @@ def _pads_nothing(conv: onnx.NodeProto) -> bool:
     return auto == "VALID" or (auto == "NOTSET" and not any(attrs.get("pads", [])))
 
 
-def _chains(model: onnx.ModelProto, excluded: set[str]) -> list[_Chain]:
-    """Every link, in graph order."""
+def _chains(model: onnx.ModelProto, excluded: set[str], named: set[str]) -> list[_Chain]:
+    """Every link, in graph order.
+
+    ``excluded``: Convs that stay as they are (kept float); ``named``: nodes the call keeps or
+    names one by one, which a link's Clip must not be (equalizing replaces it).
+    """
     g = model.graph
     consts = _consts(model)
     inits = {i.name for i in g.initializer}
@@ -211,6 +219,8 @@ def _chains(model: onnx.ModelProto, excluded: set[str]) -> list[_Chain]:
                     chains.append(chain)
                 break
             if r.op_type not in THROUGH or r.input[0] != t or not _homogeneous(r, consts, chain):
+                break
+            if r.op_type == "Clip" and r.name in named:
                 break
             chain.path.append(r)
             t = r.output[0]
@@ -305,12 +315,15 @@ def _per_channel_clip(
     scale: np.ndarray,
     absorbed: np.ndarray | None,
     rank: int,
-) -> None:
-    """Replace the link's Clip by Relu (if it had a minimum) → Min(bound per channel)."""
+) -> list[str]:
+    """Replace the link's Clip by Relu (if it had a minimum) → Min(bound per channel).
+
+    Returns the names of the nodes written in its place.
+    """
     assert chain.clip is not None
     clip, lo, hi = chain.clip
     if lo is None and hi is None:
-        return  # a Clip without bounds passes every value
+        return []  # a Clip without bounds passes every value
     g = model.graph
     shift = np.zeros_like(scale) if absorbed is None else absorbed
     at = list(g.node).index(clip)
@@ -334,6 +347,7 @@ def _per_channel_clip(
     del g.node[at]
     for i, n in enumerate(new):
         g.node.insert(at + i, n)
+    return [n.name for n in new]
 
 
 def _drop_unread(model: onnx.ModelProto, names: set[str]) -> None:

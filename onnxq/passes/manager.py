@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -84,6 +84,9 @@ class State:
     smoothing: dict[str, Any] = field(default_factory=dict)
     #: nodes an earlier pass added that stay float, with the reason (SmoothQuant's 1/s Mul)
     float_nodes: dict[str, str] = field(default_factory=dict)
+    #: nodes an earlier pass wrote in place of one of the caller's (equalization's Relu and
+    #: Min for a Clip) -> that node: the name ``--exclude`` and ``--config`` entries take
+    derived: dict[str, str] = field(default_factory=dict)
     #: int8 MatMul/Gemm nodes that write float (onnxq.post.float_outputs)
     float_outputs: list[str] = field(default_factory=list)
     #: the budget pass (budget set): algorithm -> why it is left out, and the plan it made
@@ -103,6 +106,14 @@ class State:
     #: what whole-model int4 weight-only quantization did (onnxq.post.weight_only)
     weight_only: Any = None
     records: list[PassRecord] = field(default_factory=list)
+
+
+def user_nodes(names: Iterable[str], derived: Mapping[str, str]) -> tuple[str, ...]:
+    """``names`` as the caller's model names them, in order, each once.
+
+    A node a pass wrote in place of another becomes that one (see :attr:`State.derived`).
+    """
+    return tuple(dict.fromkeys(derived.get(n, n) for n in names))
 
 
 def op_histogram(model: onnx.ModelProto) -> dict[str, int]:

@@ -34,6 +34,7 @@ from onnx import helper, numpy_helper
 
 from onnxq.io.graph import names_read, tensor_array
 from onnxq.lower.fakequantize import OV_DOMAIN, to_fakequantize
+from onnxq.passes.manager import user_nodes
 
 #: the emulation model's input that holds the switches
 FLAGS = "onnxq_debug_flags"
@@ -60,6 +61,7 @@ class Group:
     #: the float node the group is named by (the name --config and --exclude take)
     node: str
     op: str
+    #: its nodes as the caller's model names them (onnxq.passes.manager.user_nodes)
     nodes: tuple[str, ...]
     weights: list[int] = field(default_factory=list)
     activations: list[int] = field(default_factory=list)
@@ -202,7 +204,11 @@ def emulate(state: Any, int32_biases: bool = True) -> Emulation:
             readers.setdefault(q.tensor, []).append(i)
     float_nodes = {n.name: n for n in quantizer.float_model.graph.node}
     groups = [
-        Group(rec.node, float_nodes[rec.node].op_type if rec.node in float_nodes else "", rec.nodes)
+        Group(
+            rec.node,
+            float_nodes[rec.node].op_type if rec.node in float_nodes else "",
+            user_nodes(rec.nodes, state.derived),
+        )
         for rec in records
     ]
     originals = {i.name: i for i in quantizer.float_model.graph.initializer}
