@@ -237,11 +237,13 @@ def test_a_clip_the_config_names_is_not_replaced_and_the_name_still_applies():
     kw = dict(equalization="on", per_channel=False, rounding="nearest", progress=False)
     plain, rp = onnxq.quantize(model, calib, **kw)
     assert "c1 → dw" in rp.equalization
-    for entry in ({"keep_float": True}, {"method": "minmax"}):
-        config = UserConfig.from_dict({"node": {"clip1": entry}})
-        q, report = onnxq.quantize(model, calib, config=config, **kw)
+    asks = [{"config": UserConfig.from_dict({"node": {"clip1": entry}})} for entry in (
+        {"keep_float": True}, {"method": "minmax"}
+    )] + [{"exclude": ["clip1"]}]  # fmt: skip
+    for ask in asks:
+        q, report = onnxq.quantize(model, calib, **ask, **kw)
         assert "c1 → dw" not in report.equalization  # the link through it is left alone
-        if entry.get("keep_float"):
+        if "exclude" in ask or ask["config"].node["clip1"].get("keep_float"):
             assert "clip1" in {n.name for n in q.graph.node}
         x = _data(8, 9)
         want = run(model, x)[0]
