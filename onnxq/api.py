@@ -66,6 +66,7 @@ def quantize(
     model_kind: str = "auto",
     max_drop: float | None = None,
     metric: str | None = None,
+    fallback: str | None = None,
     budget: float | None = None,
 ) -> tuple[onnx.ModelProto, QuantizeReport]:
     """Quantize ``model`` with calibration ``data``; return the int8 model and a report.
@@ -119,7 +120,9 @@ def quantize(
     until the metric (``metric``:
     ``"module:function"`` called with a model file's path, higher is better; by default the
     mean output cosine with fp32 in %) is at most ``max_drop`` below fp32's; ``report.fallback``
-    lists every trial.
+    lists every trial. ``fallback="int16"`` returns groups to int16 activations (int8 weights,
+    QDQ format) instead, a group whose own error is in its weights still to float; the default
+    is the target's (int16 where it runs int16 activations, ``Target.int16_activations``).
     """
     try:
         options = resolve_call(locals())
@@ -145,6 +148,11 @@ def resolve_call(args: dict[str, Any], cli: bool = False) -> QuantizeOptions:
             continue
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ConfigError(f"{spell(name, cli, value)} must be a whole number >= 1")
+    if kw.get("fallback") is not None and kw.get("max_drop") is None:
+        raise ConfigError(
+            f"{spell('fallback', cli)} is what the accuracy-driven fallback returns groups to; "
+            f"add {spell('max_drop', cli)} with the largest drop allowed"
+        )
     weight_dtype = kw["weight_dtype"]
     if weight_dtype not in ("int8", "int4"):
         flag = spell("weight_dtype", cli, weight_dtype)

@@ -27,7 +27,14 @@ from onnxq.io.graph import load_model, save_model, write_text_atomic
 from onnxq.io.loader import load_object
 from onnxq.lower.convert import convert
 from onnxq.lower.formats import get_format
-from onnxq.options import BIAS_CORRECTIONS, EQUALIZATIONS, ROUNDINGS, SMOOTHQUANT, resolve
+from onnxq.options import (
+    BIAS_CORRECTIONS,
+    EQUALIZATIONS,
+    FALLBACKS,
+    ROUNDINGS,
+    SMOOTHQUANT,
+    resolve,
+)
 from onnxq.passes.load import refuse_quantized
 from onnxq.passes.manager import op_histogram
 from onnxq.passes.verify import verify
@@ -98,6 +105,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     g.add_argument("--target", default=None, help="quantize as for this target (default ort-cpu)")
     g.add_argument("--target-file", default=None, metavar="FILE.toml")
+    _fallback_flag(g, "")
     g.add_argument(
         "--recover",
         type=float,
@@ -215,6 +223,7 @@ def _quantize_io(q: argparse.ArgumentParser) -> None:
         help="with --max-drop: your evaluation, called with a model file's path, returning a "
         "number (higher is better); default: mean output cosine with fp32, in %%",
     )
+    _fallback_flag(q, "with --max-drop: ")
     q.add_argument(
         "--budget",
         type=float,
@@ -570,6 +579,7 @@ def _quantize(args: argparse.Namespace) -> int:
             rounding=args.rounding,
             max_drop=args.max_drop,
             metric=args.metric,
+            fallback=args.fallback,
             model_kind=args.model_kind,
             budget=args.budget,
         ),
@@ -638,7 +648,9 @@ def _targets(args: argparse.Namespace) -> int:
         load_targets(args.target_file)
     for t in targets():
         pats = "all patterns" if t.patterns is None else ", ".join(t.patterns)
-        sym = " symmetric" if t.symmetric_activations else ""
+        sym = (" symmetric" if t.symmetric_activations else "") + (
+            " (int16 too)" if t.int16_activations else ""
+        )
         print(
             f"{t.name:<10} format={t.format} activations={t.activation_dtype}{sym} "
             f"per_channel={t.per_channel} weight_bits={t.weight_bits or 'auto'}; {pats}"
@@ -669,6 +681,18 @@ def _compare(args: argparse.Namespace) -> int:
     return 0
 
 
+def _fallback_flag(parser: argparse.ArgumentParser, prefix: str) -> None:
+    parser.add_argument(
+        "--fallback",
+        default=None,
+        choices=list(FALLBACKS),
+        help=f"{prefix}what a group goes back to: float, or int16 activations with int8 "
+        "weights (QDQ format; a group whose error is in its weights still goes to float); "
+        "default: int16 where the target runs int16 activations (int16_activations = true in "
+        "its [target.NAME] table), else float",
+    )
+
+
 def _debug(args: argparse.Namespace) -> int:
     from onnxq.tools.debug import debug
 
@@ -687,6 +711,7 @@ def _debug(args: argparse.Namespace) -> int:
         args.data,
         eval=args.eval,
         target=args.target,
+        fallback=args.fallback,
         recover=args.recover,
         budget=args.budget,
         batch_size=args.batch_size,
@@ -694,6 +719,7 @@ def _debug(args: argparse.Namespace) -> int:
         preprocess=args.preprocess,
         output=args.output,
         data_label=args.data,
+        target_file=args.target_file,
         report=args.report,
         cli=True,
     )

@@ -49,6 +49,17 @@ SMOOTHQUANT = ("auto", "on", "off")
 EQUALIZATIONS = ("auto", "on", "off")
 #: how weights are rounded to their grid (onnxq.solve.rounding)
 ROUNDINGS = ("auto", "nearest", "optimized")
+#: what the accuracy-driven fallback and onnxq debug return a group to (onnxq.tools.fallback)
+FALLBACKS = ("float", "int16")
+
+
+def returned_label(fallback: str) -> str:
+    """How summaries name the groups a fallback returned: "float", or "returned" under int16.
+
+    Under int16 each went to int16 activations or, weight-dominated, to float.
+    """
+    return "float" if fallback == "float" else "returned"
+
 
 #: CLI flags that are quantize() parameters, and the values each can take in a message
 _PARAMETERS: dict[str, tuple[str, ...] | None] = {
@@ -61,6 +72,7 @@ _PARAMETERS: dict[str, tuple[str, ...] | None] = {
     "equalization": EQUALIZATIONS,
     "rounding": ROUNDINGS,
     "model-kind": KINDS,
+    "fallback": FALLBACKS,
     "budget": (),
     "weight-bits": (),
     "bins": (),
@@ -160,6 +172,9 @@ class QuantizeOptions:
     #: ("module:function" called with a model path; None: output cosine with fp32, in %)
     max_drop: float | None = None
     metric: str | None = None
+    #: what the fallback returns a group to: "float", or "int16" activations with int8
+    #: weights (the default where the target runs them: Target.int16_activations)
+    fallback: str = "float"
     #: the model's kind, or "auto" to read it from the graph (onnxq.prepare.kind)
     model_kind: str = "auto"
     #: seconds the whole call may take: default algorithms that would not fit are left out
@@ -189,6 +204,7 @@ class QuantizeOptions:
             weight_bits=self.weight_bits,
             format=self.format,
             target=self.target.name,
+            int16_activations=self.target.int16_activations,
         )
 
     def kept_float(self, model: Any) -> set[str]:
@@ -238,6 +254,7 @@ def resolve(
     config: Any = None,
     patterns: Sequence[QuantizerPattern] | None = None,
     exclude: Sequence[str] = (),
+    fallback: str | None = None,
     cli: bool = False,
     **rest: Any,
 ) -> QuantizeOptions:
@@ -245,7 +262,8 @@ def resolve(
 
     ``rest``: the options no target sets (method, callback, percentile, bins, batch_size,
     samples, workers, threads, ray, preprocess, save_ranges, load_ranges, progress, output,
-    latency_check, weight_dtype, block_size).
+    latency_check, weight_dtype, block_size). ``fallback`` None: the target's
+    (:func:`fallback_for`).
     """
     tgt = target if isinstance(target, Target) else get_target(target or "ort-cpu")
     fmt = get_format(tgt.format if format is None else format, spell("format", cli))
@@ -294,6 +312,7 @@ def resolve(
         )
     if patterns is None and tgt.patterns is not None:
         patterns = target_patterns(tgt)
+    fallback = fallback_for(tgt, fmt, activation_dtype, symmetric, fallback, cli)
     return QuantizeOptions(
         target=tgt,
         format=fmt.name,
@@ -303,6 +322,7 @@ def resolve(
         unsigned_after_relu=unsigned,
         weight_bits=bits,
         exclude=tuple(exclude),
+        fallback=fallback,
         patterns=None if patterns is None else tuple(patterns),
         user=user,
         notes=tuple(notes),
@@ -310,6 +330,48 @@ def resolve(
         cli=cli,
         **rest,
     )
+
+
+def fallback_for(
+    tgt: Target,
+    fmt: Format,
+    activation_dtype: str,
+    symmetric: bool,
+    fallback: str | None,
+    cli: bool,
+) -> str:
+    """What the fallback returns a group to: ``fallback``, else the target's choice.
+
+    The target's: int16 activations where it runs them (Target.int16_activations) and the
+    format writes them, else float. Asked for explicitly, int16 needs a format with int16
+    activations, 8-bit activations elsewhere, and on a target of symmetric activations one
+    that declares int16 ones (TensorRT runs none).
+    """
+    if fallback is None:
+        runs = tgt.int16_activations and fmt.int16 and activation_dtype != "int16"
+        return "int16" if runs else "float"
+    if fallback not in FALLBACKS:
+        raise ConfigError(
+            f"{spell('fallback', cli, fallback)} is unknown; choose one of {', '.join(FALLBACKS)}"
+        )
+    if fallback == "int16" and not fmt.int16:
+        raise ConfigError(
+            f"{spell('fallback', cli, 'int16')} returns groups to int16 activations, written as "
+            f"QDQ (opset 21); {spell('format', cli, fmt.name)} has none — add "
+            f"{spell('format', cli, 'qdq')}"
+        )
+    if fallback == "int16" and activation_dtype == "int16":
+        raise ConfigError(
+            f"{spell('fallback', cli, 'int16')}: the activations are int16 already; use "
+            f"{spell('fallback', cli, 'float')}"
+        )
+    if fallback == "int16" and symmetric and not tgt.int16_activations:
+        raise ConfigError(
+            f"{spell('fallback', cli, 'int16')}: target '{tgt.name}' runs symmetric "
+            f"{activation_dtype} activations only; a target whose runtime runs int16 ones "
+            "declares int16_activations = true in its [target.NAME] table"
+        )
+    return fallback
 
 
 def _check(fmt: Format, activation_dtype: str, symmetric: bool, unsigned: bool, cli: bool) -> None:

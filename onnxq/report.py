@@ -17,7 +17,7 @@ import numpy as np
 from onnxq.annotate.quantizer import Quantizer
 from onnxq.annotate.specs import Decision
 from onnxq.calibrate.calibration import CalibrationReport
-from onnxq.options import pythonize, spell
+from onnxq.options import pythonize, returned_label, spell
 from onnxq.passes.budget import budget_line
 from onnxq.passes.manager import PassRecord, State, op_histogram
 from onnxq.post.requantize import Requantizer, RequantizeStats, rescales
@@ -289,14 +289,24 @@ def branch_decisions(quantizer: Quantizer, branches: list[Any]) -> list[Decision
 
 def fallback_line(fb: dict[str, Any]) -> str:
     """The accuracy-driven fallback in one line: what was chosen and what each count gave."""
-    chosen = next(t for t in fb["trials"] if t["excluded"] == fb["chosen_excluded"])
+    chosen = next(
+        t
+        for t in fb["trials"]
+        if t["excluded"] == fb["chosen_excluded"] and t["int16"] == fb["chosen_int16"]
+    )
     tried = ", ".join(
-        f"{t['float_groups']}: {t['metric']:.3f} ({t['int8_ms']:.2f} ms)" for t in fb["trials"]
+        f"{t['groups']}: {t['metric']:.3f} ({t['int8_ms']:.2f} ms)" for t in fb["trials"]
     )
     verdict = "met" if fb["met"] else "NOT met (the best model found is written)"
+    wide = chosen["int16_groups"]
+    returned = (
+        f"{chosen['float_groups']} group(s) float"
+        if fb["fallback"] == "float"
+        else f"{wide} group(s) at int16 activations and {chosen['float_groups']} float"
+    )
     return (
         f"fallback: {fb['metric']} fp32 {fb['fp32']:.3f}, int8 {chosen['metric']:.3f} with "
-        f"{fb['chosen']} group(s) float (drop {chosen['drop']:.3f}, max {fb['max_drop']}: "
-        f"{verdict}); float groups: metric (int8 ms per batch) {tried}; fp32 "
-        f"{fb['fp32_ms']:.2f} ms"
+        f"{returned} (drop {chosen['drop']:.3f}, max {fb['max_drop']}: "
+        f"{verdict}); {returned_label(fb['fallback'])} groups: metric (int8 ms per batch) "
+        f"{tried}; fp32 {fb['fp32_ms']:.2f} ms"
     )

@@ -297,3 +297,15 @@ def test_pythonize_spells_flags_as_parameters(cli, python):
     from onnxq.options import pythonize
 
     assert pythonize(cli) == python
+
+
+def test_with_nodes_merges_over_a_copy():
+    cfg = UserConfig.from_dict(
+        {"method": "mse", "node": {"conv1": {"method": "entropy"}}}, "user.toml"
+    )
+    more = cfg.with_nodes({"conv1": {"activation_dtype": "int16"}, "fc": {"keep_float": True}})
+    assert cfg.node == {"conv1": {"method": "entropy"}}  # the user's config is left alone
+    assert more.resolve("conv1", "Conv").method == "entropy"
+    assert more.resolve("conv1", "Conv").activation_dtype == "int16"
+    assert more.resolve("fc", "Gemm").keep_float and more.resolve("fc", "Gemm").method == "mse"
+    assert more.path == cfg.path

@@ -11,8 +11,9 @@ from test_fallback import _fragile_mlp, three_gemms
 
 from onnxq.api import quantize_state
 from onnxq.io.session import make_session
+from onnxq.report import build_report
 from onnxq.tools.crosscheck import PART_STEPS, cross_check
-from onnxq.tools.emulate import FLAGS, emulate
+from onnxq.tools.emulate import FLAGS, emulate, held_float
 from onnxq.tools.sensitivity import db, rank
 
 
@@ -218,6 +219,8 @@ def test_debug_names_the_culprit_and_its_config_reproduces_the_gain(tmp_path, ca
         (["--eval", "nosuchmodule:score"], "--eval 'nosuchmodule:score': cannot import"),
         (["--budget", "-1"], "--budget -1.0 must be ≥ 0 seconds"),
         (["--samples", "0"], "--samples 0 must be ≥ 1"),
+        (["--fallback", "int16"], "--fallback int16 returns groups to int16 activations"),
+        (["--fallback", "int16", "--target", "tensorrt"], "runs symmetric int8 activations only"),
         (["--report", "nofolder/r.html"], "output folder 'nofolder' does not exist"),
     ],
 )
@@ -310,6 +313,146 @@ def test_debug_writes_no_config_when_no_float_set_helps(tmp_path, capsys, monkey
     result = json.loads(capsys.readouterr().out)
     assert result["fp32"] == 100 and result["int8"] == 50
     assert result["fixed"] is None and result["config"] is None and not fix.exists()
-    assert [s["float_groups"] for s in result["steps"]] == [0, 1, 2]
+    assert [s["groups"] for s in result["steps"]] == [0, 1, 2]
     assert all(s["metric"] == 50 for s in result["steps"])
     assert any("no config written" in n for n in result["notes"])
+
+
+def test_int16_ranking_returns_activations_and_keeps_the_weights():
+    """Returned to int16, a group whose noise is in its activations loses it and one whose
+    noise is in its weights keeps it (its fix is then float)."""
+    from onnxq.tools.sensitivity import fix
+
+    model, data = _fragile_mlp()
+    feeds = [{"x": data["x"][i : i + 16]} for i in range(0, 64, 16)]
+    emulation = emulate(quantize_state(model, data, target="generic", **KW))
+    wide = rank(emulation, feeds, fallback="int16")
+    first = wide.groups[0]
+    assert first.node == "A" and first.float_share > 0.9 and fix(first, "int16") == "int16"
+    assert wide.fallback == "int16" and "int16 →" in wide.table()
+    assert wide.to_dict()["fallback"] == "int16"
+
+    model, data = _weight_outlier_mlp()
+    state = quantize_state(model, data, per_channel=False, target="generic", **KW)
+    emulation = emulate(state)
+    as_float = rank(emulation, [data]).groups[0]
+    as_int16 = rank(emulation, [data], fallback="int16").groups[0]
+    assert as_float.node == as_int16.node == "B" and as_int16.dominant == "weights"
+    assert fix(as_int16, "int16") == "float" and fix(as_int16, "float") == "float"
+    # measured at int16 first, B loses little; its fix being float, it is measured float again
+    assert as_int16.without == pytest.approx(as_float.without) and as_float.float_share > 0.5
+    b = next(i for i, g in enumerate(emulation.groups) if g.node == "B")
+    session = make_session(emulation.model)
+    ref = session.run(None, {**data, FLAGS: emulation.flags([])})[0]
+    wide = session.run(None, {**data, FLAGS: emulation.flags(emulation.without([b], True))})[0]
+    whole = session.run(None, {**data, FLAGS: emulation.flags()})[0]
+    assert _sqnr(ref, wide) < _sqnr(ref, whole) + 1  # int16 activations leave B's noise
+    # the int16 switches: B's weight on, the activations only B touches off
+    b = next(i for i, g in enumerate(emulation.groups) if g.node == "B")
+    on = set(emulation.without([b], int16=True))
+    group = emulation.groups[b]
+    assert set(group.weights) <= on and not set(group.weights) & set(emulation.without([b]))
+    assert on - set(emulation.without([b])) == set(group.weights)
+
+
+def test_debug_with_int16_fallback_writes_activation_dtype_entries(tmp_path, capsys):
+    """A target that runs int16 activations: the culprit goes to int16, not to float, and the
+    written config, applied, runs in onnxruntime as promised with every group integer."""
+    import json
+
+    from onnxq.cli import main
+    from onnxq.tools.fallback import output_cosine
+
+    model, data = _deep_fragile_mlp()
+    src, npz, fix = tmp_path / "deep.onnx", tmp_path / "calib.npz", tmp_path / "fix.toml"
+    targets = tmp_path / "npu.toml"
+    targets.write_text(
+        '[target.a16w8]\nformat = "qdq"\nactivation_dtype = "int8"\n'
+        "symmetric_activations = true\nint16_activations = true\n"
+    )
+    onnx.save(model, str(src))
+    np.savez(npz, **data)
+    common = ["--data", str(npz), "--batch-size", "16", "--target-file", str(targets),
+              "--target", "a16w8"]  # fmt: skip
+    assert main(["debug", str(src), *common, "-o", str(fix), "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["fallback"] == "int16" and result["ranking"]["fallback"] == "int16"
+    assert result["chosen"] == ["L0"] and result["chosen_fix"] == ["int16"]
+    assert result["recovered"] >= 0.8
+    # every group stays integer: L0 at int16 activations, the other 23 int8
+    assert result["int16_nodes_fixed"] == 1
+    assert result["int8_nodes_fixed"] + 1 == result["int8_nodes"]
+    text = fix.read_text()
+    assert '[node."L0"]\nactivation_dtype = "int16"' in text and "keep_float" not in text
+    assert "back to int16 activations (1) or float (0)" in text
+    assert f"--target-file {targets} --target a16w8 --config" in result["command"]
+    out = tmp_path / "fixed.onnx"
+    assert main(["quantize", str(src), *common, "--config", str(fix), "-o", str(out), "--quiet",
+                 "--no-latency-check"]) == 0  # fmt: skip
+    fixed = onnx.load(str(out))
+    feeds = [{"x": data["x"][i : i + 16]} for i in range(0, 256, 16)]
+    assert output_cosine(model, feeds)(fixed) == pytest.approx(result["fixed"], abs=1e-9)
+    assert all(
+        n.op_type != "Gemm"
+        or all(
+            any(p.output[0] == i and p.op_type == "DequantizeLinear" for p in fixed.graph.node)
+            for i in n.input[:2]
+        )  # fmt: skip
+        for n in fixed.graph.node
+    )  # every Gemm reads dequantized input and weight: none went float
+    zero_points = {
+        numpy_helper.to_array(i).dtype for i in fixed.graph.initializer if "zero_point" in i.name
+    }
+    assert np.dtype(np.int16) in zero_points
+    # --fallback float on the same target: keep_float again
+    assert main(["debug", str(src), *common, "--fallback", "float", "-o", str(fix),
+                 "--json"]) == 0  # fmt: skip
+    result = json.loads(capsys.readouterr().out)
+    assert result["chosen_fix"] == ["float"] and "keep_float = true" in fix.read_text()
+
+
+def _swish_after_gemm():
+    """x → A (MatMul) → + bias → a; a · 1.0 → m (float: a Mul by a constant is not quantized);
+    Sigmoid(m) and a · Sigmoid(m) are int8 (Paddle's swish as exported in RapidOCR), read by
+    B. A writes float with its bias folded in (onnxq.post.float_outputs), so the int8 model
+    holds ``a`` in float and quantizes it for the swish Mul only. Heavy-tailed inputs and a
+    percentile range clip the grids of ``a`` and ``m``."""
+    r = rng(3)
+    nodes = [
+        h.make_node("MatMul", ["x", "WA"], ["p"], name="A"),
+        h.make_node("Add", ["p", "BA"], ["a"], name="bias"),
+        h.make_node("Mul", ["a", "one"], ["m"], name="times_one"),
+        h.make_node("Sigmoid", ["m"], ["s"], name="sigmoid"),
+        h.make_node("Mul", ["a", "s"], ["y"], name="swish"),
+        h.make_node("MatMul", ["y", "WB"], ["z"], name="B"),
+    ]
+    inits = {
+        "WA": r.normal(0, 0.3, (16, 32)), "BA": r.normal(0, 0.1, 32), "one": np.ones(1),
+        "WB": r.normal(0, 0.3, (32, 8)),
+    }  # fmt: skip
+    inits = {k: v.astype(np.float32) for k, v in inits.items()}
+    model = make_model(nodes, [("x", ["N", 4, 16])], [("z", ["N", 4, 8])], inits)
+    x = r.standard_t(2, (256, 4, 16)).astype(np.float32)
+    return model, {"x": x}
+
+
+def test_a_float_op_reads_what_the_written_model_gives_it():
+    """The float Mul reads ``a`` as the int8 model holds it (float, not rounded and clipped),
+    and the cross-check, given the same inputs, does not blame onnxruntime for the grid of
+    ``m`` (on RapidOCR it did: 1.4 steps RMS, "the runtimes part first at p2o.Mul.184")."""
+    model, data = _swish_after_gemm()
+    state = quantize_state(model, data, method="percentile", percentile=99.0, **KW)
+    decisions = {d.node: d.quantized for d in build_report(state).decisions}
+    assert not decisions["times_one"] and decisions["sigmoid"] and decisions["swish"]
+    emulation = emulate(state)
+    held = emulation.model
+    reader = next(n for n in held.graph.node if n.name == "times_one")
+    assert reader.input[0] == "a"  # the FakeQuantize's input, not its output
+    feeds = [{"x": data["x"][i : i + 32]} for i in range(0, 128, 32)]
+    check = cross_check(emulation, state.quantizer.float_model, state.model, feeds)
+    assert check.agrees, check.summary()
+    steps = {x.tensor: x.steps for x in check.layers}
+    assert max(steps[t] for t in ("a", "m", "s", "y")) < 0.01
+    # before materialize (the sequential bias correction's emulation) nothing is held float
+    assert held_float(onnx.ModelProto()) == set()
+    assert held_float(state.model) == {"a"}

@@ -150,9 +150,102 @@ def test_edges_between_int8_and_float_count_the_chains_a_fallback_cuts():
 def test_of_equal_fallbacks_the_one_keeping_int8_chains_whole_is_returned():
     from onnxq.tools.fallback import Trial, _best
 
-    def t(groups, metric, edges):
-        return Trial(groups, [], metric, 100.0 - metric, 1.0, edges, onnx.ModelProto(), None)
+    def t(groups, metric, edges, floats=None):
+        floats = groups if floats is None else floats
+        model = onnx.ModelProto()
+        return Trial(groups, floats, [], [], metric, 100.0 - metric, 1.0, edges, model, None)
 
     middle, end, worse = t(1, 99.8, 2), t(1, 99.6, 1), t(2, 99.9, 0)
     assert _best([t(0, 90.0, 0), middle, end, worse], bar=0.5) is end
     assert _best([t(0, 90.0, 0), middle, worse], bar=0.5) is middle  # fewest groups first
+    # of as many groups, the one keeping more of them integer (int16, not float) comes first
+    wide = t(1, 99.7, 2, floats=0)
+    assert _best([t(0, 90.0, 0), middle, end, wide], bar=0.5) is wide
+
+
+A16W8 = dict(format="qdq", activation_dtype="int8", symmetric_activations=True)
+
+
+def test_int16_fallback_keeps_the_fragile_layer_integer():
+    """On a target that runs int16 activations, the fragile layer goes to int16 activations
+    (its weights int8) instead of float: every Gemm stays quantized, and onnxruntime runs the
+    written model as close to fp32 as the float fallback's."""
+    from onnxq.annotate.targets import Target
+
+    target = Target("test-a16w8", **A16W8, int16_activations=True)
+    model, data = _fragile_mlp()
+    plain, _ = onnxq.quantize(model, data, target=target, **KW)
+    q, report = onnxq.quantize(model, data, target=target, max_drop=0.5, **KW)
+    fb = report.fallback
+    assert fb["fallback"] == "int16" and fb["met"] and fb["chosen"] == 1
+    assert fb["chosen_excluded"] == [] and "A" in fb["chosen_int16"]
+    chosen = next(t for t in fb["trials"] if t["int16"] == fb["chosen_int16"])
+    assert chosen["float_groups"] == 0 and chosen["int16_groups"] == 1
+    assert "1 group(s) at int16 activations and 0 float" in report.summary()
+    assert all(d.quantized for d in report.decisions if d.op == "Gemm")
+    assert ops(q).count("Gemm") == 3
+    assert np.dtype(np.int16) in {onnx.numpy_helper.to_array(i).dtype for i in q.graph.initializer}
+    x = _fragile_mlp()[1]["x"][::3] * 1.01
+    ref = run(model, {"x": x})[0]
+    err = [float(np.mean((run(m, {"x": x})[0] - ref) ** 2)) for m in (plain, q)]
+    assert err[1] < 0.01 * err[0]
+    # the HTML report's trials table says which groups went to int16
+    from onnxq.tools.html import quantize_page
+
+    page = quantize_page("t", model, q, report, [{"x": data["x"][:16]}])
+    assert "int16 activations (int8 weights)" in page and "<th>int16 activations</th>" in page
+    # asked for float on the same target: the float fallback
+    _, report = onnxq.quantize(model, data, target=target, max_drop=0.5, fallback="float", **KW)
+    assert report.fallback["fallback"] == "float" and "A" in report.fallback["chosen_excluded"]
+
+
+def test_fallback_option_errors():
+    from onnxq.annotate.targets import Target
+
+    model, data = _fragile_mlp()
+    with pytest.raises(ConfigError, match="fallback='int16' returns groups to int16 .* add "
+                       "format='qdq'"):  # fmt: skip
+        onnxq.quantize(model, data, max_drop=0.5, fallback="int16", **KW)
+    with pytest.raises(ConfigError, match="fallback='half' is unknown"):
+        onnxq.quantize(model, data, max_drop=0.5, fallback="half", format="qdq", **KW)
+    with pytest.raises(ConfigError, match="add max_drop"):
+        onnxq.quantize(model, data, fallback="float", **KW)
+    with pytest.raises(ConfigError, match="the activations are int16 already"):
+        onnxq.quantize(
+            model, data, max_drop=0.5, fallback="int16", format="qdq", activation_dtype="int16",
+            **KW,
+        )  # fmt: skip
+    with pytest.raises(ConfigError, match="target 'tensorrt' runs symmetric int8 activations "
+                       "only; a target whose runtime runs int16"):  # fmt: skip
+        onnxq.quantize(model, data, target="tensorrt", max_drop=0.5, fallback="int16", **KW)
+    with pytest.raises(ConfigError, match="int16_activations needs format"):
+        Target("bad", format="qoperator", int16_activations=True)
+    # the target's choice gives way to an explicit format without int16: float
+    target = Target("test-a16w8", **A16W8, int16_activations=True)
+    _, report = onnxq.quantize(model, data, target=target, format="qoperator",
+                               activation_dtype="uint8", symmetric_activations=False,
+                               max_drop=0.5, **KW)  # fmt: skip
+    assert report.fallback["fallback"] == "float"
+
+
+def test_int16_groups_on_a_target_with_unsigned_relu_outputs_stay_int16():
+    """unsigned_after_relu turns a symmetric int8 Relu output into uint8; a tensor two int16
+    groups share stays int16 (it became uint8, and the int16 request was lost)."""
+    from onnxq.annotate.config import UserConfig
+    from onnxq.annotate.targets import Target
+
+    target = Target("test-u16", **A16W8, unsigned_after_relu=True, int16_activations=True)
+    model, data = _fragile_mlp()
+    wide = {"A": {"activation_dtype": "int16"}, "B": {"activation_dtype": "int16"}}
+    q, _ = onnxq.quantize(model, data, target=target, config=UserConfig.from_dict({"node": wide}),
+                          **KW)  # fmt: skip
+    zero_points = {
+        i.name: onnx.numpy_helper.to_array(i).dtype
+        for i in q.graph.initializer
+        if i.name.endswith("zero_point")
+    }
+    assert zero_points["a1_int16_zero_point"] == np.int16  # A → B, both int16
+    assert zero_points["b1_zero_point"] == np.uint8  # B → C (int8): after a Relu, uint8
+    x = data["x"][::5] * 1.01
+    ref = run(model, {"x": x})[0]
+    assert float(np.mean((run(q, {"x": x})[0] - ref) ** 2)) < 1e-3 * float(np.mean(ref**2))

@@ -147,6 +147,14 @@ def test_bad_targets(tmp_path, capsys):
         ]
     )
     assert rc == 2 and "warp-drive" in capsys.readouterr().err
+    for table, message in (
+        ('int16_activations = "yes"', "[target.t].int16_activations must be true or false"),
+        ("int16_activations = true", 'int16_activations needs format = "qdq"'),
+    ):
+        toml.write_text(f"[target.t]\n{table}\n")
+        rc = main(["targets", "--target-file", str(toml)])
+        err = capsys.readouterr().err
+        assert rc == 2 and message in err and len(err.strip().splitlines()) == 1
 
 
 def test_targets_command_lists_builtins(capsys):

@@ -142,6 +142,13 @@ class UserConfig:
             cfg.node[name] = settings(f'[node."{name}"]', table)
         return cfg
 
+    def with_nodes(self, entries: dict[str, dict[str, Any]]) -> UserConfig:
+        """A copy with ``entries`` set in the ``[node."…"]`` tables (over what they held)."""
+        nodes = {name: dict(table) for name, table in self.node.items()}
+        for name, table in entries.items():
+            nodes[name] = {**nodes.get(name, {}), **table}
+        return replace(self, node=nodes)
+
     def resolve(self, node: str, op: str) -> NodeSettings:
         """The settings of ``node`` (an op of type ``op``) after applying the priorities."""
         out = NodeSettings()

@@ -80,6 +80,9 @@ class QuantizerConfig:
     format: str = "qoperator"
     #: the target's name, for messages about requests it cannot run
     target: str = "ort-cpu"
+    #: the target runs int16 activations next to its symmetric 8-bit ones
+    #: (Target.int16_activations)
+    int16_activations: bool = False
 
     def __post_init__(self) -> None:
         if self.activation_dtype not in ACTIVATION_DTYPES:
@@ -99,6 +102,8 @@ class QuantizerConfig:
                 f"--format {self.format} has no int16 kernels (int16 activations need --format qdq)"
             )
         if self.activation_symmetric and dtype != self.activation_dtype:
+            if dtype == "int16" and self.int16_activations:
+                return ""  # symmetric int16 (zero point 0), as its 8-bit ones
             return f"target '{self.target}' runs symmetric {self.activation_dtype} activations only"
         return ""
 
@@ -315,7 +320,7 @@ class Quantizer:
         """(dtype, symmetric) of ``tensor`` as the group being rewritten reads or writes it."""
         dt = self._group_dtype or self.config.activation_dtype
         symmetric = self.config.activation_symmetric
-        if self.config.unsigned_after_relu and symmetric and _after_relu(tensor):
+        if self.config.unsigned_after_relu and symmetric and dt == "int8" and _after_relu(tensor):
             dt, symmetric = "uint8", False  # range [0, max]: the zero point comes out 0
         return dt, symmetric
 

@@ -12,6 +12,12 @@ patterns worth quantizing for one runtime. ``--target NAME`` picks one; explicit
     weight_bits = 8                 # or "auto" (the default): 7 where onnxruntime would clip
     patterns = ["conv", "conv+bias", "gemm", "gemm+bias"]
     shared_scale_ops = ["Concat"]   # inputs and output of a Concat share one scale
+    int16_activations = true        # runs int16 activations with int8 weights (a16w8)
+
+A target with ``int16_activations`` (QDQ format only) is one whose runtime runs a layer with
+int16 activations and int8 weights as integer code, as many NPUs do: the accuracy-driven
+fallback and ``onnxq debug`` then return a group to int16 activations rather than to float
+(onnxq.tools.fallback). onnxruntime's CPU kernels are 8-bit, so no built-in target declares it.
 """
 
 from __future__ import annotations
@@ -49,6 +55,9 @@ class Target:
     #: what runs the model: "onnxruntime" (weight_bits auto then measures its CPU kernels),
     #: "tensorrt", "openvino" or "other"
     runtime: str = "onnxruntime"
+    #: the runtime runs int16 activations with int8 weights as integer code (QDQ format): the
+    #: fallback returns groups to int16 activations, not to float
+    int16_activations: bool = False
 
     def __post_init__(self) -> None:
         if self.format not in FORMATS:
@@ -63,6 +72,11 @@ class Target:
             raise ConfigError(
                 f"target {self.name!r}: runtime {self.runtime!r} is not one of "
                 f"{', '.join(RUNTIMES)}"
+            )
+        if self.int16_activations and not FORMATS[self.format].int16:
+            raise ConfigError(
+                f'target {self.name!r}: int16_activations needs format = "qdq" (int16 '
+                f"activations are standard Q/DQ, opset 21); {self.format} has no int16 kernels"
             )
         unknown = set(self.shared_scale_ops) - SHAREABLE_OPS
         if unknown:
@@ -134,6 +148,7 @@ def load_targets(path: str | os.PathLike[str]) -> list[Target]:
     """Register the ``[target.NAME]`` tables of a TOML file and return them."""
     doc = load_toml(path, "--target-file")
     known = {f.name for f in fields(Target)} - {"name"}
+    flags = {f.name for f in fields(Target) if f.type in (bool, "bool")}
     loaded = []
     for name, table in doc.get("target", {}).items():
         if not isinstance(table, dict):
@@ -145,6 +160,9 @@ def load_targets(path: str | os.PathLike[str]) -> list[Target]:
                 f"valid keys: {sorted(known)}"
             )
         values = dict(table)
+        for key in sorted(flags & set(values)):
+            if not isinstance(values[key], bool):
+                raise ConfigError(f"'{path}': [target.{name}].{key} must be true or false")
         if values.get("weight_bits") == "auto":
             values["weight_bits"] = None
         for key in ("patterns", "shared_scale_ops"):

@@ -40,7 +40,7 @@ from onnxq.calibrate.sources import as_dataset
 from onnxq.io.graph import serialize, tensor_array
 from onnxq.lower.fakequantize import OV_DOMAIN
 from onnxq.tools.compare import TensorStats, compare, dequantized, link_inputs, tensor_plan
-from onnxq.tools.emulate import FLAGS, Emulation
+from onnxq.tools.emulate import FLAGS, Emulation, held_float
 
 #: the RMS distance, in steps of a tensor's int8 grid, beyond which a layer parts
 PART_STEPS = 1.0
@@ -155,7 +155,6 @@ def cross_check(
     names = [o.name for o in float_model.graph.output]
     fp32 = make_session(float_model)
     ref = make_session(reference)
-    steps = emulation.steps()
     # every float tensor of the float graph both models hold (not the graph outputs)
     written = {o for n in reference.graph.node for o in n.output}
     try:
@@ -194,7 +193,7 @@ def cross_check(
             (producers.get(s.name, s.node), s)
             for s in sorted(comparison.layers, key=lambda s: s.order)
         ]
-    local = _local(reference, read, shared, steps, feeds[:LOCAL_BATCHES])
+    local = _local(reference, read, shared, emulation, feeds[:LOCAL_BATCHES])
     layers = [
         Layer(node, s.name, s.sqnr_db, s.drop_db, local.get(s.name, math.nan))
         for node, s in compared
@@ -208,11 +207,17 @@ Reader = Any  # (feed, tensor names) -> {name: float values}, with .available
 
 
 def _onnxruntime_reader(target: onnx.ModelProto, tensors: Sequence[str]) -> Reader:
-    """The target's outputs and its (dequantized) values of ``tensors``."""
+    """The target's outputs and its (dequantized) values of ``tensors``.
+
+    A tensor the target quantizes for its int8 readers and holds in float for the others
+    (onnxq.tools.emulate.held_float) is read in float: fed to the reference, its float readers
+    read what the target's read, and its quantizer gives the int8 readers theirs.
+    """
     from onnxq.io.session import make_session
 
     inits = {i.name: tensor_array(i) for i in target.graph.initializer}
     plan = tensor_plan(list(tensors), target, inits)
+    plan.update({t: (t, None, "") for t in held_float(target) if t in plan})
     outputs = [o.name for o in target.graph.output]
     fetch = sorted({v[0] for v in plan.values()} - set(outputs))
     session = make_session(target, expose=fetch)
@@ -224,6 +229,8 @@ def _onnxruntime_reader(target: onnx.ModelProto, tensors: Sequence[str]) -> Read
         return got
 
     read.available = set(plan)  # type: ignore[attr-defined]
+    # tensors whose value is read on an integer grid (a quantized op's output, a Q's output)
+    read.quantized = {n for n, (_, scale, _) in plan.items() if scale}  # type: ignore[attr-defined]
     return read
 
 
@@ -255,7 +262,7 @@ def _local(
     reference: onnx.ModelProto,
     read: Reader,
     shared: Sequence[str],
-    steps: dict[str, float],
+    emulation: Emulation,
     feeds: Sequence[dict[str, np.ndarray]],
 ) -> dict[str, float]:
     """Per quantized tensor: RMS steps between target and reference on the same inputs.
@@ -263,10 +270,15 @@ def _local(
     Every tensor the target exposes becomes an input of the reference, fed with the target's
     values (quantized or not, so that each layer reads what the target's layer read); the node
     that wrote it writes ``<tensor>/computed`` instead, which is compared where the tensor is
-    on an int8 grid.
+    on an int8 grid. Where the target's value is the quantized one (a float op's output that a
+    QuantizeLinear reads is taken at that Q's output) the computed value is put on the
+    reference's grid first: a float op computes it exactly, and the rounding and clipping of
+    the grid are no fault of the runtime.
     """
     from onnxq.io.session import make_session
 
+    steps = emulation.steps()
+    on_grid: set[str] = getattr(read, "quantized", set())
     forced = [t for t in shared if t in read.available]
     measured = [t for t in forced if t in steps]
     if not measured:
@@ -293,6 +305,8 @@ def _local(
         target = read(feed, forced)
         inputs = {**feed, **{t: np.asarray(target[t], np.float32) for t in forced}}
         for t, value in zip(measured, session.run(computed, inputs), strict=True):
+            if t in on_grid:
+                value = emulation.on_grid(t, value)
             diff = (np.asarray(value, np.float64) - target[t]) / steps[t]
             sums[t] += float(np.sum(diff * diff))
             counts[t] += diff.size

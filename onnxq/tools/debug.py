@@ -17,6 +17,11 @@ One command, five steps, each on the same samples:
 5. **Cross-check** the target runtime against the fake-quantized model
    (onnxq.tools.crosscheck).
 
+Where the target runs int16 activations (``Target.int16_activations``, or ``fallback="int16"``)
+steps 2-4 return a group to int16 activations with its int8 weights instead of to float
+(``activation_dtype = "int16"`` entries), unless its own noise is in its weights
+(onnxq.tools.sensitivity.fix); the model then stays integer on that runtime.
+
 Time: two quantizations, at most 2·log2(:data:`MAX_GROUPS`) more, and the ranking's budget
 (``budget`` seconds; it cuts its samples to stay within it).
 """
@@ -40,13 +45,14 @@ from onnxq.calibrate.dataset import model_inputs
 from onnxq.calibrate.sources import as_dataset
 from onnxq.errors import ConfigError, DataError
 from onnxq.io.graph import load_model, write_text_atomic
+from onnxq.options import resolve, returned_label
 from onnxq.passes.load import refuse_quantized
 from onnxq.report import build_report
 from onnxq.tools.compare import compare
 from onnxq.tools.crosscheck import CrossCheck, cross_check
 from onnxq.tools.emulate import emulate
 from onnxq.tools.fallback import Metric, fewest, latency_ms, output_cosine, user_metric
-from onnxq.tools.sensitivity import BUDGET_S, GroupScore, Ranking, db, rank
+from onnxq.tools.sensitivity import BUDGET_S, GroupScore, Ranking, db, fix, fix_entry, rank
 
 #: the most best-ranked groups the bisection may return to float
 MAX_GROUPS = 32
@@ -58,6 +64,7 @@ CHECK_BATCHES = 32
 class Step:
     """One quantization of the bisection."""
 
+    #: best-ranked groups returned (to float, or to int16 activations)
     groups: int
     metric: float
     #: int8 latency per batch, 1 thread, median of 3 passes over a few batches
@@ -65,7 +72,7 @@ class Step:
 
     def row(self) -> dict[str, Any]:
         """JSON-ready."""
-        return {"float_groups": self.groups, "metric": self.metric, "ms": round(self.ms, 3)}
+        return {"groups": self.groups, "metric": self.metric, "ms": round(self.ms, 3)}
 
 
 @dataclass
@@ -79,7 +86,7 @@ class DebugResult:
     int8: float
     ranking: Ranking
     steps: list[Step]
-    #: the groups the fix returns to float, best-ranked first
+    #: the groups the fix returns (to float, or to int16 activations), best-ranked first
     chosen: list[GroupScore]
     #: the metric with the written config applied (None: nothing to fix)
     fixed: float | None
@@ -91,6 +98,29 @@ class DebugResult:
     int8_nodes_fixed: int
     seconds: float
     notes: list[str] = field(default_factory=list)
+    #: what a chosen group returns to: "float", or "int16" activations where the target runs
+    #: them (a group whose noise is in its weights still to float: sensitivity.fix)
+    fallback: str = "float"
+    #: nodes of the fixed model at int16 activations (not counted in int8_nodes_fixed)
+    int16_nodes_fixed: int = 0
+
+    @property
+    def returned_to(self) -> str:
+        """Where the groups went, for labels (options.returned_label)."""
+        return returned_label(self.fallback)
+
+    @property
+    def int16_kept(self) -> str:
+        """The clause ", N at int16 activations" after the int8 nodes kept, where any are."""
+        n = self.int16_nodes_fixed
+        return f", {n} at int16 activations" if n else ""
+
+    def returned(self) -> str:
+        """The chosen groups and what each went back to, for the summary."""
+        names = ", ".join(
+            g.node + ("" if fix(g, self.fallback) == "float" else " → int16") for g in self.chosen
+        )
+        return f"{len(self.chosen)} group(s) {self.returned_to} ({names})"
 
     @property
     def loss(self) -> float:
@@ -123,16 +153,15 @@ class DebugResult:
         else:
             rec = self.recovered
             kept = self.int8_nodes_fixed / self.int8_nodes if self.int8_nodes else 0.0
+            to = self.returned_to
             lines += [
                 f"bisection: {len(self.steps) - 1} quantizations ("
-                + ", ".join(f"{s.groups} float → {s.metric:.4f}" for s in self.steps[1:])
+                + ", ".join(f"{s.groups} {to} → {s.metric:.4f}" for s in self.steps[1:])
                 + ")",
-                f"fix: {len(self.chosen)} group(s) float ("
-                + ", ".join(g.node for g in self.chosen)
-                + f"): metric {self.int8:.4f} → {self.fixed:.4f} (fp32 "
+                f"fix: {self.returned()}: metric {self.int8:.4f} → {self.fixed:.4f} (fp32 "
                 f"{self.fp32:.4f}; recovers {100 * rec:.0f}% of the loss, goal "
                 f"{100 * self.recover:.0f}%), {self.int8_nodes_fixed} of {self.int8_nodes} int8 "
-                f"nodes kept ({100 * kept:.0f}%)"
+                f"nodes kept ({100 * kept:.0f}%){self.int16_kept}"
                 if rec is not None
                 else "fix: none found",
                 f"config: {self.config}",
@@ -154,12 +183,15 @@ class DebugResult:
             "recover": self.recover,
             "fixed": self.fixed,
             "recovered": self.recovered,
+            "fallback": self.fallback,
             "chosen": [g.node for g in self.chosen],
+            "chosen_fix": [fix(g, self.fallback) for g in self.chosen],
             "steps": [s.row() for s in self.steps],
             "config": self.config,
             "command": self.command,
             "int8_nodes": self.int8_nodes,
             "int8_nodes_fixed": self.int8_nodes_fixed,
+            "int16_nodes_fixed": self.int16_nodes_fixed,
             "seconds": round(self.seconds, 3),
             "ranking": self.ranking.to_dict(),
             "cross_check": self.check.to_dict(),
@@ -173,6 +205,7 @@ def debug(
     *,
     eval: str | None = None,
     target: str | None = None,
+    fallback: str | None = None,
     recover: float = 0.8,
     budget: float = BUDGET_S,
     batch_size: int | None = None,
@@ -180,16 +213,20 @@ def debug(
     preprocess: str | None = None,
     output: str | os.PathLike[str] | None = None,
     data_label: str = "CALIB",
+    target_file: str | None = None,
     report: str | os.PathLike[str] | None = None,
     cli: bool = False,
 ) -> DebugResult:
     """Rank, bisect, write and check; see the module docstring.
 
     ``output``: the config file; ``report``: an HTML report (onnxq.tools.html) to write.
+    ``fallback``: what a group returns to, "float" or "int16" (None: the target's choice).
+    ``data_label`` and ``target_file`` are what the printed command names.
     """
     start = time.perf_counter()
     if not 0 < recover <= 1:
         raise ConfigError(f"{_flag('recover', cli)} {recover} must be in (0, 1]")
+    mode = resolve(target=target, fallback=fallback, cli=cli).fallback
     name = str(model) if not isinstance(model, onnx.ModelProto) else "model.onnx"
     source = model if isinstance(model, onnx.ModelProto) else load_model(model)
     refuse_quantized(source, f"'{name}'", "debug")
@@ -217,7 +254,7 @@ def debug(
     fp32 = metric(source)
     int8 = metric(int8_model)
     emulation = emulate(state)
-    ranking = rank(emulation, feeds, budget)
+    ranking = rank(emulation, feeds, budget, fallback=mode)
     check = cross_check(
         emulation, state.quantizer.float_model, int8_model, check_feeds, state.options.target.name
     )
@@ -229,6 +266,7 @@ def debug(
     chosen: list[GroupScore] = []
     fixed = config_path = command = None
     int8_fixed = int8_nodes
+    int16_fixed = 0
     notes: list[str] = []
     if loss > 0:
         candidates = [g for g in ranking.groups if g.score > 0][:MAX_GROUPS]
@@ -237,9 +275,9 @@ def debug(
 
         def quantized_with(k: int) -> float:
             if k not in measured:
-                # as the written config will: keep_float entries, not --exclude
-                floats = {n: {"keep_float": True} for g in candidates[:k] for n in g.nodes}
-                config = UserConfig.from_dict({"node": floats}, f"debug step {k}")
+                # as the written config will: [node] entries, not --exclude
+                entries = {n: fix_entry(fix(g, mode)) for g in candidates[:k] for n in g.nodes}
+                config = UserConfig.from_dict({"node": entries}, f"debug step {k}")
                 trial = quantize_state(source, feeds, config=config, **kw)
                 measured[k] = metric(trial.model)
                 steps.append(Step(k, measured[k], latency_ms(trial.model, timing)))
@@ -252,14 +290,14 @@ def debug(
                 f"no set of up to {len(candidates)} best-ranked groups recovers "
                 f"{100 * recover:.0f}% of the loss; the config holds the best one measured"
                 if k
-                else f"none of the {len(steps) - 1} sets of float groups tried raised the "
+                else f"none of the {len(steps) - 1} sets of groups returned raised the "
                 "metric; no config written"
             )
         chosen = candidates[:k]
     if loss > 0 and chosen:
         config_path = Path(output) if output is not None else Path(_default_output(name))
         text = _config_text(
-            name, target_name, metric_name, fp32, int8, measured[k], chosen, ranking
+            name, target_name, metric_name, fp32, int8, measured[k], chosen, ranking, mode
         )
         write_text_atomic(config_path, text)
         same = "".join(
@@ -271,6 +309,8 @@ def debug(
             )
             if value is not None
         )
+        if target_file is not None:
+            same += f" --target-file {shlex.quote(target_file)}"
         command = (
             f"onnxq quantize {shlex.quote(name)} --data {shlex.quote(data_label)}{same} "
             f"--target {target_name} --config {shlex.quote(str(config_path))} "
@@ -278,7 +318,10 @@ def debug(
         )
         applied = quantize_state(source, feeds, config=str(config_path), **kw)
         fixed = metric(applied.model)
-        int8_fixed = len(build_report(applied).quantized_nodes)
+        wide = {n for g in chosen if fix(g, mode) == "int16" for n in g.nodes}
+        done = build_report(applied).quantized_nodes
+        int16_fixed = len(set(done) & wide)
+        int8_fixed = len(done) - int16_fixed
         if not math.isclose(fixed, measured[k], rel_tol=1e-9, abs_tol=1e-9):
             notes.append(
                 f"the written config measured {fixed:.6f}, the bisection {measured[k]:.6f}"
@@ -301,6 +344,8 @@ def debug(
         int8_fixed,
         time.perf_counter() - start,
         notes,
+        mode,
+        int16_fixed,
     )
     if report is not None:
         write_text_atomic(report, _html(result, source, int8_model, int8_report, check_feeds))
@@ -329,9 +374,10 @@ def _html(
             "fix",
             "nothing to fix"
             if result.fixed is None
-            else f"{len(result.chosen)} group(s) float → {result.fixed:.4f}"
+            else f"{result.returned()} → {result.fixed:.4f}"
             + ("" if rec is None else f" (recovers {100 * rec:.0f}% of the loss)")
-            + f"; {result.int8_nodes_fixed} of {result.int8_nodes} int8 nodes kept",
+            + f"; {result.int8_nodes_fixed} of {result.int8_nodes} int8 nodes kept"
+            + result.int16_kept,
         ),
         ("config", result.config or "-"),
         ("apply", result.command or "-"),
@@ -341,12 +387,20 @@ def _html(
     r = result.ranking
     page.add(
         "Sensitivity ranking",
-        f"Each group alone quantized and alone left float on the emulation of this "
+        f"Each group alone quantized and alone returned to {r.fallback} on the emulation of this "
         f"quantization ({r.samples} samples, {r.runs} runs, {r.seconds:.0f} s); output SQNR "
         f"with every group int8: {r.sqnr_db:.2f} dB. " + " ".join(r.notes),
-        html.ranking_chart(r.groups)
+        html.ranking_chart(r.groups, returned=r.fallback)
         + html.table(
-            ["group", "op", "alone dB", "weights dB", "activations dB", "float → dB", "share %"],
+            [
+                "group",
+                "op",
+                "alone dB",
+                "weights dB",
+                "activations dB",
+                f"{r.fallback} → dB",
+                "share %",
+            ],
             [
                 (
                     g.node,
@@ -364,9 +418,14 @@ def _html(
     if len(result.steps) > 1:
         page.add(
             "Accuracy and latency of the bisection's steps",
-            "Each step is a full quantization with the best-ranked groups float; latency: int8 "
-            "per batch, 1 thread, onnxruntime CPU.",
-            html.tradeoff_chart([(s.groups, s.metric, s.ms) for s in result.steps], result.fp32),
+            f"Each step is a full quantization with the best-ranked groups {result.returned_to}"
+            + ("" if result.fallback == "float" else " (to int16 activations, or float)")
+            + "; latency: int8 per batch, 1 thread, onnxruntime CPU.",
+            html.tradeoff_chart(
+                [(s.groups, s.metric, s.ms) for s in result.steps],
+                result.fp32,
+                result.returned_to,
+            ),
         )
     comparison = compare(source, int8_model, as_dataset(feeds, model_inputs(source)))
     html.comparison_sections(page, source, int8_model, comparison, feeds)
@@ -403,35 +462,50 @@ def _config_text(
     fixed: float,
     chosen: list[GroupScore],
     ranking: Ranking,
+    fallback: str = "float",
 ) -> str:
     """The fix as ``--config`` TOML, every entry with what it was measured to do."""
+    kinds = [fix(g, fallback) for g in chosen]
+    wide = kinds.count("int16")
+    back = (
+        "back to float"
+        if not wide
+        else f"back to int16 activations ({wide}) or float ({len(chosen) - wide})"
+    )
     lines = [
-        f"# onnxq debug: {len(chosen)} group(s) of {Path(model).name} back to float "
-        f"(target {target})",
+        f"# onnxq debug: {len(chosen)} group(s) of {Path(model).name} {back} (target {target})",
         f"# metric: {metric}",
         f"# fp32 {fp32:.6f}; int8 {int8:.6f}; with this config {fixed:.6f}",
         f"# output SQNR with every group int8: {ranking.sqnr_db:.2f} dB "
         f"({ranking.samples} samples)",
         "",
     ]
-    for g in chosen:
+    for g, kind in zip(chosen, kinds, strict=True):
         split = (
             ""
             if g.weights is None or g.activations is None
             else f"; alone, its weights {db(g.weights):.1f} dB and its activations "
             f"{db(g.activations):.1f} dB"
         )
+        returned = "float" if ranking.fallback == "float" else "at int16 activations"
         floated = (
-            "not measured alone float (budget)"
+            f"not measured alone {returned} (budget)"
             if g.without is None or g.float_share is None
-            else f"{100 * g.float_share:.1f}% of the output noise goes when it is float (output "
-            f"SQNR {ranking.sqnr_db:.2f} → {db(g.without):.2f} dB)"
+            else f"{100 * g.float_share:.1f}% of the output noise goes when it is {returned} "
+            f"(output SQNR {ranking.sqnr_db:.2f} → {db(g.without):.2f} dB)"
+        )
+        why = (
+            "; float, not int16: its noise is in its weights"
+            if fallback == "int16" and kind == "float"
+            else ""
         )
         lines.append(
             f"# {g.node} ({g.op}): {100 * g.alone_share:.1f}% of the output noise comes back "
-            f"when it alone is int8 ({db(g.alone):.2f} dB); {floated}{split}"
+            f"when it alone is int8 ({db(g.alone):.2f} dB); {floated}{split}{why}"
         )
+        entry = fix_entry(kind)
         for node in g.nodes:
-            lines += [f"[node.{json.dumps(node)}]", "keep_float = true"]
+            lines.append(f"[node.{json.dumps(node)}]")
+            lines += [f"{key} = {json.dumps(value)}" for key, value in entry.items()]
         lines.append("")
     return "\n".join(lines)

@@ -15,6 +15,12 @@ and corrected biases the pipeline chose) and puts each quantizer behind a switch
   bias; the switch picks which one runs;
 * a replaced constant of a float op: the new or the original value.
 
+A float op reads a quantized activation as the written model gives it: dequantized where the
+int8 producer writes it quantized, but as it is where the written model holds it in float (a
+graph input, a float op's output, a MatMul writing float: onnxq.post.float_outputs) and only
+the int8 readers get a QuantizeLinear of it (a Paddle swish's float ``x · 1.0`` read the
+rounded and clipped value, and the cross-runtime check blamed onnxruntime for the difference).
+
 ``flags`` is one boolean input of the emulation model; each group of the annotation (a Conv with
 its folded Relu, a MatMul, an Add, ...) needs the switches of its weights and biases and of the
 activations it writes or reads int8; a switch is on while any group that needs it is int8 (as
@@ -52,6 +58,9 @@ class Switch:
     groups: tuple[int, ...]
     #: an activation's grid step (per tensor), else None
     step: float | None = None
+    #: with ``step``: the grid's lowest value and its number of levels
+    low: float = 0.0
+    levels: int = 256
 
 
 @dataclass
@@ -84,14 +93,37 @@ class Emulation:
         """Every quantized activation tensor and the step of its grid."""
         return {s.tensor: s.step for s in self.switches if s.step is not None}
 
-    def without(self, groups: Any) -> list[int]:
+    def on_grid(self, tensor: str, value: np.ndarray) -> np.ndarray:
+        """``value`` of activation ``tensor`` put on its grid as the emulation's quantizer does.
+
+        An 8-bit grid as QuantizeLinear → DequantizeLinear with zero point −low/step, any
+        other in arithmetic (see :func:`_activation`).
+        """
+        s = next(s for s in self.switches if s.tensor == tensor and s.step is not None)
+        assert s.step is not None
+        step = np.float32(s.step)
+        zero = float(np.round(-np.float32(s.low) / step))
+        if s.levels == 256 and 0 <= zero <= 255:
+            q = np.clip(np.round(np.asarray(value, np.float32) / step) + zero, 0, 255)
+            return ((q - zero) * step).astype(np.float32)
+        top = s.low + (s.levels - 1) * s.step
+        lo, hi = np.array(s.low, np.float32), np.array(top, np.float32)
+        return _fq(np.asarray(value, np.float32), lo, hi, s.levels)
+
+    def without(self, groups: Any, int16: bool = False) -> list[int]:
         """The switches on when ``groups`` (indices) are float and every other group is int8.
 
         As onnxq writes such a model: a float group's weights are float, and so is a tensor
-        no int8 group writes or reads.
+        no int8 group writes or reads. ``int16``: the groups run int16 activations instead;
+        their weights and biases stay quantized and the tensors no int8 group writes or reads
+        are taken as exact (an int16 grid is 256 times finer than an 8-bit one).
         """
         floating = set(groups)
-        return [k for k, s in enumerate(self.switches) if set(s.groups) - floating]
+        return [
+            k
+            for k, s in enumerate(self.switches)
+            if set(s.groups) - floating or (int16 and s.kind != "activation" and s.groups)
+        ]
 
     def flags(self, on: Any = None) -> np.ndarray:
         """The flags input with the switches ``on`` (indices; None: all) set."""
@@ -193,6 +225,7 @@ def emulate(state: Any, int32_biases: bool = True) -> Emulation:
     be the wrong one (a pruned channel's bias of 0.62 on a 0.79 grid was "corrected" to 0.36).
     """
     quantizer = state.quantizer
+    raw = held_float(state.model)
     qrange = (-64, 63) if state.options.weight_bits == 7 else None
     fq_model = to_fakequantize(quantizer, state.values, qrange, state.constants)
     records = list(quantizer.records)
@@ -219,10 +252,13 @@ def emulate(state: Any, int32_biases: bool = True) -> Emulation:
     nodes: list[onnx.NodeProto] = []
     new_inits: list[onnx.TensorProto] = []
 
-    def switch(tensor: str, kind: str, owners: list[int], step: float | None = None) -> int:
+    def switch(
+        tensor: str, kind: str, owners: list[int], grid: tuple[float, float, int] | None = None
+    ) -> int:
+        """A new switch; ``grid``: an activation's (step, lowest value, levels) per tensor."""
         k = len(switches)
         owners = sorted(set(owners))
-        switches.append(Switch(tensor, kind, tuple(owners), step))
+        switches.append(Switch(tensor, kind, tuple(owners), *(grid or (None,))))
         for g in owners:
             (groups[g].weights if kind != "activation" else groups[g].activations).append(k)
         return k
@@ -276,11 +312,19 @@ def emulate(state: Any, int32_biases: bool = True) -> Emulation:
                 constant(f"{name}/off", tensor_array(original)),
             )
 
+    # activations a float op reads as the written model holds them: the FakeQuantize's input
+    as_held = {
+        n.output[0]: n.input[0]
+        for n in graph.node
+        if n.op_type == "FakeQuantize" and n.domain == OV_DOMAIN and n.input[0] in raw
+    }
     for node in graph.node:
         if node.op_type == "FakeQuantize" and node.domain == OV_DOMAIN:
             if node.output[0] not in weights:
                 _activation(node, inits, switch, gate, constant, nodes, produced_by, readers)
             continue
+        if node.name not in group_of_node:
+            node.input[:] = [as_held.get(x, x) for x in node.input]
         weighted = [weights[i] for i in node.input if i in weights]
         if weighted:  # the op on quantized or on float constants, chosen by an If
             k = weighted[0][0]
@@ -322,6 +366,21 @@ def emulate(state: Any, int32_biases: bool = True) -> Emulation:
     del fq_model.opset_import[:]
     fq_model.opset_import.extend(opsets)
     return Emulation(fq_model, switches, groups)
+
+
+def held_float(model: onnx.ModelProto) -> set[str]:
+    """Tensors a written model quantizes for its int8 readers and holds in float for others.
+
+    Read by a QuantizeLinear (so float) and by some other node, and not a DequantizeLinear's
+    output: a graph input or the output of a float op or of a MatMul writing float. Empty
+    before materialize (``state.model`` has no graph yet): the sequential bias correction's
+    emulation reads every quantized activation as quantized.
+    """
+    graph = model.graph
+    quantized = {n.input[0] for n in graph.node if n.op_type == "QuantizeLinear" and n.input}
+    dequantized = {o for n in graph.node if n.op_type == "DequantizeLinear" for o in n.output}
+    read = {x for n in graph.node if n.op_type != "QuantizeLinear" for x in n.input}
+    return (quantized & read) - dequantized
 
 
 def _int32_bias(
@@ -382,8 +441,10 @@ def _activation(
     needers = [produced_by[tensor]] if tensor in produced_by else []
     lo_v, hi_v = tensor_array(inits[lo]), tensor_array(inits[hi])
     step_v = _step(lo_v, hi_v, levels)
-    step = float(step_v.reshape(-1)[0]) if step_v.size == 1 else None
-    k = switch(tensor, "activation", needers + readers.get(tensor, []), step)
+    grid = (
+        (float(step_v.reshape(())), float(lo_v.reshape(())), levels) if step_v.size == 1 else None
+    )
+    k = switch(tensor, "activation", needers + readers.get(tensor, []), grid)
     p = f"{y}/fq"
     zero = np.round(-lo_v / step_v)
     flag = gate(k)

@@ -16,6 +16,12 @@ meeting the bar (of those, the one that cuts the fewest int8 chains: a single gr
 the bar in the middle of a chain lets the other candidates be tried for one at a chain's end),
 else the best metric. ``report.fallback`` lists every trial: the float groups, the metric, the
 drop, the int8 latency on the held-back batches and the edges between int8 and float nodes.
+
+Where the target runs int16 activations (``Target.int16_activations``, or ``fallback="int16"``),
+a group goes back to int16 activations with its int8 weights instead of to float (a
+``[node."…"] activation_dtype = "int16"`` entry for its nodes), so the model stays integer on
+that runtime; a group whose own noise the ranking finds in its weights still goes to float
+(onnxq.tools.sensitivity.fix). The ranking then measures each group returned to int16.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ from typing import Any
 import numpy as np
 import onnx
 
+from onnxq.annotate.config import UserConfig
 from onnxq.calibrate.dataset import model_inputs
 from onnxq.calibrate.sources import as_dataset
 from onnxq.errors import ConfigError, DataError
@@ -43,7 +50,7 @@ from onnxq.passes.manager import State, run_passes
 from onnxq.passes.pipeline import build
 from onnxq.report import QuantizeReport, build_report
 from onnxq.tools.emulate import emulate
-from onnxq.tools.sensitivity import rank
+from onnxq.tools.sensitivity import fix, fix_entry, rank
 
 #: every HOLDOUT-th calibration batch is held back to measure the drop
 HOLDOUT = 8
@@ -53,14 +60,20 @@ CANDIDATES = 8
 RANKING_BUDGET_S = 60.0
 
 Metric = Callable[[onnx.ModelProto], float]
+#: a group returned: its nodes and what they go to ("float" or "int16")
+Returned = tuple[list[str], str]
 
 
 @dataclass
 class Trial:
     """One quantization of the search."""
 
+    #: groups returned (to float or to int16 activations) and of those, to float
     groups: int
+    floats: int
     excluded: list[str]
+    #: nodes returned to int16 activations
+    int16: list[str]
     metric: float
     drop: float
     int8_ms: float
@@ -74,8 +87,11 @@ class Trial:
     def row(self) -> dict[str, Any]:
         """JSON-ready, without the model."""
         return {
-            "float_groups": self.groups,
+            "groups": self.groups,
+            "float_groups": self.floats,
+            "int16_groups": self.groups - self.floats,
             "excluded": self.excluded,
+            "int16": self.int16,
             "metric": round(self.metric, 6),
             "drop": round(self.drop, 6),
             "int8_ms": round(self.int8_ms, 3),
@@ -180,21 +196,28 @@ def search(
     fp32 = metric(source)
     bar = float(options.max_drop or 0.0)
 
-    def run(groups: list[list[str]]) -> tuple[Trial, State]:
-        excluded = sorted({n for g in groups for n in g})
+    def run(groups: list[Returned]) -> tuple[Trial, State]:
+        excluded = sorted({n for g, kind in groups if kind == "float" for n in g})
+        wide = sorted({n for g, kind in groups if kind == "int16" for n in g})
         opts = replace(base, exclude=tuple(base.exclude) + tuple(excluded))
+        if wide:
+            user = base.user if base.user is not None else UserConfig(path="the fallback")
+            opts = replace(opts, user=user.with_nodes({n: fix_entry("int16") for n in wide}))
         state = run_passes(State(opts, source, calib), build(opts, quantize_branch))
         value = metric(state.model)
         latency = latency_ms(state.model, held)
         drop = fp32 - value
         report = build_report(state)
         edges = breaks(source, report)
-        t = Trial(len(groups), excluded, value, drop, latency, edges, state.model, report)
+        floats = sum(kind == "float" for _, kind in groups)
+        t = Trial(
+            len(groups), floats, excluded, wide, value, drop, latency, edges, state.model, report
+        )
         return t, state
 
     trials: list[Trial] = []
 
-    def trial(groups: list[list[str]]) -> Trial:
+    def trial(groups: list[Returned]) -> Trial:
         t = run(groups)[0]
         trials.append(t)
         _best(trials, bar)  # drops the models that can no longer be returned
@@ -203,7 +226,7 @@ def search(
     first, state = run([])
     base = settle(base, state.over_budget)  # the trials repeat the first one's budget plan
     trials.append(first)
-    ranked = _ranked_groups(state, held)[:CANDIDATES] if first.drop > bar else []
+    ranked = _ranked_groups(state, held, options.fallback)[:CANDIDATES] if first.drop > bar else []
     del state
     # each candidate alone: a group's own SQNR loss does not say that making it float helps
     # (its output is still quantized for its int8 readers), so the order is the measured gain,
@@ -225,12 +248,14 @@ def search(
     report = best.report
     report.fallback = {
         "metric": options.metric or "output cosine with fp32 (%)",
+        "fallback": options.fallback,
         "held_back_batches": len(held),
         "fp32": round(fp32, 6),
         "max_drop": bar,
         "met": best.drop <= bar,
         "chosen": best.groups,
         "chosen_excluded": best.excluded,
+        "chosen_int16": best.int16,
         "fp32_ms": round(latency_ms(source, held), 3),
         "trials": [t.row() for t in trials],
     }
@@ -266,13 +291,13 @@ def fewest(count: int, meets: Callable[[int], bool], start: int = 1) -> int | No
 def _best(trials: list[Trial], bar: float) -> Trial:
     """The trial to return: the fewest float groups meeting the bar, else the best metric.
 
-    Of the trials meeting it with the fewest groups, the one with the fewest int8/float edges
-    (int8 chains kept whole), then the best metric. The other trials' models and reports are
-    dropped (a search keeps one model in memory).
+    Of the trials meeting it with the fewest groups, the one with the fewest of them float,
+    then the fewest int8/float edges (int8 chains kept whole), then the best metric. The
+    other trials' models and reports are dropped (a search keeps one model in memory).
     """
     meeting = [t for t in trials if t.drop <= bar]
     best = (
-        min(meeting, key=lambda t: (t.groups, t.breaks, -t.metric))
+        min(meeting, key=lambda t: (t.groups, t.floats, t.breaks, -t.metric))
         if meeting
         else max(trials, key=lambda t: t.metric)
     )
@@ -299,11 +324,12 @@ def breaks(model: onnx.ModelProto, report: QuantizeReport) -> int:
     return count
 
 
-def _ranked_groups(state: State, held: list[Any]) -> list[list[str]]:
-    """The quantized groups that cost output accuracy, the largest cost first.
+def _ranked_groups(state: State, held: list[Any], fallback: str) -> list[Returned]:
+    """The quantized groups that cost output accuracy, the largest cost first, and their fix.
 
     The ranking of ``onnxq debug`` (onnxq.tools.sensitivity) on the held-back batches: each
-    group alone quantized and alone left float, on the emulation of this quantization.
+    group alone quantized and alone returned (to float, or to int16 activations), on the
+    emulation of this quantization.
     """
-    ranking = rank(emulate(state), held, budget=RANKING_BUDGET_S)
-    return [list(g.nodes) for g in ranking.groups if g.score > 0]
+    ranking = rank(emulate(state), held, budget=RANKING_BUDGET_S, fallback=fallback)
+    return [(list(g.nodes), fix(g, fallback)) for g in ranking.groups if g.score > 0]

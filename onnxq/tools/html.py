@@ -79,14 +79,14 @@ def layer_chart(layers: Sequence[tuple[str, float]]) -> str:
     return _svg(fig)
 
 
-def ranking_chart(groups: Sequence[Any], limit: int = 20) -> str:
+def ranking_chart(groups: Sequence[Any], limit: int = 20, returned: str = "float") -> str:
     """The best-ranked groups' shares of the output noise (onnxq.tools.sensitivity)."""
     plt = _pyplot()
     top = list(groups)[:limit][::-1]
     fig, ax = plt.subplots(figsize=(7, 0.9 + 0.25 * len(top)))
     y = np.arange(len(top))
     ax.barh(y - 0.2, [100 * g.alone_share for g in top], 0.4, label="noise it adds alone")
-    ax.barh(y + 0.2, [100 * g.float_share for g in top], 0.4, label="noise gone when float")
+    ax.barh(y + 0.2, [100 * g.float_share for g in top], 0.4, label=f"noise gone when {returned}")
     ax.set_yticks(y)
     ax.set_yticklabels([f"{_cut(g.node, 28)} ({g.dominant})" for g in top])
     ax.set_xlabel("% of the whole model's output noise")
@@ -118,17 +118,22 @@ def histogram_chart(tensors: Sequence[tuple[str, np.ndarray, float, float]]) -> 
     return _svg(fig)
 
 
-def tradeoff_chart(points: Sequence[tuple[int, float, float | None]], fp32: float) -> str:
-    """Metric against int8 latency (or float groups) of each step: (groups, metric, ms)."""
+def tradeoff_chart(
+    points: Sequence[tuple[int, float, float | None]], fp32: float, returned: str = "float"
+) -> str:
+    """Metric against int8 latency (or groups) of each step: (groups, metric, ms).
+
+    ``returned``: what the groups went back to, for the labels ("float", "int16", "returned").
+    """
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(6, 3.4))
     timed = all(ms is not None for _, _, ms in points)
     xs = [ms if timed else g for g, _, ms in points]
     ax.plot(xs, [m for _, m, _ in points], "o", color="#2c3e50")
     for (g, m, _), x in zip(points, xs, strict=True):
-        ax.annotate(f"{g} float", (x, m), textcoords="offset points", xytext=(4, 4))
+        ax.annotate(f"{g} {returned}", (x, m), textcoords="offset points", xytext=(4, 4))
     ax.axhline(fp32, color="#27ae60", linestyle="--", label="fp32")
-    ax.set_xlabel("int8 latency per batch (ms, 1 thread)" if timed else "groups left float")
+    ax.set_xlabel("int8 latency per batch (ms, 1 thread)" if timed else f"groups {returned}")
     ax.set_ylabel("metric")
     ax.legend()
     return _svg(fig)
@@ -347,6 +352,7 @@ def quantize_page(
     """The report of ``onnxq quantize``: its summary, decisions, layers and any fallback."""
     from onnxq.calibrate.dataset import model_inputs
     from onnxq.calibrate.sources import as_dataset
+    from onnxq.options import returned_label
     from onnxq.tools.compare import compare
 
     page = Report(title)
@@ -356,19 +362,23 @@ def quantize_page(
         page.add(
             "Accuracy and latency of the fallback's trials",
             f"Metric: {fb['metric']} on {fb['held_back_batches']} held-back batch(es); each "
-            "trial is a full quantization with those groups float.",
+            "trial is a full quantization with those groups float"
+            + ("." if fb["fallback"] == "float" else " or at int16 activations (int8 weights)."),
             tradeoff_chart(
-                [(t["float_groups"], t["metric"], t["int8_ms"]) for t in fb["trials"]], fb["fp32"]
+                [(t["groups"], t["metric"], t["int8_ms"]) for t in fb["trials"]],
+                fb["fp32"],
+                returned_label(fb["fallback"]),
             )
             + table(
-                ["float groups", "metric", "drop", "int8 ms", "excluded"],
+                ["groups", "metric", "drop", "int8 ms", "float", "int16 activations"],
                 [
                     (
-                        t["float_groups"],
+                        t["groups"],
                         t["metric"],
                         t["drop"],
                         t["int8_ms"],
                         " ".join(t["excluded"]),
+                        " ".join(t["int16"]),
                     )
                     for t in fb["trials"]
                 ],

@@ -8,7 +8,10 @@ onnxruntime run per question, against the fp32 outputs on the same samples:
   split into its weights alone and its activations alone;
 * **alone float**: every other group int8, this one float, as onnxq would write it (a tensor an
   int8 neighbour writes or reads stays quantized). The share of the whole model's output noise
-  that returning this group to float removes.
+  that returning this group to float removes. With ``fallback="int16"`` (a target that runs
+  int16 activations) the group is returned to int16 activations instead: its weights stay int8;
+  a group the split then finds weight-dominated, whose fix is float (:func:`fix`), is measured
+  float again while the budget lasts.
 
 Output noise is the mean over the float outputs of Σ(f − q)² / Σ f² (its inverse in dB is the
 output SQNR). Groups are ranked by the mean of the two shares of the whole model's noise: the
@@ -106,6 +109,8 @@ class Ranking:
     #: how many of the best-ranked groups got the weight/activation split
     split: int
     notes: list[str] = field(default_factory=list)
+    #: what "alone float" returned each group to: "float", or "int16" activations
+    fallback: str = "float"
 
     @property
     def sqnr_db(self) -> float:
@@ -118,7 +123,7 @@ class Ranking:
             f"sensitivity on {self.samples} samples ({self.runs} runs, {self.seconds:.1f} s): "
             f"output SQNR {self.sqnr_db:.2f} dB with every group int8",
             f"  {'group (node)':<36} {'op':<10} {'alone dB':>9} {'weights':>8} {'activ.':>8} "
-            f"{'float →':>9} {'share':>6}  dominant",
+            f"{self.fallback + ' →':>9} {'share':>6}  dominant",
         ]
         for g in self.groups[:limit]:
             w = "-" if g.weights is None else f"{db(g.weights):.1f}"
@@ -143,6 +148,7 @@ class Ranking:
             "seconds": round(self.seconds, 3),
             "budget": self.budget,
             "split": self.split,
+            "fallback": self.fallback,
             "notes": self.notes,
             "groups": [g.row() for g in self.groups],
         }
@@ -189,8 +195,12 @@ def rank(
     feeds: Sequence[dict[str, np.ndarray]],
     budget: float = BUDGET_S,
     progress: Callable[[int, int], None] | None = None,
+    fallback: str = "float",
 ) -> Ranking:
-    """Measure and rank every group of ``emulation`` on ``feeds`` (batches of samples)."""
+    """Measure and rank every group of ``emulation`` on ``feeds`` (batches of samples).
+
+    ``fallback``: what "alone float" returns a group to, "float" or "int16" (activations).
+    """
     start = time.perf_counter()
     feeds = rebatch(emulation.model, feeds)
     session = make_session(emulation.model)
@@ -243,6 +253,11 @@ def rank(
 
     whole = noise(None)
     index = {g.node: i for i, g in enumerate(groups)}
+
+    def returned(s: GroupScore, int16: bool) -> None:  # the group alone returned, measured
+        s.without = noise(emulation.without([index[s.node]], int16=int16))
+        s.float_share = max(0.0, whole - s.without) / whole if whole > 0 else 0.0
+
     scores = []
     for g in groups:  # every group alone quantized: the screening, always complete
         alone = noise(sorted(set(g.switches)))
@@ -259,8 +274,7 @@ def rank(
                 f"of {len(groups)} (budget); the others rank by that noise"
             )
             break
-        s.without = noise(emulation.without([index[s.node]]))
-        s.float_share = max(0.0, whole - s.without) / whole if whole > 0 else 0.0
+        returned(s, fallback == "int16")
         floated += 1
         if progress is not None:
             progress(len(groups) + floated, 3 * len(groups))
@@ -278,9 +292,37 @@ def rank(
         split += 1
         if progress is not None:
             progress(len(groups) + floated + split, 3 * len(groups))
+    if fallback == "int16":
+        # a group whose noise is in its weights goes to float (fix()): measure that instead
+        for s in scores:
+            if s.without is not None and fix(s, fallback) == "float" and affordable():
+                returned(s, False)
+        scores.sort(key=lambda s: -s.score)
     return Ranking(
-        whole, scores, _count(batches), runs, time.perf_counter() - start, budget, split, notes
+        whole,
+        scores,
+        _count(batches),
+        runs,
+        time.perf_counter() - start,
+        budget,
+        split,
+        notes,
+        fallback,
     )
+
+
+def fix(group: GroupScore, fallback: str) -> str:
+    """What returning ``group`` means: "float", or under ``fallback="int16"`` "int16".
+
+    Under int16 a group whose own noise is in its weights (:attr:`GroupScore.dominant`) still
+    goes to float: int16 activations would leave its int8 weights as they are.
+    """
+    return "int16" if fallback == "int16" and group.dominant != "weights" else "float"
+
+
+def fix_entry(kind: str) -> dict[str, Any]:
+    """The ``[node."…"]`` settings of a group returned to ``kind`` ("float" or "int16")."""
+    return {"keep_float": True} if kind == "float" else {"activation_dtype": "int16"}
 
 
 def _count(batches: Sequence[dict[str, np.ndarray]]) -> int:
