@@ -124,6 +124,31 @@ def test_a_leading_axis_that_is_no_batch_is_not_cut():
     ] * 2
 
 
+def test_padded_text_batches_of_different_lengths_are_joined_only_with_their_own_length():
+    """onnxq debug on the padded-batch MiniLM failed in its ranking: batches of 54 and 35 tokens
+    were concatenated along the batch axis ("all the input array dimensions ... must match")."""
+    from onnx import TensorProto, helper
+
+    from onnxq.tools.sensitivity import rebatch
+
+    graph = helper.make_graph(
+        [helper.make_node("Identity", ["ids"], ["out"])],
+        "g",
+        [helper.make_tensor_value_info("ids", TensorProto.INT64, ["batch", "tokens"])],
+        [helper.make_tensor_value_info("out", TensorProto.INT64, None)],
+    )
+
+    def feed(rows: int, tokens: int, value: int) -> dict[str, np.ndarray]:
+        return {"ids": np.full((rows, tokens), value, np.int64)}
+
+    feeds = [feed(2, 54, 1), feed(2, 54, 2), feed(2, 35, 3), feed(2, 54, 4), feed(2, 54, 5)]
+    merged = rebatch(helper.make_model(graph), feeds, size=4)
+    assert [f["ids"].shape for f in merged] == [(4, 54), (2, 35), (4, 54)]
+    # every sample is there once, in order, unpadded
+    rows = np.concatenate([f["ids"][:, 0] for f in merged])
+    assert rows.tolist() == [1, 1, 2, 2, 3, 3, 4, 4, 5, 5]
+
+
 def test_a_tensorrt_model_is_checked_without_this_cpus_clipping():
     """TensorRT's integer math does not clip: the check must not report onnxruntime's U8S8
     clipping on a CPU without VNNI as the model's error (it did: 7.2 dB on the digits CNN)."""
