@@ -117,6 +117,27 @@ def test_the_attention_mask_path_stays_float_and_never_sets_a_scale(mask_value, 
         assert _cosines(ref, got, feeds["mask"]).min() > 0.99
 
 
+def test_debug_and_max_drop_rank_padded_batches_of_different_lengths(tmp_path):
+    """Serving pads each batch to its own longest sentence: MiniLM's debug failed when its
+    ranking joined batches of 54 and 35 tokens into one."""
+    from onnxq.tools.debug import debug
+
+    feeds = []
+    for i, f in enumerate(_padded(8, 3)):
+        cut = 12 if i % 2 else 7  # two lengths, alternating
+        feeds.append({k: v[:, :cut] for k, v in f.items()})
+    model = _encoder(outlier=30.0)
+    result = debug(model, feeds, budget=0, output=tmp_path / "fix.toml")
+    assert {g.node for g in result.ranking.groups} >= {"query", "key", "value", "dense"}
+    assert result.check.agrees
+    q, report = onnxq.quantize(model, feeds, max_drop=0.01, progress=False)
+    assert report.fallback is not None and report.fallback["met"]
+    assert report.fallback["trials"][0]["drop"] > 0.01  # it had to rank and return a group
+    for f in feeds[:2]:
+        ref, got = run(model, f)[0], run(q, f)[0]
+        assert _cosines(ref, got, f["mask"]).min() > 0.99
+
+
 def test_without_the_placement_the_mask_would_have_wrecked_the_scores():
     """The same model with the mask path forced into int8 (a mask fed as a float input that
     the placement cannot see) is the failure the placement prevents."""
