@@ -10,6 +10,7 @@ from onnx import helper as h
 from onnx import numpy_helper as nh
 
 import onnxq
+from onnxq.calibrators import METHODS
 from onnxq.errors import ConfigError
 from onnxq.passes.smoothquant import _apply, _readers
 from onnxq.prepare.kind import detect
@@ -117,15 +118,33 @@ def test_the_attention_mask_path_stays_float_and_never_sets_a_scale(mask_value, 
         assert _cosines(ref, got, feeds["mask"]).min() > 0.99
 
 
+def _two_lengths(n: int, seed: int) -> list[dict]:
+    """``_padded`` batches cut to 7 and 12 tokens in turn: each batch padded to its own length."""
+    return [
+        {k: v[:, : 12 if i % 2 else 7] for k, v in f.items()}
+        for i, f in enumerate(_padded(n, seed))
+    ]
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_every_method_calibrates_on_padded_batches_of_different_lengths(method):
+    """output-aware failed on MiniLM's batches of 54 and 35 tokens (it joined the layer's
+    outputs of all batches into one array)."""
+    feeds = _two_lengths(8, 4)
+    model = _encoder(outlier=30.0)
+    q, report = onnxq.quantize(model, feeds, method=method, progress=False)
+    assert {"query", "key", "value", "dense"} <= set(report.quantized_nodes)
+    for f in feeds[:2]:
+        ref, got = run(model, f)[0], run(q, f)[0]
+        assert _cosines(ref, got, f["mask"]).min() > 0.99
+
+
 def test_debug_and_max_drop_rank_padded_batches_of_different_lengths(tmp_path):
     """Serving pads each batch to its own longest sentence: MiniLM's debug failed when its
     ranking joined batches of 54 and 35 tokens into one."""
     from onnxq.tools.debug import debug
 
-    feeds = []
-    for i, f in enumerate(_padded(8, 3)):
-        cut = 12 if i % 2 else 7  # two lengths, alternating
-        feeds.append({k: v[:, :cut] for k, v in f.items()})
+    feeds = _two_lengths(8, 3)
     model = _encoder(outlier=30.0)
     result = debug(model, feeds, budget=0, output=tmp_path / "fix.toml")
     assert {g.node for g in result.ranking.groups} >= {"query", "key", "value", "dense"}
