@@ -456,3 +456,102 @@ def test_a_float_op_reads_what_the_written_model_gives_it():
     # before materialize (the sequential bias correction's emulation) nothing is held float
     assert held_float(onnx.ModelProto()) == set()
     assert held_float(state.model) == {"a"}
+
+
+_BROKEN_RUNTIME = '''
+import numpy as np
+import onnx
+from onnx import numpy_helper
+
+from onnxq.io.openvino import openvino_compile
+
+REF = {}
+
+
+def broken(model):
+    """A runtime that miscomputes conv2 whenever conv2 is quantized: relu2's output comes out
+    shifted and stretched (the FakeQuantize of r2 with a wrong output range)."""
+    prod = {o: n for n in model.graph.node for o in n.output}
+    conv = next(n for n in model.graph.node if n.name == "conv2")
+    fq = next((n for n in model.graph.node if n.name == "r2/FakeQuantize"), None)
+    weights = prod.get(conv.input[1])
+    if fq is None or weights is None or weights.op_type != "FakeQuantize":
+        return model
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    fq = next(n for n in out.graph.node if n.name == "r2/FakeQuantize")
+    high = next(i for i in out.graph.initializer if i.name == fq.input[4])
+    value = numpy_helper.to_array(high)
+    out.graph.initializer.extend([
+        numpy_helper.from_array(value * 0.5, "r2/output_low"),
+        numpy_helper.from_array(value * 1.5, "r2/output_high"),
+    ])
+    fq.input[3], fq.input[4] = "r2/output_low", "r2/output_high"
+    return out
+
+
+def agreement(path):
+    """Top-1 agreement with fp32 (%) on the test digits, run as the broken runtime runs it."""
+    compiled = openvino_compile(broken(onnx.load(path)))
+    got = np.concatenate([compiled(x)[compiled.outputs[0]].argmax(1) for x in REF["x"]])
+    return 100.0 * float(np.mean(got == REF["labels"]))
+'''
+
+
+def test_debug_returns_first_the_groups_where_the_runtime_parts(tmp_path, monkeypatch):
+    """OpenVINO computed nudenet's box-head Convs far from the fake-quantized model (IoU 78%
+    against 97% in onnxruntime). The ranking measures the emulation and cannot see it; the
+    cross-check can, and debug returns those groups to float first."""
+    import importlib
+    import sys
+
+    pytest.importorskip("openvino", reason="pip install openvino")
+    import onnxq
+    from onnxq.tools import debug as debug_module
+
+    model, calib, feeds = _digits()
+    (tmp_path / "brokenruntime.py").write_text(_BROKEN_RUNTIME)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    runtime = importlib.import_module("brokenruntime")
+    monkeypatch.setitem(sys.modules, "brokenruntime", runtime)
+    fp32 = make_session(model)
+    runtime.REF["x"] = [f["input"] for f in feeds]
+    runtime.REF["labels"] = np.concatenate([fp32.run(None, f)[0].argmax(1) for f in feeds])
+    real = debug_module.cross_check
+    monkeypatch.setattr(
+        debug_module,
+        "cross_check",
+        lambda emulation, float_model, target, *a, **k: real(
+            emulation, float_model, runtime.broken(target), *a, **k
+        ),
+    )
+    fix = tmp_path / "fix.toml"
+    page = tmp_path / "debug.html"
+    result = debug_module.debug(
+        model,
+        calib,
+        eval="brokenruntime:agreement",
+        target="openvino",
+        output=fix,
+        budget=0,
+        report=page,
+    )
+    # the report of an OpenVINO model (onnxruntime cannot load it: the report failed on it)
+    assert "Cross-runtime check" in page.read_text() and "conv2" in page.read_text()
+    assert result.int8 < 95, result.summary()  # the fault costs more than 5 points
+    assert result.check.first_part is not None and result.check.first_part.node == "relu2"
+    group = next(g for g in result.ranking.groups if "conv2" in g.nodes)
+    assert list(result.parted) == [group.node] and result.chosen[0] is group
+    assert result.fixed is not None and result.recovered >= 0.8
+    assert result.int8_nodes_fixed >= result.int8_nodes - 3  # conv2 with its Relu and pool
+    text = fix.read_text()
+    assert f'[node."{group.node}"]' in text and "computes it" in text
+    assert "runtime parts" in result.summary() and "float first" in result.summary()
+    assert result.to_dict()["runtime_parted"] == {
+        group.node: pytest.approx(result.parted[group.node])
+    }
+    # applied by quantize, the config gives the promised figure in the broken runtime
+    out = tmp_path / "fixed.onnx"
+    q, _ = onnxq.quantize(model, calib, target="openvino", config=str(fix), progress=False)
+    onnx.save(q, str(out))
+    assert runtime.agreement(str(out)) == pytest.approx(result.fixed)

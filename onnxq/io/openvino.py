@@ -21,14 +21,18 @@ def available() -> bool:
     return importlib.util.find_spec("openvino") is not None
 
 
-def openvino_compile(model: Any) -> Any:
+def openvino_compile(model: Any, threads: int | None = None) -> Any:
     """``model`` (an onnx.ModelProto or an openvino.Model) compiled for the CPU.
 
-    Float parts in f32 (:data:`OPENVINO_CONFIG`).
+    Float parts in f32 (:data:`OPENVINO_CONFIG`); ``threads``: inference threads (None: the
+    plugin's default).
     """
     import openvino as ov
 
     core = ov.Core()
     if isinstance(model, onnx.ModelProto):
         model = core.read_model(serialize(model))
-    return core.compile_model(model, "CPU", OPENVINO_CONFIG)
+    config: dict[str, Any] = dict(OPENVINO_CONFIG)
+    if threads:
+        config["INFERENCE_NUM_THREADS"] = threads
+    return core.compile_model(model, "CPU", config)

@@ -35,6 +35,11 @@ from onnxq.solve.qparams import qrange
 OV_DOMAIN = "org.openvinotoolkit"
 
 
+def holds_fakequantize(model: onnx.ModelProto) -> bool:
+    """Whether ``model`` holds OpenVINO FakeQuantize nodes (only the OpenVINO runtime runs it)."""
+    return any(n.domain == OV_DOMAIN for n in model.graph.node)
+
+
 def fq_bounds(
     scale: np.ndarray,
     zero_point: np.ndarray,

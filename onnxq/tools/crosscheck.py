@@ -38,7 +38,7 @@ from onnx import helper
 from onnxq.calibrate.dataset import model_inputs
 from onnxq.calibrate.sources import as_dataset
 from onnxq.io.graph import serialize, tensor_array
-from onnxq.lower.fakequantize import OV_DOMAIN
+from onnxq.lower.fakequantize import holds_fakequantize
 from onnxq.tools.compare import TensorStats, compare, dequantized, link_inputs, tensor_plan
 from onnxq.tools.emulate import FLAGS, Emulation, held_float
 
@@ -143,7 +143,7 @@ def cross_check(
     from onnxq.io.session import make_session, output_types
 
     notes = []
-    openvino = any(n.domain == OV_DOMAIN for n in target.graph.node)
+    openvino = holds_fakequantize(target)
     runtime = "openvino" if openvino else "onnxruntime"
     if target_name == "tensorrt":
         notes.append(

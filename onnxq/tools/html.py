@@ -29,6 +29,7 @@ import numpy as np
 
 from onnxq.errors import ConfigError
 from onnxq.io.graph import tensor_array
+from onnxq.lower.fakequantize import holds_fakequantize
 
 #: the worst tensors whose range histograms are drawn
 HISTOGRAMS = 6
@@ -86,7 +87,9 @@ def ranking_chart(groups: Sequence[Any], limit: int = 20, returned: str = "float
     fig, ax = plt.subplots(figsize=(7, 0.9 + 0.25 * len(top)))
     y = np.arange(len(top))
     ax.barh(y - 0.2, [100 * g.alone_share for g in top], 0.4, label="noise it adds alone")
-    ax.barh(y + 0.2, [100 * g.float_share for g in top], 0.4, label=f"noise gone when {returned}")
+    # no bar for a group the budget left unmeasured returned (float_share None)
+    gone = [np.nan if g.float_share is None else 100 * g.float_share for g in top]
+    ax.barh(y + 0.2, gone, 0.4, label=f"noise gone when {returned}")
     ax.set_yticks(y)
     ax.set_yticklabels([f"{_cut(g.node, 28)} ({g.dominant})" for g in top])
     ax.set_xlabel("% of the whole model's output noise")
@@ -384,7 +387,7 @@ def quantize_page(
                 ],
             ),
         )
-    if quant_model is not None and not _openvino(quant_model):
+    if quant_model is not None and not holds_fakequantize(quant_model):
         comparison = compare(
             float_model, quant_model, as_dataset(list(feeds), model_inputs(float_model))
         )
@@ -394,9 +397,3 @@ def quantize_page(
         for d in report.decisions
     ]
     return page.html()
-
-
-def _openvino(model: Any) -> bool:
-    from onnxq.lower.fakequantize import OV_DOMAIN
-
-    return any(n.domain == OV_DOMAIN for n in model.graph.node)

@@ -40,7 +40,7 @@ from onnxq.io.graph import proto_size, save_model
 from onnxq.io.openvino import available as openvino_available
 from onnxq.io.openvino import openvino_compile
 from onnxq.lower.convert import convert
-from onnxq.lower.fakequantize import OV_DOMAIN
+from onnxq.lower.fakequantize import holds_fakequantize
 
 MODEL_KEYS = {
     "description",
@@ -592,7 +592,7 @@ def openvino_runner(model: onnx.ModelProto) -> Callable[[dict[str, np.ndarray]],
 
 def runner_for(model: onnx.ModelProto) -> Callable[[dict[str, np.ndarray]], list[np.ndarray]]:
     """The runtime ``model`` is meant for: OpenVINO for FakeQuantize models, else onnxruntime."""
-    if any(n.domain == OV_DOMAIN for n in model.graph.node):
+    if holds_fakequantize(model):
         return openvino_runner(model)
     return runner(model)
 
