@@ -36,3 +36,19 @@ def openvino_compile(model: Any, threads: int | None = None) -> Any:
     if threads:
         config["INFERENCE_NUM_THREADS"] = threads
     return core.compile_model(model, "CPU", config)
+
+
+class OpenVINOSession:
+    """A compiled FakeQuantize model behind onnxruntime's ``run(names, feed)`` call."""
+
+    def __init__(self, model: Any, threads: int | None = None) -> None:
+        self.compiled = openvino_compile(model, threads)
+        self.ports = {n: port for port in self.compiled.outputs for n in port.get_names()}
+
+    def run(self, names: list[str] | None, feed: dict[str, Any]) -> list[Any]:
+        """The outputs ``names`` (None: all) on ``feed``, as numpy arrays."""
+        import numpy as np
+
+        result = self.compiled(feed)
+        ports = list(self.compiled.outputs) if names is None else [self.ports[n] for n in names]
+        return [np.asarray(result[p]) for p in ports]

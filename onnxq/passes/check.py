@@ -1,5 +1,9 @@
 """Check: every float output compared with fp32 on a few batches; latency on request.
 
+A FakeQuantize model (``--format openvino``) runs in OpenVINO where it is installed, and its
+outputs are compared with the fake-quantized model's in onnxruntime as well (a conversion or
+kernel fault of OpenVINO's is warned about, not written in silence).
+
 Needs ``state.model``, ``state.session``, ``state.dataset`` and the calibrator's fp32
 reference outputs. Leaves ``state.check_warnings`` and ``state.latency``.
 """
@@ -7,21 +11,30 @@ reference outputs. Leaves ``state.check_warnings`` and ``state.latency``.
 from __future__ import annotations
 
 from onnxq.errors import DataError
+from onnxq.io.openvino import OpenVINOSession
+from onnxq.io.openvino import available as openvino_available
 from onnxq.passes.calibrate import CHECK_BATCHES
 from onnxq.passes.manager import PassResult, State
 from onnxq.tools import checks
+from onnxq.tools.emulate import emulate
 
 
 class Check:
-    """Accuracy (always) and latency (with ``latency_check``) of onnxruntime output."""
+    """Accuracy (always) and latency (with ``latency_check``) of onnxruntime output.
+
+    OpenVINO output against the fake-quantized model where OpenVINO is installed.
+    """
 
     name = "check"
 
     def run(self, state: State) -> PassResult:
         """Warn below the SQNR floor (naming the first layer below it) and when int8 is slower."""
         o, dataset = state.options, state.dataset
-        if o.output_format.runtime != "onnxruntime" or dataset is None:
+        runtime = o.output_format.runtime
+        if dataset is None or runtime not in ("onnxruntime", "openvino"):
             return PassResult()
+        if runtime == "openvino" and not openvino_available():
+            return PassResult()  # checked structurally only (verify); pip install openvino
         reference = state.calibrator.reference
         feeds = [feed for feed, _ in reference]
         if not reference:
@@ -35,6 +48,18 @@ class Check:
                 return PassResult()
         outputs = [out for _, out in reference] if reference else None
         float_model = state.quantizer.float_model
+        if runtime == "openvino":
+            # the model runs in OpenVINO only: its outputs against the fake-quantized model's
+            state.check_warnings = checks.runtime_warnings(
+                "OpenVINO",
+                float_model,
+                emulate(state).fixed(),
+                OpenVINOSession(state.model),
+                feeds,
+                outputs,
+            )
+            n = len(state.check_warnings)
+            return PassResult(f"{n} warnings" if n else "")
         warnings = checks.accuracy_warnings(float_model, state.model, feeds, state.session, outputs)
         if o.latency_check and feeds:
             lat = checks.latency(float_model, state.model, feeds[0])

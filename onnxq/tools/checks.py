@@ -3,6 +3,8 @@
 * :func:`accuracy_warnings`: every float graph output is compared with fp32 on a few calibration
   batches; one below :data:`SQNR_FLOOR_DB` is named, with the first layer (graph order) whose
   own SQNR falls below the floor, so the warning says where to look and what to exclude.
+* :func:`runtime_warnings`: a model another runtime runs (OpenVINO) is compared with fp32 and
+  with the fake-quantized model in onnxruntime; an output far below the latter is named.
 * :func:`latency`: fp32 and int8 are timed in the same onnxruntime configuration; a model that
   runs slower in int8 is flagged with the measured ratio (measured, not guessed).
 """
@@ -28,6 +30,8 @@ from onnxq.tools.compare import TensorStats, compare
 SQNR_FLOOR_DB = 15.0
 #: a model whose int8 run takes this much longer than fp32 is flagged
 SLOWER_RATIO = 1.05
+#: an output the target runtime computes this much below the fake-quantized model is warned about
+RUNTIME_GAP_DB = 6.0
 #: the layer search (every tensor exposed) runs on one batch of models up to this size
 LAYER_SEARCH_BYTES = 64 * 2**20
 
@@ -95,6 +99,43 @@ def accuracy_warnings(
         f"batch(es), below the {SQNR_FLOOR_DB:g} dB floor{where}"
         for name, value in low.items()
     ]
+
+
+def runtime_warnings(
+    runtime: str,
+    float_model: onnx.ModelProto,
+    emulated: onnx.ModelProto,
+    target: Any,
+    feeds: Sequence[Feed],
+    float_outputs: Sequence[dict[str, np.ndarray]] | None = None,
+) -> list[str]:
+    """One warning per output the target runtime computes far worse than onnxq made it.
+
+    Worse: below the SQNR floor against fp32, or :data:`RUNTIME_GAP_DB` below the
+    fake-quantized model (``emulated``, run in onnxruntime) on the same batches.
+
+    ``target``: the quantized model's session in its own runtime (``run(names, feed)``). Integer
+    kernels round an occasional value the other way, which costs at most about 3 dB here (two
+    noises of equal power); a conversion or kernel fault costs far more (OpenVINO on nudenet's
+    box head: 14 dB against 40 dB).
+    """
+    if not feeds:
+        return []
+    got = output_sqnr(float_model, emulated, feeds, target, float_outputs)
+    made = output_sqnr(float_model, emulated, feeds, None, float_outputs)
+    warnings = []
+    for name, value in got.items():
+        expected = made.get(name, value)
+        if value >= SQNR_FLOOR_DB and value >= expected - RUNTIME_GAP_DB:
+            continue
+        warnings.append(
+            f"output '{name}' is {value:.1f} dB SQNR against fp32 in {runtime} on {len(feeds)} "
+            f"calibration batch(es), where the same model fake-quantized (onnxruntime) is "
+            f"{expected:.1f} dB: {runtime} computes this model apart from what onnxq made; run "
+            f"`onnxq debug` with the same --target to find the layers where it parts and a "
+            "config that keeps them float"
+        )
+    return warnings
 
 
 def _first_sample(feed: Feed, specs: Sequence[Any]) -> Feed:
