@@ -578,3 +578,18 @@ def test_quantize_warns_when_openvino_computes_the_model_apart(tmp_path, monkeyp
     warned = [w for w in report.warnings if "in OpenVINO" in w]
     assert len(warned) == 1 and "output 'logits'" in warned[0] and "onnxq debug" in warned[0]
     assert q2.SerializeToString() == q.SerializeToString()  # a warning; the model is the same
+
+
+def test_the_emulation_holds_no_initializer_it_does_not_read():
+    """EfficientNet-Lite1's emulation did not load in onnxruntime ("Failed to find existing
+    initializer ….bias/on"): a corrected bias's switch constants stayed in the graph after the
+    int32 rounding of the bias took their place, read by no node."""
+    from onnxq.io.graph import names_read
+    from onnxq.tools.emulate import FLAGS
+
+    model, calib, _ = _digits()
+    state = quantize_state(model, calib, progress=False)
+    graph = emulate(state).fixed().graph
+    unread = {i.name for i in graph.initializer} - names_read(graph.node) - {FLAGS}
+    assert not unread
+    assert any(i.name.endswith("/bias/int32") for i in graph.initializer)

@@ -360,7 +360,10 @@ def emulate(state: Any, int32_biases: bool = True) -> Emulation:
     del graph.node[:]
     graph.node.extend(nodes)
     del graph.initializer[:]
-    graph.initializer.extend(kept + new_inits)
+    # a constant a later step replaced (a bias its int32 rounding took over) is not kept:
+    # onnxruntime failed to load EfficientNet-Lite1's emulation over such unread initializers
+    # ("ReplaceInitializedTensorImpl Failed to find existing initializer ….bias/on")
+    graph.initializer.extend(kept + [i for i in new_inits if i.name in read])
     graph.input.append(helper.make_tensor_value_info(FLAGS, onnx.TensorProto.BOOL, [len(switches)]))
     opsets = [d for d in fq_model.opset_import if d.domain != OV_DOMAIN]
     del fq_model.opset_import[:]
