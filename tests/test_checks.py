@@ -157,3 +157,37 @@ def test_a_tensorrt_model_is_checked_without_this_cpus_clipping():
     x, _, _, _ = datasets.digits()
     _, report = onnxq.quantize(str(CNN), {"input": x[:32]}, target="tensorrt", progress=False)
     assert not [w for w in report.warnings if "SQNR" in w], report.warnings
+
+
+def test_runtime_warnings_tell_a_runtime_fault_from_quantization_noise():
+    """RapidOCR's softmax output is 13.1 dB in OpenVINO and 13.8 dB fake-quantized: below the
+    floor, but not OpenVINO's doing (the first message blamed OpenVINO)."""
+    from onnx import ModelProto, TensorProto, helper
+
+    def shifted(offset: float) -> ModelProto:
+        graph = helper.make_graph(
+            [helper.make_node("Add", ["x", "c"], ["y"])],
+            "g",
+            [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4, 8])],
+            [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4, 8])],
+            [helper.make_tensor("c", TensorProto.FLOAT, [], [offset])],
+        )
+        return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+    class Runtime:  # a target runtime that adds its own offset
+        def __init__(self, offset: float) -> None:
+            self.offset = offset
+
+        def run(self, names, feed):
+            return [feed["x"] + self.offset]
+
+    feeds = [{"x": np.ones((4, 8), np.float32)}]
+    fp32 = shifted(0.0)
+    # fake-quantized at 40 dB (offset 0.01), the runtime at 14 dB: the runtime's fault
+    fault = checks.runtime_warnings("OpenVINO", fp32, shifted(0.01), Runtime(0.2), feeds)
+    assert len(fault) == 1 and "computes this model apart" in fault[0] and "40.0 dB" in fault[0]
+    # both at 14 dB: the quantization's
+    noise = checks.runtime_warnings("OpenVINO", fp32, shifted(0.2), Runtime(0.2), feeds)
+    assert len(noise) == 1 and "below the 15 dB floor" in noise[0] and "apart" not in noise[0]
+    # a runtime that rounds a little differently: no warning
+    assert not checks.runtime_warnings("OpenVINO", fp32, shifted(0.01), Runtime(0.012), feeds)
