@@ -265,6 +265,15 @@ def feed_samples(feed: Mapping[str, np.ndarray]) -> int:
     return int(np.shape(next(iter(feed.values())))[0])
 
 
+def inner_shapes(feed: Mapping[str, Any]) -> tuple[Any, ...]:
+    """Each input's shape past its batch axis (and its rank): feeds that may be joined on it.
+
+    Padded text batches of different lengths differ here and stay apart (padding them to one
+    length would change what they compute).
+    """
+    return tuple(sorted((k, np.shape(v)[1:], np.ndim(v)) for k, v in feed.items()))
+
+
 def shared_batch(feed: Mapping[str, np.ndarray]) -> bool:
     """Whether every array of ``feed`` has the same leading dimension, so it can be cut there.
 

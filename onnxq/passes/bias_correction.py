@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from onnxq.calibrate.dataset import feed_samples
+from onnxq.calibrate.dataset import feed_samples, inner_shapes
 from onnxq.calibrate.streaming import run_ahead, run_checked
 from onnxq.errors import CalibrationError
 from onnxq.io.session import make_session
@@ -296,16 +296,13 @@ def _merged(state: State, batches: list[dict[str, Any]]) -> tuple[list[dict[str,
     if not specs or any(not s.shape or s.shape[0] is not None for s in specs):
         return batches, [1] * len(batches)  # a fixed or undeclared batch dimension
 
-    def shapes(feed: dict[str, Any]) -> tuple[Any, ...]:
-        return tuple(sorted((k, np.shape(v)[1:], np.ndim(v)) for k, v in feed.items()))
-
     sizes: list[int] = []
     out: list[dict[str, Any]] = []
     group: list[dict[str, Any]] = []
     for feed in [*batches, None]:
         if group and (
             feed is None
-            or shapes(feed) != shapes(group[0])
+            or inner_shapes(feed) != inner_shapes(group[0])
             or sum(feed_samples(g) for g in group) + feed_samples(feed) > JOINED_BATCH
         ):
             leading = {np.shape(v)[0] for v in group[0].values() if np.ndim(v)}

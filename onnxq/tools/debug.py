@@ -114,7 +114,7 @@ class DebugResult:
 
     def kind(self, group: GroupScore) -> str:
         """What ``group`` went back to: "float" or "int16"."""
-        return "float" if group.node in self.parted else fix(group, self.fallback)
+        return _kind(group, self.parted, self.fallback)
 
     @property
     def returned_to(self) -> str:
@@ -295,7 +295,7 @@ def debug(
     parted = _parted(ranking.groups, check)
 
     def kind(g: GroupScore) -> str:
-        return "float" if g.node in parted else fix(g, mode)
+        return _kind(g, parted, mode)
 
     if loss > 0:
         # the groups where the runtimes part first (always float), then the ranking's best
@@ -492,6 +492,11 @@ def _html(
         for d in int8_report.decisions
     ]
     return page.html()
+
+
+def _kind(group: GroupScore, parted: dict[str, float], fallback: str) -> str:
+    """What ``group`` returns to: float where the runtime parts, else as ``fallback`` says."""
+    return "float" if group.node in parted else fix(group, fallback)
 
 
 def _parted(groups: list[GroupScore], check: CrossCheck) -> dict[str, float]:

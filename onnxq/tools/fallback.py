@@ -26,7 +26,6 @@ that runtime; a group whose own noise the ranking finds in its weights still goe
 
 from __future__ import annotations
 
-import functools
 import os
 import statistics
 import tempfile
@@ -44,8 +43,8 @@ from onnxq.calibrate.sources import as_dataset
 from onnxq.errors import ConfigError, DataError
 from onnxq.io.graph import load_model, save_model
 from onnxq.io.loader import load_object
+from onnxq.io.openvino import OpenVINOSession
 from onnxq.io.openvino import available as openvino_available
-from onnxq.io.openvino import openvino_compile
 from onnxq.io.session import make_session
 from onnxq.lower.fakequantize import holds_fakequantize
 from onnxq.options import QuantizeOptions, spell
@@ -181,16 +180,14 @@ def latency_ms(model: onnx.ModelProto, held: list[Any]) -> float:
                 "the model holds OpenVINO FakeQuantize nodes, which only the OpenVINO runtime "
                 "runs; pip install openvino"
             )
-        compiled = openvino_compile(model, threads=1)
-        run: Callable[[Any], Any] = compiled
+        session: Any = OpenVINOSession(model, threads=1)
     else:
         session = make_session(model, threads=1)
-        run = functools.partial(session.run, None)
     times = []
     for _ in range(3):
         start = time.perf_counter()
         for feed in held:
-            run(feed)
+            session.run(None, feed)
         times.append((time.perf_counter() - start) * 1e3 / len(held))
     return statistics.median(times)
 

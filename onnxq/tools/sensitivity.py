@@ -36,7 +36,7 @@ from typing import Any
 
 import numpy as np
 
-from onnxq.calibrate.dataset import feed_samples, shared_batch
+from onnxq.calibrate.dataset import feed_samples, inner_shapes, shared_batch
 from onnxq.io.session import make_session
 from onnxq.tools.emulate import FLAGS, Emulation
 
@@ -171,8 +171,8 @@ def rebatch(
     """``feeds`` joined into batches of up to ``size`` samples, where the batch axis is free.
 
     One run per batch costs far less than one per sample; fixed batch axes keep the feeds.
-    Only neighbours of the same shape past the batch axis are joined (padded text batches of
-    different lengths stay apart: padding them to one length would change what they compute).
+    Only neighbours of the same shape past the batch axis are joined (calibrate.dataset's
+    inner_shapes).
     """
     free = _free_batch(model)
     feeds = [dict(f) for f in feeds]
@@ -184,17 +184,12 @@ def rebatch(
     count = 0
     for f in feeds:
         n = feed_samples(f)
-        if not chunks or count + n > size or _inner_shapes(f) != _inner_shapes(chunks[-1][0]):
+        if not chunks or count + n > size or inner_shapes(f) != inner_shapes(chunks[-1][0]):
             chunks.append([])
             count = 0
         chunks[-1].append(f)
         count += n
     return [{k: np.concatenate([c[k] for c in chunk]) for k in chunk[0]} for chunk in chunks]
-
-
-def _inner_shapes(feed: dict[str, np.ndarray]) -> dict[str, tuple[int, ...]]:
-    """Each input's shape past its batch axis."""
-    return {k: np.shape(v)[1:] for k, v in feed.items()}
 
 
 def rank(

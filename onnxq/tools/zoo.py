@@ -37,8 +37,8 @@ import onnx
 from onnxq.api import quantize
 from onnxq.errors import ModelError, OnnxqError
 from onnxq.io.graph import proto_size, save_model
+from onnxq.io.openvino import OpenVINOSession
 from onnxq.io.openvino import available as openvino_available
-from onnxq.io.openvino import openvino_compile
 from onnxq.lower.convert import convert
 from onnxq.lower.fakequantize import holds_fakequantize
 
@@ -583,11 +583,8 @@ def openvino_runner(model: onnx.ModelProto) -> Callable[[dict[str, np.ndarray]],
             "the model holds OpenVINO FakeQuantize nodes, which only the OpenVINO runtime "
             "runs; pip install openvino"
         ) from None
-    compiled = openvino_compile(model)
-    outputs = list(compiled.outputs)
-    return lambda feeds: [
-        np.asarray(v) for v in (lambda r: [r[o] for o in outputs])(compiled(feeds))
-    ]
+    session = OpenVINOSession(model)
+    return lambda feeds: session.run(None, feeds)
 
 
 def runner_for(model: onnx.ModelProto) -> Callable[[dict[str, np.ndarray]], list[np.ndarray]]:
