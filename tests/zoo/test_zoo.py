@@ -288,3 +288,17 @@ def test_photographs_for_calibration_and_evaluation_never_overlap():
     assert a.shape == (4, 32, 32, 3) and np.array_equal(a, b)  # fixed seed per set
     x = photos.normalized(a)
     assert x.shape == (4, 3, 32, 32) and x.dtype == np.float32
+
+
+def test_text_scenes_are_stride_multiples_and_calibration_differs_from_evaluation():
+    from models.recipes import TextRegions
+
+    recipe = TextRegions.__new__(TextRegions)
+    recipe.side, recipe.thresh = 640, 0.3
+    cal, ev = recipe.calibration(3), recipe._scenes(2, 3)
+    for feeds in cal + ev:
+        n, c, height, width = feeds["x"].shape
+        assert (n, c) == (1, 3) and height % 32 == 0 and width % 32 == 0
+        assert 320 <= height <= 640 and 320 <= width <= 640
+    assert not any(np.array_equal(a["x"], b["x"]) for a in cal for b in ev)
+    assert np.array_equal(cal[0]["x"], recipe.calibration(1)[0]["x"])  # fixed seed
