@@ -62,6 +62,7 @@ def quantize(
     bias_correction: str = "auto",
     smoothquant: str = "auto",
     equalization: str = "auto",
+    depthwise_scaling: str = "off",
     rounding: str = "auto",
     model_kind: str = "auto",
     max_drop: float | None = None,
@@ -103,12 +104,17 @@ def quantize(
     ``smoothquant="on"`` moves activation outliers of MatMul/Gemm inputs into their weights,
     alpha chosen per layer. ``equalization="on"`` equalizes the channel ranges of Conv →
     [Relu/Clip/Pad] → Conv chains and absorbs activation offsets into the next bias (exact in
-    float; a Clip's bound becomes per channel). ``rounding="optimized"`` rounds each
+    float; a Clip's bound becomes per channel). ``depthwise_scaling="on"`` scales each
+    channel of a depthwise convolution's input so that it spans the tensor's int8 range, the
+    filters taking the inverse, where the factor folds into a constant Mul/Div/Add, a
+    BatchNormalization or a Conv upstream (exact in float; onnxq.passes.depthwise_scaling; off
+    by default: it helps PP-LCNet detectors and can hurt recognisers).
+    ``rounding="optimized"`` rounds each
     Conv/Gemm/MatMul weight for the least output error on the layer's calibration inputs
     (GPTQ-style) instead of to nearest.
-    All four default to ``"auto"``: what helps the model's kind, read from its graph
-    (sequential bias correction for CNNs, equalization for CNNs with per-tensor weights,
-    SmoothQuant for transformers, optimized rounding for both;
+    All four but depthwise scaling default to ``"auto"``: what helps the model's kind, read
+    from its graph (sequential bias correction for CNNs, equalization for CNNs with
+    per-tensor weights, SmoothQuant for transformers, optimized rounding for both;
     ``model_kind`` overrides the detection: ``cnn``, ``transformer``, ``rnn`` or ``other``).
     The report's ``algorithms`` says what ran. ``budget`` (seconds) bounds the whole call:
     a default algorithm whose estimated time does not fit, after the calibration and the other

@@ -29,6 +29,7 @@ from onnxq.lower.convert import convert
 from onnxq.lower.formats import get_format
 from onnxq.options import (
     BIAS_CORRECTIONS,
+    DEPTHWISE_SCALINGS,
     EQUALIZATIONS,
     FALLBACKS,
     ROUNDINGS,
@@ -198,6 +199,15 @@ def _quantize_io(q: argparse.ArgumentParser) -> None:
         help="cross-layer equalization: balance the channel ranges of Conv → [Relu/Clip/Pad] → "
         "Conv chains and absorb activation offsets into the next bias (exact in float); auto "
         "(default): on for CNNs with --per-tensor weights",
+    )
+    q.add_argument(
+        "--depthwise-scaling",
+        default="off",
+        choices=list(DEPTHWISE_SCALINGS),
+        help="on: scale each channel of a depthwise convolution's input to span the tensor's "
+        "int8 range, the filters taking the inverse, where the factor folds into a constant "
+        "Mul/Div/Add, BatchNormalization or Conv upstream (exact in float; needs per-channel "
+        "weights); off (default): it helps PP-LCNet detectors and can hurt recognisers",
     )
     q.add_argument(
         "--rounding",
@@ -576,6 +586,7 @@ def _quantize(args: argparse.Namespace) -> int:
             bias_correction=args.bias_correction,
             smoothquant=args.smoothquant,
             equalization=args.equalization,
+            depthwise_scaling=args.depthwise_scaling,
             rounding=args.rounding,
             max_drop=args.max_drop,
             metric=args.metric,

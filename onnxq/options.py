@@ -47,6 +47,7 @@ BIAS_CORRECTIONS = ("auto", "none", "fast", "layerwise", "sequential")
 SMOOTHQUANT = ("auto", "on", "off")
 #: cross-layer equalization of Conv chains (onnxq.passes.equalize)
 EQUALIZATIONS = ("auto", "on", "off")
+DEPTHWISE_SCALINGS = ("off", "on")
 #: how weights are rounded to their grid (onnxq.solve.rounding)
 ROUNDINGS = ("auto", "nearest", "optimized")
 #: what the accuracy-driven fallback and onnxq debug return a group to (onnxq.tools.fallback)
@@ -70,6 +71,7 @@ _PARAMETERS: dict[str, tuple[str, ...] | None] = {
     "bias-correction": BIAS_CORRECTIONS,
     "smoothquant": SMOOTHQUANT,
     "equalization": EQUALIZATIONS,
+    "depthwise-scaling": DEPTHWISE_SCALINGS,
     "rounding": ROUNDINGS,
     "model-kind": KINDS,
     "fallback": FALLBACKS,
@@ -166,6 +168,10 @@ class QuantizeOptions:
     smoothquant: str = "auto"
     #: cross-layer equalization: "auto" (on for CNNs with per-tensor weights), "on" or "off"
     equalization: str = "auto"
+    #: depthwise inputs scaled per channel into the filters (onnxq.passes.depthwise_scaling):
+    #: "on" or "off" (the default: it helps PP-OCRv5's detector and hurts PP-OCRv4's
+    #: recogniser, see docs/ablation.md)
+    depthwise_scaling: str = "off"
     #: weight rounding: "auto" (optimized for CNNs and transformers), "nearest" or "optimized"
     rounding: str = "auto"
     #: accuracy-driven fallback: the largest metric drop allowed (None: off) and the metric
@@ -293,6 +299,11 @@ def resolve(
             raise ConfigError(
                 f"{spell(key, cli, rest[key])} is unknown; choose one of {', '.join(allowed)}"
             )
+    if rest.get("depthwise_scaling", "off") not in DEPTHWISE_SCALINGS:
+        raise ConfigError(
+            f"{spell('depthwise_scaling', cli, rest['depthwise_scaling'])} is unknown; choose "
+            f"one of {', '.join(DEPTHWISE_SCALINGS)}"
+        )
     max_drop = rest.get("max_drop")
     if max_drop is not None and (
         isinstance(max_drop, bool) or not isinstance(max_drop, (int, float)) or not max_drop >= 0

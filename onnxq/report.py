@@ -58,6 +58,9 @@ class QuantizeReport:
     #: cross-layer equalization per Conv pair: the path between, the channel range spread of
     #: the first weight (largest over median) before and after, the channels absorbed
     equalization: dict[str, Any] = field(default_factory=dict)
+    #: depthwise scaling per convolution: its input, where the factors went, the channel
+    #: range spread before and after, the int8 noise it sees (dB less)
+    depthwise_scaling: dict[str, Any] = field(default_factory=dict)
     #: optimized rounding per layer: output SQNR of nearest and of the chosen rounding (dB),
     #: rows changed, or why the layer kept nearest rounding
     rounding: dict[str, Any] = field(default_factory=dict)
@@ -144,6 +147,7 @@ class QuantizeReport:
             "algorithms": self.algorithms,
             "smoothing": self.smoothing,
             "equalization": self.equalization,
+            "depthwise_scaling": self.depthwise_scaling,
             "rounding": self.rounding,
             "fallback": self.fallback,
             "budget": self.budget,
@@ -176,6 +180,7 @@ def build_report(state: State) -> QuantizeReport:
         algorithms=algorithms(state),
         smoothing=dict(state.smoothing),
         equalization=dict(state.equalization),
+        depthwise_scaling=dict(state.depthwise_scaling),
         rounding=dict(state.rounding),
         budget=dict(state.budget),
     )
@@ -189,6 +194,7 @@ def build_report(state: State) -> QuantizeReport:
 ALGORITHMS = {
     "equalization": "equalization",
     "smoothquant": "smoothquant",
+    "depthwise-scaling": "depthwise_scaling",
     "rounding": "rounding",
     "bias-correction": "bias_correction",
 }

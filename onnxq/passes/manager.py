@@ -80,6 +80,8 @@ class State:
     hessians: dict[str, Any] = field(default_factory=dict)
     #: cross-layer equalization: "first → second" Conv -> activation, range spreads, absorbed
     equalization: dict[str, Any] = field(default_factory=dict)
+    #: depthwise scaling: convolution -> its input, where the factors went, spreads, gain
+    depthwise_scaling: dict[str, Any] = field(default_factory=dict)
     #: SmoothQuant: input tensor -> alpha, readers, errors, where 1/s went
     smoothing: dict[str, Any] = field(default_factory=dict)
     #: nodes an earlier pass added that stay float, with the reason (SmoothQuant's 1/s Mul)

@@ -13,6 +13,7 @@ from onnxq.passes.branches import Branches, BranchQuantizer
 from onnxq.passes.budget import Budget
 from onnxq.passes.calibrate import Calibrate
 from onnxq.passes.check import Check
+from onnxq.passes.depthwise_scaling import DepthwiseScaling
 from onnxq.passes.equalize import Equalize
 from onnxq.passes.float_outputs import FloatOutputs
 from onnxq.passes.int4 import Int4Weights, WeightOnlyInt4
@@ -40,6 +41,8 @@ def build(options: QuantizeOptions, quantize_branch: BranchQuantizer) -> list[Pa
         passes.append(Equalize())
     if options.smoothquant != "off" and options.load_ranges is None:
         passes.append(SmoothQuant())
+    if options.depthwise_scaling != "off" and options.load_ranges is None:
+        passes.append(DepthwiseScaling())
     passes += [Annotate(), Calibrate(requests, taps), Solve()]
     if options.rounding != "nearest":
         passes.append(WeightRounding())

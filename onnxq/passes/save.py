@@ -33,7 +33,12 @@ class Save:
             cal = state.calibrator
             means = {t: cal.channel_mean(t) for t in sorted(cal.channel_sums)}
             smoothed = any(v["alpha"] is not None for v in state.smoothing.values())
-            rewrites = ["equalization"] * bool(state.equalization) + ["smoothquant"] * smoothed
+            scaled = any(v["folded_into"] for v in state.depthwise_scaling.values())
+            rewrites = (
+                ["equalization"] * bool(state.equalization)
+                + ["smoothquant"] * smoothed
+                + ["depthwise-scaling"] * scaled
+            )
             write_ranges(o.save_ranges, cal.ranges, method, means, rewrites)
             wrote.append(str(o.save_ranges))
         return PassResult(f"wrote {', '.join(wrote)}" if wrote else "")
