@@ -194,3 +194,14 @@ def test_a_table_saved_after_scaling_is_refused_on_load(tmp_path):
 def test_an_unknown_setting_is_refused():
     with pytest.raises(ConfigError, match="depthwise_scaling='auto' is unknown"):
         onnxq.quantize(_model(), _data(4, 0), depthwise_scaling="auto")
+
+
+def test_a_warning_that_blames_a_scalable_depthwise_conv_names_the_switch():
+    model, calib = _model("affine"), _data(32, 8)
+    _, off = onnxq.quantize(model, calib, rounding="nearest")
+    assert any("first jumps at node 'dw'" in w and "can be rescaled" in w for w in off.warnings)
+    assert any("depthwise_scaling='on'" in w for w in off.warnings)  # Python spelling
+    _, on = onnxq.quantize(model, calib, rounding="nearest", depthwise_scaling="on")
+    assert not any("can be rescaled" in w for w in on.warnings)
+    _, excluded = onnxq.quantize(model, calib, rounding="nearest", exclude=["dw"])
+    assert not any("can be rescaled" in w for w in excluded.warnings)

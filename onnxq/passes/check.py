@@ -10,9 +10,12 @@ reference outputs. Leaves ``state.check_warnings`` and ``state.latency``.
 
 from __future__ import annotations
 
+from typing import Any
+
 from onnxq.errors import DataError
 from onnxq.io.openvino import OpenVINOSession
 from onnxq.io.openvino import available as openvino_available
+from onnxq.passes import depthwise_scaling
 from onnxq.passes.calibrate import CHECK_BATCHES
 from onnxq.passes.manager import PassResult, State
 from onnxq.tools import checks
@@ -61,6 +64,8 @@ class Check:
             n = len(state.check_warnings)
             return PassResult(f"{n} warnings" if n else "")
         warnings = checks.accuracy_warnings(float_model, state.model, feeds, state.session, outputs)
+        if warnings and o.depthwise_scaling == "off" and o.per_channel:
+            warnings = _depthwise_hint(warnings, float_model, o.kept_float(float_model))
         if o.latency_check and feeds:
             lat = checks.latency(float_model, state.model, feeds[0])
             slower = lat.warning()
@@ -69,3 +74,22 @@ class Check:
             state.latency = {"fp32_ms": lat.fp32_ms, "int8_ms": lat.int8_ms, "ratio": lat.ratio}
         state.check_warnings = warnings
         return PassResult(f"{len(warnings)} warnings" if warnings else "")
+
+
+def _depthwise_hint(warnings: list[str], float_model: Any, kept: set[str]) -> list[str]:
+    """``warnings``, each blaming a depthwise convolution with a scalable input saying so.
+
+    Such an input's channels could take a factor into the filters (``--depthwise-scaling``,
+    off by default).
+    """
+    found = depthwise_scaling.candidates(float_model, kept)
+    out = []
+    for w in warnings:
+        at = next((c for c in found if f"first jumps at node '{c.conv.name}'" in w), None)
+        if at is not None:
+            w += (
+                f"; its input's channels can be rescaled into its filters ({len(found)} such "
+                "depthwise input(s) in the model): try --depthwise-scaling on"
+            )
+        out.append(w)
+    return out

@@ -75,15 +75,15 @@ class DepthwiseScaling:
         if state.data is None and state.dataset is None:
             return PassResult("off (no calibration data)")
         model = state.float_model
-        candidates = _candidates(model, o.kept_float(model))
-        if not candidates:
+        found = candidates(model, o.kept_float(model))
+        if not found:
             return PassResult("no depthwise input whose scale can be folded upstream")
-        tensors = sorted({c.tensor for c in candidates})
+        tensors = sorted({c.tensor for c in found})
         lo, hi = _ranges(state, model, tensors)
         inits = _constants(model)
         uses = _uses(model)
         applied = []
-        for c in candidates:
+        for c in found:
             if c.tensor not in lo:
                 continue
             weight = tensor_array(inits[c.conv.input[1]]).astype(np.float64)
@@ -101,9 +101,9 @@ class DepthwiseScaling:
                 _rewrite(model, c, choice.scales, inits, uses)
                 applied.append(choice.gain_db)
         if not applied:
-            return PassResult(f"0 of {len(candidates)} depthwise inputs rescaled (none gained)")
+            return PassResult(f"0 of {len(found)} depthwise inputs rescaled (none gained)")
         return PassResult(
-            f"{len(applied)} of {len(candidates)} depthwise inputs rescaled (int8 noise the "
+            f"{len(applied)} of {len(found)} depthwise inputs rescaled (int8 noise the "
             f"convolution sees -{float(np.median(applied)):.1f} dB median, "
             f"-{min(applied):.1f} to -{max(applied):.1f} dB)"
         )
@@ -128,7 +128,7 @@ def _uses(model: onnx.ModelProto) -> dict[str, int]:
     return uses
 
 
-def _candidates(model: onnx.ModelProto, excluded: set[str]) -> list[_Candidate]:
+def candidates(model: onnx.ModelProto, excluded: set[str]) -> list[_Candidate]:
     """Depthwise convolutions whose input can take a factor per channel upstream."""
     g = model.graph
     inits = _constants(model)
