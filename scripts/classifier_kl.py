@@ -15,16 +15,9 @@ from __future__ import annotations
 
 import json
 import sys
-import time
-from pathlib import Path
 
 import numpy as np
-
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from onnxq.api import quantize  # noqa: E402
-from onnxq.tools.zoo import fetch, load_manifest, make_recipe, runner  # noqa: E402
+from zoo_variants import load, variants
 
 
 def _probabilities(z: np.ndarray) -> np.ndarray:
@@ -36,27 +29,14 @@ def _probabilities(z: np.ndarray) -> np.ndarray:
 
 
 def main(argv: list[str]) -> int:
-    name, variants = argv[0], [json.loads(a) for a in argv[1:]] or [{}]
-    manifest = load_manifest(ROOT / "models" / "manifest.toml")
-    model = manifest.models[name]
-    files = fetch(manifest, model, lambda _: None)
-    recipe = make_recipe(manifest, model, files)
+    name = argv[0]
+    model, files, recipe = load(name)
     batches = recipe._batches("evaluation", model.evaluation, 16)
     ref = np.concatenate([recipe.float_run(b)[0] for b in batches])
     p = _probabilities(ref)
     top2 = np.sort(p, -1)[:, -2:]
     confident = top2[:, 1] - top2[:, 0] > 0.1
-    for options in variants:
-        start = time.perf_counter()
-        q, _ = quantize(
-            str(files["model"]),
-            recipe.calibration(model.calibration),
-            target="ort-cpu",
-            progress=False,
-            **{**model.quantize, **options},
-        )
-        seconds = time.perf_counter() - start
-        run = runner(q)
+    for options, run, seconds in variants(model, files, recipe, argv[1:]):
         hyp = np.concatenate([run(b)[0] for b in batches])
         agree = ref.argmax(-1) == hyp.argmax(-1)
         logq = np.log(np.clip(_probabilities(hyp), 1e-12, 1))

@@ -14,25 +14,17 @@ from __future__ import annotations
 
 import json
 import sys
-import time
-from pathlib import Path
 
 import numpy as np
 import onnx
+from zoo_variants import load, variants
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from onnxq.api import quantize  # noqa: E402
-from onnxq.tools.zoo import fetch, load_manifest, make_recipe, runner  # noqa: E402
+from onnxq.tools.zoo import runner
 
 
 def main(argv: list[str]) -> int:
-    name, variants = argv[0], [json.loads(a) for a in argv[1:]] or [{}]
-    manifest = load_manifest(ROOT / "models" / "manifest.toml")
-    model = manifest.models[name]
-    files = fetch(manifest, model, lambda _: None)
-    recipe = make_recipe(manifest, model, files)
+    name = argv[0]
+    model, files, recipe = load(name)
     from models.recipes import edit_distance
 
     batches = recipe._batches(recipe._lines(2, model.evaluation))
@@ -40,17 +32,7 @@ def main(argv: list[str]) -> int:
     refs = [fp32(feeds)[0] for _, feeds in batches]
     fp32_text = [recipe.decode(r) for r in refs]
     chars = sum(len(t) for texts, _ in batches for t in texts)
-    for options in variants:
-        start = time.perf_counter()
-        q, _ = quantize(
-            str(files["model"]),
-            recipe.calibration(model.calibration),
-            target="ort-cpu",
-            progress=False,
-            **{**model.quantize, **options},
-        )
-        seconds = time.perf_counter() - start
-        run = runner(q)
+    for options, run, seconds in variants(model, files, recipe, argv[1:]):
         truth_errors = fp32_errors = agree = steps = 0
         num = den = 0.0
         for (texts, feeds), ref, ftexts in zip(batches, refs, fp32_text, strict=True):
