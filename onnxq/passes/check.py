@@ -63,9 +63,14 @@ class Check:
             )
             n = len(state.check_warnings)
             return PassResult(f"{n} warnings" if n else "")
-        warnings = checks.accuracy_warnings(float_model, state.model, feeds, state.session, outputs)
-        if warnings and o.depthwise_scaling == "off" and o.per_channel:
-            warnings = _depthwise_hint(warnings, float_model, o.kept_float(float_model))
+        advice = (
+            _depthwise_advice(float_model, o.kept_float(float_model))
+            if o.depthwise_scaling == "off" and o.per_channel
+            else None
+        )
+        warnings = checks.accuracy_warnings(
+            float_model, state.model, feeds, state.session, outputs, advice
+        )
         if o.latency_check and feeds:
             lat = checks.latency(float_model, state.model, feeds[0])
             slower = lat.warning()
@@ -76,20 +81,15 @@ class Check:
         return PassResult(f"{len(warnings)} warnings" if warnings else "")
 
 
-def _depthwise_hint(warnings: list[str], float_model: Any, kept: set[str]) -> list[str]:
-    """``warnings``, each blaming a depthwise convolution with a scalable input saying so.
+def _depthwise_advice(float_model: Any, kept: set[str]) -> dict[str, str]:
+    """Depthwise convolution -> the hint for a warning blaming it.
 
-    Such an input's channels could take a factor into the filters (``--depthwise-scaling``,
-    off by default).
+    Those whose input's channels could take a factor into their filters
+    (``--depthwise-scaling``, off by default).
     """
     found = depthwise_scaling.candidates(float_model, kept)
-    out = []
-    for w in warnings:
-        at = next((c for c in found if f"first jumps at node '{c.conv.name}'" in w), None)
-        if at is not None:
-            w += (
-                f"; its input's channels can be rescaled into its filters ({len(found)} such "
-                "depthwise input(s) in the model): try --depthwise-scaling on"
-            )
-        out.append(w)
-    return out
+    hint = (
+        f"; its input's channels can be rescaled into its filters ({len(found)} such "
+        "depthwise input(s) in the model): try --depthwise-scaling on"
+    )
+    return {c.conv.name: hint for c in found}

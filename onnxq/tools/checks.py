@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -73,8 +73,12 @@ def accuracy_warnings(
     feeds: Sequence[Feed],
     quant_session: Any = None,
     float_outputs: Sequence[dict[str, np.ndarray]] | None = None,
+    advice: Mapping[str, str] | None = None,
 ) -> list[str]:
-    """One warning per output below the floor, naming the first layer that falls below it."""
+    """One warning per output below the floor, naming the first layer that falls below it.
+
+    ``advice``: node -> what to try when the error first jumps there, added to the warning.
+    """
     if not feeds:
         return []
     sqnr = output_sqnr(float_model, quant_model, feeds, quant_session, float_outputs)
@@ -90,7 +94,7 @@ def accuracy_warnings(
         where = (
             f"; the error first jumps at node '{first.node}' ({first.op}, {first.sqnr_db:.1f} "
             f"dB, {first.drop_db:.1f} dB lost there): try --exclude {first.node}, or `onnxq "
-            "compare` for every layer"
+            "compare` for every layer" + (advice or {}).get(first.node, "")
             if first is not None
             else "; no single layer falls below the floor: run `onnxq compare` for every layer"
         )
