@@ -419,8 +419,9 @@ def _quantize_run(q: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         metavar="N",
-        help="onnxruntime threads of each calibration process (default: onnxruntime's "
-        "choice, or the cores shared out among the --workers)",
+        help="onnxruntime threads of each calibration process, and at most that many runs "
+        "at once (default: the cores but one with two runs in flight, or the cores shared "
+        "out among the --workers)",
     )
     q.add_argument(
         "--report",

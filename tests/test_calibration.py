@@ -542,3 +542,56 @@ def test_run_ahead_depth_two_runs_two_batches_at_once_in_order():
         for f, _ in run_ahead(Failing(), ["y"], batches, depth=2):
             seen.append(int(f["x"][0]))
     assert seen == [0, 1, 2]
+
+
+@pytest.mark.parametrize("threads, runs", [(None, 2), (1, 1), (2, 2), (8, 2)])
+def test_explicit_threads_bound_the_runs_in_flight_and_change_no_byte(monkeypatch, threads, runs):
+    """``--threads 1`` is one onnxruntime run of one thread at a time (one worker's size)."""
+    import threading
+
+    from onnxq.calibrate import calibration
+    from onnxq.io import session as sessions
+
+    peak, live, lock = [0], [0], threading.Lock()
+    opened = sessions.make_session
+
+    class Counting:  # the pass's session, counting the runs at once
+        def __init__(self, inner):
+            self.inner = inner
+
+        def run(self, names, feeds):
+            with lock:
+                live[0] += 1
+                peak[0] = max(peak[0], live[0])
+            try:
+                return self.inner.run(names, feeds)
+            finally:
+                with lock:
+                    live[0] -= 1
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+    def counted(*args, **kwargs):
+        return Counting(opened(*args, **kwargs))
+
+    monkeypatch.setattr(calibration, "make_session", counted)
+    slow = Counting.run
+
+    def run_slowly(self, names, feeds):  # long enough that a second run would overlap
+        out = slow(self, names, feeds)
+        threading.Event().wait(0.02)
+        return out
+
+    monkeypatch.setattr(Counting, "run", run_slowly)
+    batches = [{"x": R.normal(0, 1, (2, 3, 6, 6)).astype(np.float32)} for _ in range(8)]
+    kwargs = {"rounding": "nearest", "bias_correction": "none", "progress": False}
+    float_model = conv_model()
+    model, _ = onnxq.quantize(float_model, batches, threads=threads, **kwargs)
+    assert calibration.stream_depth(threads) == runs
+    assert peak[0] <= runs
+    if runs == 1:
+        assert peak[0] == 1
+    monkeypatch.setattr(calibration, "make_session", opened)
+    reference, _ = onnxq.quantize(float_model, batches, **kwargs)
+    assert model.SerializeToString() == reference.SerializeToString()

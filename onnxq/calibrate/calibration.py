@@ -41,8 +41,20 @@ from onnxq.io.session import make_session
 #: batches in flight in the one-process pass, each run on its own thread sharing the session's
 #: threads: with one run, onnxruntime (exposing the tensors on the cores but one) was the
 #: critical path and the core folding the statistics waited most of the pass; two keep both
-#: busy (see docs/calibration.md, "Where the time goes")
+#: busy (see docs/calibration.md, "Where the time goes"). An explicit ``threads`` of 1 keeps
+#: one: the process then runs onnxruntime on one thread, as asked (:func:`stream_depth`)
 STREAM_DEPTH = 2
+
+
+def stream_depth(threads: int | None) -> int:
+    """Runs in flight at once in one calibration process given ``--threads``.
+
+    None (the default) lets the process use the cores: :data:`STREAM_DEPTH` runs. An explicit
+    count bounds the runs too, each taking at least one thread: ``--threads 1`` is one run of
+    one onnxruntime thread at a time (the statistics still folded beside it), the size of one
+    worker of ``--workers N --threads 1``.
+    """
+    return STREAM_DEPTH if threads is None else max(1, min(STREAM_DEPTH, threads))
 
 #: output steps the saturation bounds assume: Sigmoid's fixed 1/255 grid, Tanh's [-1, 1] on
 #: 255 steps; a clipped input lands within 1/8 step of the asymptote, so on the same code
@@ -392,7 +404,7 @@ class Calibrator:
         keep: int,
     ) -> None:
         """The pass in this process: onnxruntime runs the next batch while this one is folded."""
-        ran = run_ahead(session, fetch, batches, depth=STREAM_DEPTH)
+        ran = run_ahead(session, fetch, batches, depth=stream_depth(self.threads))
         for index, (feeds, outs) in enumerate(ran):
             if len(self.reference) < self.reference_batches:
                 got = dict(zip(fetch, outs))
