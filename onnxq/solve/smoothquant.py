@@ -64,14 +64,24 @@ def fake_quant_weight(w: np.ndarray, bits: int) -> np.ndarray:
 
 
 def output_error(
-    rows: np.ndarray, lo: float, hi: float, weights: list[np.ndarray], s: np.ndarray, bits: int
+    rows: np.ndarray,
+    lo: float,
+    hi: float,
+    weights: list[np.ndarray],
+    s: np.ndarray,
+    bits: int,
+    refs: list[np.ndarray] | None = None,
 ) -> float:
-    """Relative error of int8 ``(x/s) @ (s W)`` against float ``x @ W``, over every weight."""
+    """Relative error of int8 ``(x/s) @ (s W)`` against float ``x @ W``, over every weight.
+
+    ``refs``: the float products ``rows @ W`` when the caller has them (they do not depend on
+    ``s``: :func:`choose` computes them once for all its alphas, not once per alpha).
+    """
     xs = rows / s
     xq = fake_quant_activation(xs, lo, hi)
     num = den = 0.0
-    for w in weights:
-        ref = rows @ w
+    for i, w in enumerate(weights):
+        ref = rows @ w if refs is None else refs[i]
         got = xq @ fake_quant_weight(w * s[:, None], bits)
         num += float(np.sum((got - ref) ** 2))
         den += float(np.sum(ref**2))
@@ -95,11 +105,13 @@ def choose(
     rows = np.asarray(rows, np.float64)
     w_absmax = np.max([np.abs(w).max(axis=1) for w in weights], axis=0)
     one = np.ones(len(act_absmax))
-    before = output_error(rows, act_min.min(), act_max.max(), weights, one, bits)
+    refs = [rows @ w for w in weights]
+    before = output_error(rows, act_min.min(), act_max.max(), weights, one, bits, refs)
     best = Smoothing(None, one, before, before)
     for alpha in alphas:
         s = smoothing_scales(act_absmax, w_absmax, alpha)
-        err = output_error(rows, (act_min / s).min(), (act_max / s).max(), weights, s, bits)
+        lo, hi = (act_min / s).min(), (act_max / s).max()
+        err = output_error(rows, lo, hi, weights, s, bits, refs)
         if err < best.error_after:
             best = Smoothing(alpha, s, before, err)
     return best
