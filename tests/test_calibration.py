@@ -595,3 +595,53 @@ def test_explicit_threads_bound_the_runs_in_flight_and_change_no_byte(monkeypatc
     monkeypatch.setattr(calibration, "make_session", opened)
     reference, _ = onnxq.quantize(float_model, batches, **kwargs)
     assert model.SerializeToString() == reference.SerializeToString()
+
+
+def test_batch_bytes_reads_the_recorded_shapes_with_the_feeds_sizes():
+    from onnxq.calibrate.streaming import batch_bytes
+
+    model = make_model(
+        [h.make_node("Relu", ["x"], ["r"]), h.make_node("Flatten", ["r"], ["y"], axis=1)],
+        [("x", ["N", 3, "S"])],
+        [("y", None)],
+    )
+    feeds = {"x": np.zeros((4, 3, 10), np.float32)}
+    model.graph.value_info.append(
+        h.make_tensor_value_info("r", onnx.TensorProto.FLOAT, ["N", 3, "S"])
+    )
+    assert batch_bytes(model, ["x", "r"], feeds) == 2 * 4 * 3 * 10 * 4
+    # a batch axis named anew (shape inference after a Reshape) is the batch
+    renamed = h.make_tensor_value_info("u", onnx.TensorProto.FLOAT, ["unk__1", 30])
+    model.graph.value_info.append(renamed)
+    assert batch_bytes(model, ["u"], feeds) == 4 * 30 * 4
+    unknown = h.make_tensor_value_info("v", onnx.TensorProto.FLOAT, [4, "unk__2"])
+    model.graph.value_info.append(unknown)
+    assert batch_bytes(model, ["u", "v"], feeds) is None  # an inner axis it cannot size
+    assert batch_bytes(model, ["nowhere"], feeds) is None
+
+
+@pytest.mark.parametrize("large", [False, True])
+def test_a_pass_of_one_run_at_a_time_gives_onnxruntime_every_core(monkeypatch, large):
+    """Outputs too large for a second run in flight: the one run gets the folding core too."""
+    from onnxq.calibrate import calibration, streaming
+
+    cores = streaming.available_cores()
+    threads: list[int] = []
+    opened = calibration.make_session
+
+    def spy(model, threads_=0, **kwargs):
+        threads.append(kwargs.get("threads", threads_))
+        return opened(model, **kwargs)
+
+    monkeypatch.setattr(calibration, "make_session", lambda m, **kw: spy(m, **kw))
+    if large:  # every batch's outputs over the bound
+        monkeypatch.setattr(calibration, "AHEAD_BYTES", 16)
+        monkeypatch.setattr(streaming, "AHEAD_BYTES", 16)
+    batches = [{"x": R.normal(0, 1, (2, 3, 6, 6)).astype(np.float32)} for _ in range(3)]
+    float_model = conv_model()
+    kwargs = {"rounding": "nearest", "bias_correction": "none", "progress": False}
+    model, _ = onnxq.quantize(float_model, batches, **kwargs)
+    assert threads[0] == (cores if large else max(1, cores - 1))
+    monkeypatch.undo()
+    reference, _ = onnxq.quantize(float_model, batches, **kwargs)
+    assert model.SerializeToString() == reference.SerializeToString()

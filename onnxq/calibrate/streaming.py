@@ -19,7 +19,9 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import numpy as np
+import onnx
 
+from onnxq.calibrate.dataset import feed_samples
 from onnxq.errors import CalibrationError
 
 
@@ -48,6 +50,49 @@ def one_blas_thread() -> Iterator[None]:
 #: the outputs of one batch above which no second run goes ahead (``depth`` 2): the outputs
 #: of one more batch are alive while it runs
 AHEAD_BYTES = 64 << 20
+
+
+def batch_bytes(
+    model: onnx.ModelProto, names: Iterable[str], feeds: Mapping[str, Any]
+) -> int | None:
+    """Bytes the tensors ``names`` take for the batch ``feeds``, from the model's recorded shapes.
+
+    Symbolic dimensions take the sizes they have in ``feeds`` (by the graph inputs' dim
+    names); a first axis named otherwise (shape inference names a batch axis anew after a
+    Reshape: ``unk__1``) is taken as the batch. None when a tensor's type or another dimension
+    is not known that way. An estimate for sizing the pass, not a check.
+    """
+    g = model.graph
+    sizes: dict[str, int] = {}
+    for vi in g.input:
+        value = feeds.get(vi.name)
+        if value is None:
+            continue
+        for dim, size in zip(vi.type.tensor_type.shape.dim, np.shape(value), strict=False):
+            if dim.dim_param:
+                sizes[dim.dim_param] = int(size)
+    infos = {vi.name: vi for vi in [*g.input, *g.value_info, *g.output]}
+    total = 0
+    for name in names:
+        vi = infos.get(name)
+        if vi is None or not vi.type.tensor_type.HasField("shape"):
+            return None
+        try:
+            itemsize = onnx.helper.tensor_dtype_to_np_dtype(vi.type.tensor_type.elem_type).itemsize
+        except (KeyError, TypeError, ValueError):
+            return None
+        count = 1
+        for axis, dim in enumerate(vi.type.tensor_type.shape.dim):
+            if dim.HasField("dim_value") and dim.dim_value > 0:
+                count *= dim.dim_value
+            elif dim.dim_param in sizes:
+                count *= sizes[dim.dim_param]
+            elif axis == 0 and dim.dim_param:
+                count *= feed_samples(feeds)
+            else:
+                return None
+        total += count * itemsize
+    return total
 
 
 def run_ahead(
