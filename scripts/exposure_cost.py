@@ -12,7 +12,12 @@ caught as it opens its session) and times, on the same samples, one at a time:
 * ``reduced``: a ReduceMin and a ReduceMax per tensor in the graph instead, only scalars out
   (what MinMax needs; an in-graph alternative to exposing);
 * ``exposed, 2 runs``: two runs at once on two threads, one onnxruntime thread each (what the
-  pass does on a 2-core machine).
+  pass does on a 2-core machine);
+* ``..., no layout transforms``: the floor and ``exposed`` at 1 thread with onnxruntime's
+  optimizations below its layout transforms (``ORT_ENABLE_EXTENDED``). At its default level
+  onnxruntime runs convolutions in a blocked channel layout (NCHWc) and must reorder every
+  exposed tensor back to NCHW; without that layout the floor is slower, but exposing costs
+  little: the difference of the two pairs is the reorders' cost.
 
 Each at 1 onnxruntime thread and at onnxruntime's default, as a ratio to the floor at its
 default threads (the floor of ``benchmarks.calibration``). The samples are stacked on axis 0 of
@@ -44,12 +49,12 @@ def _observed(path: str, feeds: list[dict[str, np.ndarray]], method: str) -> tup
     caught: dict[str, Any] = {}
     original = calibration.Calibrator._float
 
-    def spy(self: Any, names: list[str], streaming: bool = False) -> Any:
+    def spy(self: Any, names: list[str], streaming: bool = False, **kwargs: Any) -> Any:
         if streaming:
             caught["model"] = onnx.ModelProto()
             caught["model"].CopyFrom(self.quantizer.float_model)
             caught["names"] = list(names)
-        return original(self, names, streaming)
+        return original(self, names, streaming, **kwargs)
 
     calibration.Calibrator._float = spy  # type: ignore[method-assign]
     try:
@@ -66,13 +71,15 @@ def _observed(path: str, feeds: list[dict[str, np.ndarray]], method: str) -> tup
     return caught["model"], caught["names"]
 
 
-def _session(model: onnx.ModelProto, threads: int) -> Any:
+def _session(model: onnx.ModelProto, threads: int, layout: bool = True) -> Any:
     import onnxruntime as ort
 
     opts = ort.SessionOptions()
     opts.log_severity_level = 3
     opts.intra_op_num_threads = threads
     opts.inter_op_num_threads = 1
+    if not layout:  # every optimization but the layout transforms (NCHWc)
+        opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED
     return ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
 
 
@@ -148,9 +155,17 @@ def main() -> int:
         rows.append((f"exposed, {label}", _timed(_session(exposed, threads), names, feeds)))
         rows.append((f"reduced, {label}", _timed(_session(reduced, threads), scalars, feeds)))
     rows.append(("exposed, 2 runs of 1 thread", _timed(_session(exposed, 1), names, feeds, 2)))
+    plain = _timed(_session(model, 1, layout=False), None, feeds)
+    rows.append(("floor, 1 thread, no layout transforms", plain))
+    rows.append(
+        (
+            "exposed, 1 thread, no layout transforms",
+            _timed(_session(exposed, 1, layout=False), names, feeds),
+        )
+    )
     print(f"  floor (default threads) {floor:.3f} s")
     for name, seconds in rows:
-        print(f"  {name:30s} {seconds:.3f} s ({seconds / floor:.2f}x the floor)")
+        print(f"  {name:40s} {seconds:.3f} s ({seconds / floor:.2f}x the floor)")
     return 0
 
 

@@ -41,5 +41,7 @@ def test_exposure_cost_times_the_tensors_of_a_real_pass(tmp_path):
         "exposed, default threads",
         "reduced, default threads",
         "exposed, 2 runs of 1 thread",
+        "floor, 1 thread, no layout transforms",
+        "exposed, 1 thread, no layout transforms",
     ]
     assert all("x the floor" in r for r in rows[1:])
