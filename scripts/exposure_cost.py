@@ -155,14 +155,9 @@ def main() -> int:
         rows.append((f"exposed, {label}", _timed(_session(exposed, threads), names, feeds)))
         rows.append((f"reduced, {label}", _timed(_session(reduced, threads), scalars, feeds)))
     rows.append(("exposed, 2 runs of 1 thread", _timed(_session(exposed, 1), names, feeds, 2)))
-    plain = _timed(_session(model, 1, layout=False), None, feeds)
-    rows.append(("floor, 1 thread, no layout transforms", plain))
-    rows.append(
-        (
-            "exposed, 1 thread, no layout transforms",
-            _timed(_session(exposed, 1, layout=False), names, feeds),
-        )
-    )
+    for label, graph, wanted in (("floor", model, None), ("exposed", exposed, names)):
+        seconds = _timed(_session(graph, 1, layout=False), wanted, feeds)
+        rows.append((f"{label}, 1 thread, no layout transforms", seconds))
     print(f"  floor (default threads) {floor:.3f} s")
     for name, seconds in rows:
         print(f"  {name:40s} {seconds:.3f} s ({seconds / floor:.2f}x the floor)")

@@ -70,18 +70,17 @@ def output_error(
     weights: list[np.ndarray],
     s: np.ndarray,
     bits: int,
-    refs: list[np.ndarray] | None = None,
+    refs: list[np.ndarray],
 ) -> float:
     """Relative error of int8 ``(x/s) @ (s W)`` against float ``x @ W``, over every weight.
 
-    ``refs``: the float products ``rows @ W`` when the caller has them (they do not depend on
-    ``s``: :func:`choose` computes them once for all its alphas, not once per alpha).
+    ``refs``: the float products ``rows @ W``, one per weight (they do not depend on ``s``:
+    :func:`choose` computes them once for all its alphas).
     """
     xs = rows / s
     xq = fake_quant_activation(xs, lo, hi)
     num = den = 0.0
-    for i, w in enumerate(weights):
-        ref = rows @ w if refs is None else refs[i]
+    for w, ref in zip(weights, refs, strict=True):
         got = xq @ fake_quant_weight(w * s[:, None], bits)
         num += float(np.sum((got - ref) ** 2))
         den += float(np.sum(ref**2))
