@@ -618,6 +618,36 @@ def test_batch_bytes_reads_the_recorded_shapes_with_the_feeds_sizes():
     model.graph.value_info.append(unknown)
     assert batch_bytes(model, ["u", "v"], feeds) is None  # an inner axis it cannot size
     assert batch_bytes(model, ["nowhere"], feeds) is None
+    # onnxruntime's symbolic shape inference writes expressions of the input's dimensions
+    halved = h.make_tensor_value_info("w", onnx.TensorProto.FLOAT, ["N", 3, "floor(S/2 - 1/2) + 1"])
+    model.graph.value_info.append(halved)
+    assert batch_bytes(model, ["w"], feeds) == 4 * 3 * 5 * 4
+
+
+@pytest.mark.parametrize(
+    ("expression", "size"),
+    [
+        ("floor(floor(floor(DynamicDimension.1/2 - 1/2)/2)/2 - 1/2) + 1", 40),
+        ("floor(floor(DynamicDimension.1/2 - 1/2)/2) + 1", 80),
+        ("2*N + 1", 9),
+        ("DynamicDimension.0*DynamicDimension.1", 1280),
+        ("Max(N, 7) - Min(N, 2)", 5),
+        ("ceiling(N/3)", 2),
+        ("N // 3 + N % 3", 2),
+        ("N/3", None),  # not a whole number
+        ("N - 4", None),  # not positive
+        ("unk__1 + N", None),  # a name it has no size for
+        ("N**2", None),  # an operator it does not allow
+        ("__import__('os').getpid()", None),
+        ("N.real", None),
+        ("floor(N", None),
+    ],
+)
+def test_dim_size_evaluates_the_shape_expressions_of_symbolic_inference(expression, size):
+    from onnxq.calibrate.streaming import dim_size
+
+    sizes = {"N": 4, "DynamicDimension.0": 4, "DynamicDimension.1": 320}
+    assert dim_size(expression, sizes) == size
 
 
 @pytest.mark.parametrize("large", [False, True])
@@ -642,6 +672,50 @@ def test_a_pass_of_one_run_at_a_time_gives_onnxruntime_every_core(monkeypatch, l
     kwargs = {"rounding": "nearest", "bias_correction": "none", "progress": False}
     model, _ = onnxq.quantize(float_model, batches, **kwargs)
     assert threads[0] == (cores if large else max(1, cores - 1))
+    monkeypatch.undo()
+    reference, _ = onnxq.quantize(float_model, batches, **kwargs)
+    assert model.SerializeToString() == reference.SerializeToString()
+
+
+@pytest.mark.parametrize("slow", ["run", "fold"])
+def test_one_run_at_a_time_keeps_every_core_only_while_folding_is_not_slower(monkeypatch, slow):
+    """The first batch is run, then folded; when the folding took longer the pass goes on with
+    the cores but one (the folding thread is its critical path), else on every core; same bytes."""
+    import time as _time
+
+    from onnxq.calibrate import calibration, statistics, streaming
+
+    cores = streaming.available_cores()
+    opened: list[tuple[int, bool]] = []
+    make = calibration.make_session
+
+    def spy(model, **kwargs):
+        opened.append((kwargs.get("threads", 0), kwargs.get("spin", True)))
+        return make(model, **kwargs)
+
+    def slow_run(session, names, feeds, index, _run=calibration.run_checked):
+        _time.sleep(0.2)
+        return _run(session, names, feeds, index)
+
+    def slow_fold(self, *args, _add=statistics.Statistics.add, **kwargs):
+        _time.sleep(0.2)
+        return _add(self, *args, **kwargs)
+
+    monkeypatch.setattr(calibration, "make_session", spy)
+    monkeypatch.setattr(calibration, "AHEAD_BYTES", 16)
+    monkeypatch.setattr(streaming, "AHEAD_BYTES", 16)
+    if slow == "run":
+        monkeypatch.setattr(calibration, "run_checked", slow_run)
+    else:
+        monkeypatch.setattr(statistics.Statistics, "add", slow_fold)
+    batches = [{"x": R.normal(0, 1, (2, 3, 6, 6)).astype(np.float32)} for _ in range(3)]
+    float_model = conv_model()
+    kwargs = {"rounding": "nearest", "bias_correction": "none", "progress": False}
+    model, report = onnxq.quantize(float_model, batches, **kwargs)
+    assert report.calibration.samples == 6
+    assert opened[0] == (cores, False)  # every core, its pool not spinning
+    if cores > 1:  # the cores but one for the rest of the pass, when the folding was slower
+        assert ((cores - 1, True) in opened) == (slow == "fold")
     monkeypatch.undo()
     reference, _ = onnxq.quantize(float_model, batches, **kwargs)
     assert model.SerializeToString() == reference.SerializeToString()

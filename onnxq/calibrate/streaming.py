@@ -10,12 +10,17 @@ Shared by the one-process pass (onnxq.calibrate.calibration), the worker process
 
 from __future__ import annotations
 
+import ast
 import collections
 import contextlib
+import math
+import operator
 import os
 import queue
+import re
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping
+from fractions import Fraction
 from typing import Any
 
 import numpy as np
@@ -58,9 +63,11 @@ def batch_bytes(
     """Bytes the tensors ``names`` take for the batch ``feeds``, from the model's recorded shapes.
 
     Symbolic dimensions take the sizes they have in ``feeds`` (by the graph inputs' dim
-    names); a first axis named otherwise (shape inference names a batch axis anew after a
-    Reshape: ``unk__1``) is taken as the batch. None when a tensor's type or another dimension
-    is not known that way. An estimate for sizing the pass, not a check.
+    names), and so do the expressions of them that onnxruntime's symbolic shape inference
+    records (``floor(W/2 - 1/2) + 1``: :func:`dim_size`); a first axis named otherwise (shape
+    inference names a batch axis anew after a Reshape: ``unk__1``) is taken as the batch. None
+    when a tensor's type or another dimension is not known that way. An estimate for sizing
+    the pass, not a check.
     """
     g = model.graph
     sizes: dict[str, int] = {}
@@ -87,12 +94,85 @@ def batch_bytes(
                 count *= dim.dim_value
             elif dim.dim_param in sizes:
                 count *= sizes[dim.dim_param]
+            elif (size := dim_size(dim.dim_param, sizes)) is not None:
+                count *= size
             elif axis == 0 and dim.dim_param:
                 count *= feed_samples(feeds)
             else:
                 return None
         total += count * itemsize
     return total
+
+
+_DIM_FUNCTIONS: dict[str, Callable[..., Any]] = {
+    "floor": math.floor,
+    "ceiling": math.ceil,
+    "ceil": math.ceil,
+    "Max": max,
+    "Min": min,
+    "max": max,
+    "min": min,
+}
+_DIM_OPERATORS: dict[type, Callable[[Any, Any], Any]] = {
+    ast.Add: operator.add,
+    ast.Sub: operator.sub,
+    ast.Mult: operator.mul,
+    ast.Div: operator.truediv,
+    ast.FloorDiv: operator.floordiv,
+    ast.Mod: operator.mod,
+}
+
+
+def dim_size(expression: str, sizes: Mapping[str, int]) -> int | None:
+    """The size a dimension written as an expression of named dimensions takes, or None.
+
+    onnxruntime's symbolic shape inference (which exporters such as PaddleOCR's run) records
+    the width after two stride-2 convolutions as ``floor(floor(W/2 - 1/2)/2) + 1``. The names
+    in ``sizes`` (``DynamicDimension.1`` included) are put in, and the rest is evaluated as
+    exact fractions: integers, ``+ - * / // %``, ``floor``, ``ceiling``, ``Max`` and ``Min``;
+    anything else (another name, a call, a power) gives None, as does a result that is not a
+    positive integer.
+    """
+    if not expression or not sizes:
+        return None
+    names = sorted(sizes, key=len, reverse=True)
+    pattern = "|".join(re.escape(n) for n in names)
+    text = re.sub(
+        rf"(?<![\w.])(?:{pattern})(?![\w.])", lambda m: f"({sizes[m.group(0)]})", expression
+    )
+    try:
+        value = _evaluate(ast.parse(text, mode="eval").body)
+    except (SyntaxError, ValueError, TypeError, ZeroDivisionError, RecursionError):
+        return None
+    if value is None or Fraction(value).denominator != 1 or value <= 0:
+        return None
+    return int(value)
+
+
+def _evaluate(node: ast.AST) -> Fraction | int | None:
+    """An expression tree of :func:`dim_size` evaluated exactly (None: not one it allows)."""
+    if isinstance(node, ast.Constant) and type(node.value) is int:
+        return Fraction(node.value)
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
+        inner = _evaluate(node.operand)
+        return None if inner is None else (-inner if isinstance(node.op, ast.USub) else inner)
+    if isinstance(node, ast.BinOp) and type(node.op) in _DIM_OPERATORS:
+        left, right = _evaluate(node.left), _evaluate(node.right)
+        if left is None or right is None:
+            return None
+        return Fraction(_DIM_OPERATORS[type(node.op)](Fraction(left), Fraction(right)))
+    if (
+        isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Name)
+        and node.func.id in _DIM_FUNCTIONS
+        and not node.keywords
+        and node.args
+    ):
+        args = [_evaluate(a) for a in node.args]
+        if any(a is None for a in args):
+            return None
+        return Fraction(_DIM_FUNCTIONS[node.func.id](*args))
+    return None
 
 
 def run_ahead(

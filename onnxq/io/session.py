@@ -24,6 +24,7 @@ def make_session(
     exact: bool = False,
     expose: Iterable[str] = (),
     as_written: bool = False,
+    spin: bool = True,
 ) -> Any:
     """An onnxruntime CPU InferenceSession for ``model`` (``threads`` 0 = onnxruntime's choice).
 
@@ -41,6 +42,10 @@ def make_session(
     on their grids moved by 0.33 at MobileNetV2's first layer). Such sessions are built for
     one piece of a model each (onnxq.calibrate.sequential) and use no memory arena: each
     would keep its own peak.
+
+    ``spin`` False stops the threads of onnxruntime's pool from spinning while they wait for
+    work: for a session that shares the cores with numpy work in this process (a calibration
+    pass whose statistics are folded while onnxruntime runs on every core).
     """
     import onnxruntime as ort
 
@@ -51,6 +56,8 @@ def make_session(
             opts.add_session_config_entry(PRECISE_OPTION, "1")
         opts.intra_op_num_threads = threads
         opts.inter_op_num_threads = 1
+        if not spin:
+            opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
         if not optimize:
             opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
         if as_written:
