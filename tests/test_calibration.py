@@ -677,10 +677,16 @@ def test_a_pass_of_one_run_at_a_time_gives_onnxruntime_every_core(monkeypatch, l
     assert model.SerializeToString() == reference.SerializeToString()
 
 
+@pytest.mark.parametrize("known", [True, False])
 @pytest.mark.parametrize("slow", ["run", "fold"])
-def test_one_run_at_a_time_keeps_every_core_only_while_folding_is_not_slower(monkeypatch, slow):
+def test_one_run_at_a_time_keeps_every_core_only_while_folding_is_not_slower(
+    monkeypatch, slow, known
+):
     """The first batch is run, then folded; when the folding took longer the pass goes on with
-    the cores but one (the folding thread is its critical path), else on every core; same bytes."""
+    the cores but one (the folding thread is its critical path), else on every core; same bytes.
+
+    ``known``: the outputs' size is known from the model's shapes, so the pass starts on every
+    core; else it starts on the cores but one and learns the size from the first batch."""
     import time as _time
 
     from onnxq.calibrate import calibration, statistics, streaming
@@ -704,6 +710,8 @@ def test_one_run_at_a_time_keeps_every_core_only_while_folding_is_not_slower(mon
     monkeypatch.setattr(calibration, "make_session", spy)
     monkeypatch.setattr(calibration, "AHEAD_BYTES", 16)
     monkeypatch.setattr(streaming, "AHEAD_BYTES", 16)
+    if not known:
+        monkeypatch.setattr(calibration, "batch_bytes", lambda *_: None)
     if slow == "run":
         monkeypatch.setattr(calibration, "run_checked", slow_run)
     else:
@@ -713,9 +721,13 @@ def test_one_run_at_a_time_keeps_every_core_only_while_folding_is_not_slower(mon
     kwargs = {"rounding": "nearest", "bias_correction": "none", "progress": False}
     model, report = onnxq.quantize(float_model, batches, **kwargs)
     assert report.calibration.samples == 6
-    assert opened[0] == (cores, False)  # every core, its pool not spinning
-    if cores > 1:  # the cores but one for the rest of the pass, when the folding was slower
-        assert ((cores - 1, True) in opened) == (slow == "fold")
+    lone, spare = (cores, False), (max(1, cores - 1), True)  # a lone pool does not spin
+    assert opened[0] == (lone if known else spare)
+    if cores > 1:  # every core for the rest of the pass unless the folding was slower
+        if known:
+            assert (spare in opened) == (slow == "fold")
+        else:
+            assert (lone in opened) == (slow == "run")
     monkeypatch.undo()
     reference, _ = onnxq.quantize(float_model, batches, **kwargs)
     assert model.SerializeToString() == reference.SerializeToString()

@@ -385,15 +385,20 @@ class Calibrator:
             fetch = names + [r for r in refs if r not in names]
             it = iter(bar)
             first = next(it, None)
-            lone = first is not None and self._one_run(fetch, first)
+            size = (
+                batch_bytes(self.quantizer.float_model, fetch, first) if first is not None else None
+            )
+            lone = size is not None and size > AHEAD_BYTES
             session = self._float(names, streaming=True, lone=lone)
             with one_blas_thread():
                 start = 0
-                if lone and first is not None and self.threads is None:
-                    run, fold = self._first_batch(stats, session, names, fetch, refs, first, keep)
-                    if fold > run:  # the folding is the critical path: it gets its own core
+                if first is not None and self.threads is None and (lone or size is None):
+                    run, fold, made = self._first_batch(
+                        stats, session, names, fetch, refs, first, keep
+                    )
+                    if _switch(lone, run, fold, made):
                         del session
-                        session = self._float(names, streaming=True)
+                        session = self._float(names, streaming=True, lone=not lone)
                     start = 1
                 elif first is not None:
                     it = itertools.chain([first], it)
@@ -457,19 +462,18 @@ class Calibrator:
         refs: list[str],
         feeds: Feed,
         keep: int,
-    ) -> tuple[float, float]:
-        """Run and fold the first batch one after the other; returns (run, fold) seconds.
+    ) -> tuple[float, float, int]:
+        """Run and fold the first batch one after the other: (run s, fold s, output bytes).
 
-        For a pass of one run at a time on every core: when folding a batch takes longer than
-        running it, the folding thread is the critical path and onnxruntime's second thread
-        only takes cores from it (PP-OCRv6's recogniser, MSE ranges: 90 ms to fold a batch
-        that runs in 28 ms), so the caller gives the rest of the pass the cores but one.
+        For :func:`_switch`, when the pass runs one batch at a time or may (the outputs' size
+        not known from the model's shapes).
         """
         t0 = time.perf_counter()
         outs = run_checked(session, fetch, feeds, 0)
         t1 = time.perf_counter()
         self._fold(stats, names, fetch, refs, feeds, outs, 0, keep)
-        return t1 - t0, time.perf_counter() - t1
+        made = sum(int(getattr(o, "nbytes", 0)) for o in outs)
+        return t1 - t0, time.perf_counter() - t1, made
 
     def _observe_ray(self, stats: Statistics, names: list[str]) -> None:
         """The pass as Ray tasks, each reading its own share of the data."""
@@ -517,16 +521,6 @@ class Calibrator:
 
     # ----------------------------------------------------------------------------------------
     # sessions for CalibrationInfo
-
-    def _one_run(self, fetch: list[str], first: Feed) -> bool:
-        """Whether the pass will run one batch at a time for the size of its outputs.
-
-        :func:`run_ahead` sends no second run ahead while a batch's outputs pass
-        :data:`AHEAD_BYTES`; the first batch's are known from the model's shapes before the
-        session is made (False when they are not).
-        """
-        size = batch_bytes(self.quantizer.float_model, fetch, first)
-        return size is not None and size > AHEAD_BYTES
 
     def _float(self, names: list[str], streaming: bool = False, lone: bool = False) -> Any:
         """The float session exposing ``names`` (``streaming``: sized for the one pass).
@@ -599,6 +593,23 @@ class Calibrator:
             for q in [*r.inputs, *r.outputs]
             for name in (q.tensor, q.quantized)
         }
+
+
+def _switch(lone: bool, run: float, fold: float, made: int) -> bool:
+    """Whether the one-process pass changes its session's cores after the first batch.
+
+    ``lone``: the session has every core (outputs over :data:`AHEAD_BYTES`, one run at a time);
+    else the cores but one. A lone pass whose folding took longer than its run gives the rest
+    of the pass the cores but one: the folding thread is then the critical path, and
+    onnxruntime's second thread only takes cores from it (PP-OCRv6's recogniser, MSE ranges:
+    90 ms to fold a batch that runs in 28 ms). A pass of the cores but one whose outputs were
+    over the bound after all (their size was not known from the model's shapes: RapidOCR's
+    recogniser) gets every core unless folding took as long as the run would on every core.
+    """
+    cores = available_cores()
+    if lone:
+        return fold > run
+    return made > AHEAD_BYTES and cores > 1 and fold < run * (cores - 1) / cores
 
 
 def _float_outputs(model: onnx.ModelProto) -> list[str]:
