@@ -385,6 +385,7 @@ class Calibrator:
             fetch = names + [r for r in refs if r not in names]
             it = iter(bar)
             first = next(it, None)
+            fold = _Fold(stats, names, fetch, refs, keep)
             size = (
                 batch_bytes(self.quantizer.float_model, fetch, first) if first is not None else None
             )
@@ -393,16 +394,14 @@ class Calibrator:
             with one_blas_thread():
                 start = 0
                 if first is not None and self.threads is None and (lone or size is None):
-                    run, fold, made = self._first_batch(
-                        stats, session, names, fetch, refs, first, keep
-                    )
-                    if _switch(lone, run, fold, made):
+                    run, folded, made = self._first_batch(fold, session, first)
+                    if _switch(lone, run, folded, made):
                         del session
                         session = self._float(names, streaming=True, lone=not lone)
                     start = 1
                 elif first is not None:
                     it = itertools.chain([first], it)
-                self._stream(stats, session, names, fetch, refs, it, keep, start)
+                self._stream(fold, session, it, start)
         if stats.batches == 0:
             raise CalibrationError(
                 "the calibration data source yielded no samples; give at "
@@ -415,63 +414,34 @@ class Calibrator:
         self.report.tensors_observed = len(names)
         self.report.observer_bytes = sum(o.nbytes() for o in self.observers.values())
 
-    def _stream(
-        self,
-        stats: Statistics,
-        session: Any,
-        names: list[str],
-        fetch: list[str],
-        refs: list[str],
-        batches: Iterable[Feed],
-        keep: int,
-        start: int = 0,
-    ) -> None:
+    def _stream(self, fold: _Fold, session: Any, batches: Iterable[Feed], start: int = 0) -> None:
         """The pass in this process: onnxruntime runs the next batch while this one is folded.
 
         ``start``: the index of the first of ``batches`` (batches before it already folded).
         """
-        ran = run_ahead(session, fetch, batches, depth=stream_depth(self.threads))
+        ran = run_ahead(session, fold.fetch, batches, depth=stream_depth(self.threads))
         for index, (feeds, outs) in enumerate(ran, start):
-            self._fold(stats, names, fetch, refs, feeds, outs, index, keep)
+            self._fold(fold, feeds, outs, index)
 
-    def _fold(
-        self,
-        stats: Statistics,
-        names: list[str],
-        fetch: list[str],
-        refs: list[str],
-        feeds: Feed,
-        outs: list[Any],
-        index: int,
-        keep: int,
-    ) -> None:
+    def _fold(self, fold: _Fold, feeds: Feed, outs: list[Any], index: int) -> None:
         """Batch ``index``'s outputs into the statistics (and the reference runs kept)."""
         if len(self.reference) < self.reference_batches:
-            got = dict(zip(fetch, outs))
-            self.reference.append((dict(feeds), {r: got[r] for r in refs}))
-        if len(self.sample_feeds) < keep:
+            got = dict(zip(fold.fetch, outs))
+            self.reference.append((dict(feeds), {r: got[r] for r in fold.refs}))
+        if len(self.sample_feeds) < fold.keep:
             self.sample_feeds.append(feeds)
-        stats.add(names, outs, feed_samples(feeds), index)
+        fold.stats.add(fold.names, outs, feed_samples(feeds), index)
 
-    def _first_batch(
-        self,
-        stats: Statistics,
-        session: Any,
-        names: list[str],
-        fetch: list[str],
-        refs: list[str],
-        feeds: Feed,
-        keep: int,
-    ) -> tuple[float, float, int]:
+    def _first_batch(self, fold: _Fold, session: Any, feeds: Feed) -> tuple[float, float, int]:
         """Run and fold the first batch one after the other: (run s, fold s, output bytes).
 
         For :func:`_switch`, when the pass runs one batch at a time or may (the outputs' size
         not known from the model's shapes).
         """
         t0 = time.perf_counter()
-        outs = run_checked(session, fetch, feeds, 0)
+        outs = run_checked(session, fold.fetch, feeds, 0)
         t1 = time.perf_counter()
-        self._fold(stats, names, fetch, refs, feeds, outs, 0, keep)
+        self._fold(fold, feeds, outs, 0)
         made = sum(int(getattr(o, "nbytes", 0)) for o in outs)
         return t1 - t0, time.perf_counter() - t1, made
 
@@ -593,6 +563,17 @@ class Calibrator:
             for q in [*r.inputs, *r.outputs]
             for name in (q.tensor, q.quantized)
         }
+
+
+@dataclass(frozen=True)
+class _Fold:
+    """What the one-process pass folds each batch into, and what it keeps of it."""
+
+    stats: Statistics
+    names: list[str]  # the tensors observed
+    fetch: list[str]  # those and the float outputs of the reference runs
+    refs: list[str]
+    keep: int  # feeds kept for the callbacks that need some
 
 
 def _switch(lone: bool, run: float, fold: float, made: int) -> bool:
