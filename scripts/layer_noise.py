@@ -22,34 +22,21 @@ from __future__ import annotations
 
 import json
 import sys
-from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 import onnx
-import onnxruntime as ort
 from onnx import numpy_helper
 from zoo_variants import load
 
 from onnxq.api import quantize
+from onnxq.io.session import make_session
 
 #: evaluation crops scored; calibration crops rows drawn for --refit
 CROPS = 128
 REFIT_ROWS = 20_000
 #: ridge added to the refit's normal equations, as a fraction of their mean diagonal
 RIDGE = 1e-3
-
-
-def _session(model: onnx.ModelProto, names: Sequence[str]) -> Any:
-    m = onnx.ModelProto()
-    m.CopyFrom(model)
-    have = {o.name for o in m.graph.output}
-    m.graph.output.extend(
-        onnx.helper.make_empty_tensor_value_info(n) for n in names if n not in have
-    )
-    opts = ort.SessionOptions()
-    opts.log_severity_level = 3
-    return ort.InferenceSession(m.SerializeToString(), opts, providers=["CPUExecutionProvider"])
 
 
 def _rows(x: np.ndarray) -> np.ndarray:
@@ -107,8 +94,8 @@ def main(argv: list[str]) -> int:
             **{**model.quantize, **options, "format": "qdq"},
         )
         pairs = _convs(f, q)
-        f_sess = _session(f, [fn.output[0] for fn, _ in pairs] + [fn.input[0] for fn, _ in pairs])
-        q_sess = _session(q, [qn.output[0] for _, qn in pairs] + [qn.input[0] for _, qn in pairs])
+        f_sess = make_session(f, expose=[t for fn, _ in pairs for t in (fn.output[0], fn.input[0])])
+        q_sess = make_session(q, expose=[t for _, qn in pairs for t in (qn.output[0], qn.input[0])])
         print(f"{name} {json.dumps(options)}")
         outputs = _gather(pairs, f_sess, q_sess, evaluation, "outputs")
         fits = {}

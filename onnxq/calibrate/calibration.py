@@ -34,6 +34,7 @@ from onnxq.calibrate.streaming import (
     available_cores,
     batch_bytes,
     one_blas_thread,
+    outputs_bytes,
     run_ahead,
     run_checked,
 )
@@ -442,8 +443,7 @@ class Calibrator:
         outs = run_checked(session, fold.fetch, feeds, 0)
         t1 = time.perf_counter()
         self._fold(fold, feeds, outs, 0)
-        made = sum(int(getattr(o, "nbytes", 0)) for o in outs)
-        return t1 - t0, time.perf_counter() - t1, made
+        return t1 - t0, time.perf_counter() - t1, outputs_bytes(outs)
 
     def _observe_ray(self, stats: Statistics, names: list[str]) -> None:
         """The pass as Ray tasks, each reading its own share of the data."""

@@ -144,12 +144,12 @@ def dim_size(expression: str, sizes: Mapping[str, int]) -> int | None:
         value = _evaluate(ast.parse(text, mode="eval").body)
     except (SyntaxError, ValueError, TypeError, ZeroDivisionError, RecursionError):
         return None
-    if value is None or Fraction(value).denominator != 1 or value <= 0:
+    if value is None or value.denominator != 1 or value <= 0:
         return None
     return int(value)
 
 
-def _evaluate(node: ast.AST) -> Fraction | int | None:
+def _evaluate(node: ast.AST) -> Fraction | None:
     """An expression tree of :func:`dim_size` evaluated exactly (None: not one it allows)."""
     if isinstance(node, ast.Constant) and type(node.value) is int:
         return Fraction(node.value)
@@ -160,7 +160,7 @@ def _evaluate(node: ast.AST) -> Fraction | int | None:
         left, right = _evaluate(node.left), _evaluate(node.right)
         if left is None or right is None:
             return None
-        return Fraction(_DIM_OPERATORS[type(node.op)](Fraction(left), Fraction(right)))
+        return Fraction(_DIM_OPERATORS[type(node.op)](left, right))
     if (
         isinstance(node, ast.Call)
         and isinstance(node.func, ast.Name)
@@ -173,6 +173,11 @@ def _evaluate(node: ast.AST) -> Fraction | int | None:
             return None
         return Fraction(_DIM_FUNCTIONS[node.func.id](*args))
     return None
+
+
+def outputs_bytes(outs: Iterable[Any]) -> int:
+    """Bytes of one run's outputs (the measure :data:`AHEAD_BYTES` bounds)."""
+    return sum(int(getattr(o, "nbytes", 0)) for o in outs)
 
 
 def run_ahead(
@@ -218,7 +223,7 @@ def run_ahead(
             done, runner = pending.popleft()
             outs = runner.result()
             free.append(runner)
-            small = sum(getattr(o, "nbytes", 0) for o in outs) <= AHEAD_BYTES
+            small = outputs_bytes(outs) <= AHEAD_BYTES
             if len(runners) < depth and upcoming is not None and small:
                 runners.append(_Runner(session, names))
                 free.append(runners[-1])
