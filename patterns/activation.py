@@ -3,19 +3,15 @@
 Sigmoid and Softmax have a known output range, so their output parameters are fixed rather than
 calibrated: scale 1/255 with zero point 0 (uint8) or −128 (int8), so that both 0 and 1.0 are on
 the grid (1/256, TFLite's choice, wrote a saturated 1.0 as 0.996: a bias on every saturated
-gate); with symmetric int8 activations (zero point 0, TensorRT) scale 1/127. A calibrated output
-range inside [0, 1] gets its finer grid instead (see ActivationPattern.fixed_output).
+gate); with symmetric int8 activations (zero point 0, TensorRT) scale 1/127; the same rule for
+any activation type (int16: 1/65535 with zero point −32768, or 1/32767 symmetric:
+onnxq.patterns.base.unit_range). A calibrated output range inside [0, 1] gets its finer grid
+instead (see ActivationPattern.fixed_output).
 """
 
 from __future__ import annotations
 
 from onnxq.patterns.base import ActivationPattern
-
-_UNIT_RANGE = {
-    "uint8": (1.0 / 255, 0),
-    "int8": (1.0 / 255, -128),
-    "int8-symmetric": (1.0 / 127, 0),
-}
 
 
 class SigmoidPattern(ActivationPattern):
@@ -25,7 +21,7 @@ class SigmoidPattern(ActivationPattern):
     op_type = "Sigmoid"
     qop = "QLinearSigmoid"
     fold_relu = False
-    fixed_output = _UNIT_RANGE
+    fixed_output = True
 
 
 class LeakyReluPattern(ActivationPattern):
@@ -44,7 +40,7 @@ class SoftmaxPattern(ActivationPattern):
     op_type = "Softmax"
     qop = "QLinearSoftmax"
     fold_relu = False
-    fixed_output = _UNIT_RANGE
+    fixed_output = True
 
 
 class MatMulActivationsPattern(ActivationPattern):

@@ -29,6 +29,19 @@ from onnxq.pattern import (
     tensor_shape,
     wildcard,
 )
+from onnxq.solve.qparams import qrange
+
+
+def unit_range(dtype: str, symmetric: bool) -> tuple[float, int]:
+    """Scale and zero point whose grid holds both 0 and 1.0 exactly, for any activation type.
+
+    Asymmetric: 1 / (qmax − qmin) with zero point qmin (uint8: 1/255, 0; int8: 1/255, −128;
+    int16: 1/65535, −32768); symmetric: 1 / qmax with zero point 0 (int8: 1/127).
+    """
+    lo, hi = qrange(dtype)
+    if symmetric:
+        return 1.0 / hi, 0
+    return 1.0 / (hi - lo), lo
 
 
 def _is_zero(t: gs.Tensor) -> bool:
@@ -180,7 +193,9 @@ class ActivationPattern(QuantizerPattern):
     #: to be [0, 1]); a "<dtype>-symmetric" key serves symmetric activations (zero point 0).
     #: A calibrated range inside it gives a finer grid and wins (sigmoid outputs in [0, 0.3]
     #: lost 5 dB on the fixed grid against onnxruntime's calibrated one)
-    fixed_output: dict[str, tuple[float, int]] | None = None
+    #: the output's range is the op's own, [0, 1] (Sigmoid, Softmax): its grid is
+    #: :func:`unit_range` of the output's type, not calibrated
+    fixed_output: bool = False
 
     def __init__(self, calibration_callback: CalibrationCallback | None = None):
         super().__init__(calibration_callback)
@@ -194,10 +209,9 @@ class ActivationPattern(QuantizerPattern):
     def calibrate_pattern(self, calibration_info: Any) -> dict[str, np.ndarray]:
         """The callback's values, the output bounded by the op's known range."""
         values = super().calibrate_pattern(calibration_info)
-        if self.fixed_output is not None:
+        if self.fixed_output:
             for qt in calibration_info.outputs:
-                key = f"{qt.dtype}-symmetric" if qt.symmetric else qt.dtype
-                scale, zp = self.fixed_output.get(key, self.fixed_output[qt.dtype])
+                scale, zp = unit_range(qt.dtype, qt.symmetric)
                 calibrated = values.get(qt.scale)
                 if calibrated is not None and 0 < float(np.max(calibrated)) < FINER * scale:
                     continue  # observed outputs span well inside [0, 1]: their finer grid

@@ -497,6 +497,29 @@ def test_activations_between_convs(case):
     close_enough(model, q, feeds, tol=0.05)
 
 
+@pytest.mark.parametrize("case", ["sigmoid", "softmax"])
+@pytest.mark.parametrize("symmetric", [False, True])
+def test_fixed_unit_grid_for_int16_activations(case, symmetric):
+    # the fixed [0, 1] grid had entries for uint8 and int8 only: int16 activations (A16W8,
+    # QDQ) raised KeyError 'int16' on any model with a Sigmoid or Softmax between int8 layers
+    act, _ = ACT_CASES[case]
+    nodes = [
+        h.make_node("Conv", ["x", "W1", "B1"], ["a"], pads=[1, 1, 1, 1], name="c1"),
+        act,
+        h.make_node("Conv", ["t", "W2"], ["y"], name="c2"),
+    ]
+    inits = {"W1": weights(4, 3, 3, 3), "B1": weights(4), "W2": weights(2, 4, 1, 1)}
+    model = make_model(nodes, [("x", ["N", 3, 8, 8])], [("y", None)], inits)
+    kw = {"activation_dtype": "int16", "format": "qdq", "symmetric_activations": symmetric}
+    q, report, feeds = quantize_random(model, {"x": [1, 3, 8, 8]}, **kw)
+    scale, zero = (1 / 32767, 0) if symmetric else (1 / 65535, -32768)
+    assert report.values["t_scale"] == pytest.approx(scale)
+    assert report.values["t_zero_point"] == zero
+    zp = next(i for i in q.graph.initializer if i.name == "t_zero_point")
+    assert zp.data_type == onnx.TensorProto.INT16
+    close_enough(model, q, feeds, tol=0.01)
+
+
 def test_softmax_at_the_output_stays_float():
     nodes = [
         h.make_node("Gemm", ["x", "W"], ["l"], name="fc"),

@@ -319,7 +319,7 @@ class Calibrator:
             # a fixed output grid (Sigmoid, Softmax: 1/255) defines its tensor: it wins over an
             # observed range whichever pattern came first, and a consumer's differing observed
             # range of it is no conflict
-            fixed = getattr(rec.pattern, "fixed_output", None) is not None and any(
+            fixed = getattr(rec.pattern, "fixed_output", False) and any(
                 name in pair for pair in rec.output_scale_zps
             )
             if name in self.values and not (fixed and name not in self._fixed):

@@ -117,7 +117,7 @@ class _Solver:
 
     def _constrain_output(self, qt: QTensor, rec: PatternRecord) -> None:
         g = self.groups[self.find(qt.scale)]
-        if getattr(rec.pattern, "fixed_output", None) is not None:
+        if getattr(rec.pattern, "fixed_output", False):
             s = float(np.asarray(self.values[qt.scale]).reshape(-1)[0])
             z = int(np.asarray(self.values[qt.zero_point]).reshape(-1)[0])
             g.fixed, g.fixed_by = (s, z), f"{rec.label} '{rec.nodes[0]}'"
