@@ -1,5 +1,8 @@
 """Check: every float output compared with fp32 on a few batches; latency on request.
 
+A MatMul/Gemm of int16 activations that onnxruntime computes with 8-bit activations (its
+MatMulNBits fusion) is named in a warning, with the session option that avoids it.
+
 A FakeQuantize model (``--format openvino``) runs in OpenVINO where it is installed, and its
 outputs are compared with the fake-quantized model's in onnxruntime as well (a conversion or
 kernel fault of OpenVINO's is warned about, not written in silence).
@@ -71,6 +74,9 @@ class Check:
         warnings = checks.accuracy_warnings(
             float_model, state.model, feeds, state.session, outputs, advice
         )
+        narrowed = checks.narrowed_warning(state.model)
+        if narrowed:
+            warnings.append(narrowed)
         if o.latency_check and feeds:
             lat = checks.latency(float_model, state.model, feeds[0])
             slower = lat.warning()

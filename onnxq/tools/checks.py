@@ -5,13 +5,18 @@
   own SQNR falls below the floor, so the warning says where to look and what to exclude.
 * :func:`runtime_warnings`: a model another runtime runs (OpenVINO) is compared with fp32 and
   with the fake-quantized model in onnxruntime; an output far below the latter is named.
+* :func:`narrowed_warning`: a MatMul/Gemm that reads 16-bit activations and that onnxruntime
+  fuses into MatMulNBits, which computes its activation in 8 bits by default, is named (asked
+  of onnxruntime itself: its optimized graph).
 * :func:`latency`: fp32 and int8 are timed in the same onnxruntime configuration; a model that
   runs slower in int8 is flagged with the measured ratio (measured, not guessed).
 """
 
 from __future__ import annotations
 
+import os
 import statistics
+import tempfile
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -34,6 +39,10 @@ SLOWER_RATIO = 1.05
 RUNTIME_GAP_DB = 6.0
 #: the layer search (every tensor exposed) runs on one batch of models up to this size
 LAYER_SEARCH_BYTES = 64 * 2**20
+#: onnxruntime's optimized graph is asked for models up to this size (it is written to a file)
+NARROWED_SEARCH_BYTES = 2**30
+#: the onnxruntime session option that sets MatMulNBits' arithmetic (4: int8 activations)
+NBITS_ACCURACY = "session.qdq_matmulnbits_accuracy_level"
 
 
 def output_sqnr(
@@ -103,6 +112,58 @@ def accuracy_warnings(
         f"batch(es), below the {SQNR_FLOOR_DB:g} dB floor{where}"
         for name, value in low.items()
     ]
+
+
+def narrowed_warning(model: onnx.ModelProto) -> str | None:
+    """A warning when onnxruntime computes a MatMul/Gemm of 16-bit activations in 8 bits.
+
+    A QDQ model with int16 activations holds each MatMul/Gemm as DequantizeLinear(int16 x),
+    DequantizeLinear(int8 W) → MatMul. onnxruntime (1.2x and later) fuses the weight's pair into
+    ``com.microsoft.MatMulNBits``, whose default accuracy level (4) quantizes the activation
+    to int8 on the fly: the layer does not run with the 16-bit activations the model holds.
+    Whether it fuses is asked of onnxruntime itself (the graph it optimizes), only for a
+    model with such a MatMul/Gemm; None when nothing is fused.
+    """
+    graph = model.graph
+    zero_points = {i.name: i.data_type for i in graph.initializer}
+    wide_types = {onnx.TensorProto.INT16, onnx.TensorProto.UINT16}
+    wide = {
+        n.output[0]
+        for n in graph.node
+        if n.op_type == "DequantizeLinear"
+        and len(n.input) > 2
+        and zero_points.get(n.input[2]) in wide_types
+    }
+    readers = {
+        n.input[0]: n.name or n.output[0]
+        for n in graph.node
+        if n.op_type in ("MatMul", "Gemm") and n.input and n.input[0] in wide
+    }
+    if not readers or proto_size(model) > NARROWED_SEARCH_BYTES:
+        return None
+    import onnxruntime as ort
+
+    with tempfile.TemporaryDirectory() as tmp:
+        opts = ort.SessionOptions()
+        opts.log_severity_level = 3
+        opts.optimized_model_filepath = os.path.join(tmp, "optimized.onnx")
+        ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
+        optimized = onnx.load(opts.optimized_model_filepath, load_external_data=False)
+    fused = sorted(
+        readers[n.input[0]]
+        for n in optimized.graph.node
+        if n.op_type == "MatMulNBits" and n.input and n.input[0] in readers
+    )
+    if not fused:
+        return None
+    shown = ", ".join(f"'{name}'" for name in fused[:5]) + (" …" if len(fused) > 5 else "")
+    return (
+        f"{len(fused)} MatMul/Gemm node(s) reading int16 activations ({shown}) are fused by "
+        f"onnxruntime {ort.__version__} into MatMulNBits, which by default quantizes their "
+        f"activations to int8 on the fly ({NBITS_ACCURACY} = 4): run the model with "
+        f'SessionOptions.add_session_config_entry("{NBITS_ACCURACY}", "0") for 16-bit '
+        "arithmetic there"
+    )
 
 
 def runtime_warnings(
