@@ -199,6 +199,12 @@ def test_debug_names_the_culprit_and_its_config_reproduces_the_gain(tmp_path, ca
     assert result["chosen"] == ["L0"] and result["recovered"] >= 0.8
     assert result["int8_nodes_fixed"] >= 0.9 * result["int8_nodes"]
     assert result["cross_check"]["agrees"]
+    # where the loss sits: the input's 8-bit grid alone loses most of it, int16 activations
+    # (the input's included) almost none
+    parts, loss = result["loss_parts"], result["loss"]
+    assert parts["rounded_inputs"] == ["x"] and not parts["notes"]
+    assert result["fp32"] - parts["inputs"] >= 0.8 * loss
+    assert result["fp32"] - parts["weights"] <= 0.1 * loss
     text = fix.read_text()
     assert '[node."L0"]' in text and "keep_float = true" in text and "output noise" in text
     assert "--config" in result["command"] and str(fix) in result["command"]
@@ -547,6 +553,9 @@ def test_debug_returns_first_the_groups_where_the_runtime_parts(tmp_path, monkey
     text = fix.read_text()
     assert f'[node."{group.node}"]' in text and "computes it" in text
     assert "runtime parts" in result.summary() and "float first" in result.summary()
+    # this metric cannot run the emulation (it looks conv2 up by name): that part is left out
+    # with the reason, and the run goes on
+    assert any(n.startswith("inputs alone: not measured") for n in result.parts.notes)
     assert result.to_dict()["runtime_parted"] == {
         group.node: pytest.approx(result.parted[group.node])
     }
@@ -593,3 +602,55 @@ def test_the_emulation_holds_no_initializer_it_does_not_read():
     unread = {i.name for i in graph.initializer} - names_read(graph.node) - {FLAGS}
     assert not unread
     assert any(i.name.endswith("/bias/int32") for i in graph.initializer)
+
+
+def _parts(model, data, **kw):
+    from onnxq.tools.fallback import output_cosine
+    from onnxq.tools.loss_parts import float_inputs, loss_parts
+
+    feeds = [{"x": data["x"][i : i + 16]} for i in range(0, 128, 16)]
+    state = quantize_state(model, data, **kw)
+    metric = output_cosine(model, feeds)
+    fp32, int8 = metric(model), metric(state.model)
+    assert fp32 == pytest.approx(100.0) and int8 < fp32 - 0.01
+
+    def widened():
+        state16 = quantize_state(model, data, activation_dtype="int16", format="qdq", **kw)
+        return emulate(state16).fixed()
+
+    return loss_parts(emulate(state), metric, fp32, int8, float_inputs(model), widened)
+
+
+def test_loss_parts_find_a_fragile_input_in_the_inputs():
+    parts = _parts(*_fragile_mlp(), **KW)
+    assert parts.rounded_inputs == ("x",)
+    assert parts.fp32 - parts.inputs >= 0.8 * parts.loss  # the input's grid alone
+    assert parts.fp32 - parts.weights <= 0.1 * parts.loss  # 16-bit activations: nearly fp32
+    assert "rounding the inputs (x)" in parts.advice()
+    assert "inputs on their 8-bit grid alone" in parts.line()
+
+
+def test_loss_parts_find_an_outlier_weight_in_the_weights():
+    parts = _parts(*_weight_outlier_mlp(), per_channel=False, **KW)
+    assert parts.fp32 - parts.weights >= 0.8 * parts.loss  # int16 activations do not help
+    assert parts.fp32 - parts.inputs <= 0.1 * parts.loss  # the input's grid is harmless
+    assert "int8 weights alone still lose" in parts.advice()
+
+
+def test_loss_parts_without_a_float_input_or_an_int16_model():
+    from onnxq.errors import ConfigError
+    from onnxq.tools.loss_parts import loss_parts
+
+    model, data = _fragile_mlp()
+    state = quantize_state(model, data, **KW)
+
+    def refused():
+        raise ConfigError("this target runs no int16 activations")
+
+    parts = loss_parts(emulate(state), lambda m: 90.0, 100.0, 80.0, set(), refused)
+    assert parts.inputs is None and parts.weights is None and parts.advice() is None
+    assert parts.notes == (
+        "no float input is read on an 8-bit grid",
+        "int16 activations: not measured (this target runs no int16 activations)",
+    )
+    assert parts.to_dict()["inputs"] is None and "-" in parts.line()

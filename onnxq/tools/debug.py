@@ -8,6 +8,9 @@ One command, five steps, each on the same samples:
    ``--eval`` on held-out data).
 2. **Rank** every quantized group (onnxq.tools.sensitivity: each group alone quantized and alone
    left float on an emulation of this quantization, weights and activations apart).
+   Before it, **where the loss sits** (onnxq.tools.loss_parts): the metric of the float model
+   with only its inputs on their 8-bit grids, and of the model quantized anew with int16
+   activations (int8 weights): what no choice of activation ranges can beat.
 3. **Bisect** over the ranking: the fewest best-ranked groups whose return to float recovers
    ``recover`` (default 80%) of the lost metric, each step a full quantization with those groups
    float (k doubles, then bisection: about 2·log2(:data:`MAX_GROUPS`) quantizations at most).
@@ -26,8 +29,9 @@ steps 2-4 return a group to int16 activations with its int8 weights instead of t
 (``activation_dtype = "int16"`` entries), unless its own noise is in its weights
 (onnxq.tools.sensitivity.fix); the model then stays integer on that runtime.
 
-Time: two quantizations, at most 2·log2(:data:`MAX_GROUPS`) more, and the ranking's budget
-(``budget`` seconds; it cuts its samples to stay within it).
+Time: three quantizations (the int8 model, the int16-activation one, the fix), at most
+2·log2(:data:`MAX_GROUPS`) more, and the ranking's budget (``budget`` seconds; it
+cuts its samples to stay within it).
 """
 
 from __future__ import annotations
@@ -57,6 +61,7 @@ from onnxq.tools.compare import compare
 from onnxq.tools.crosscheck import PART_STEPS, CrossCheck, cross_check
 from onnxq.tools.emulate import emulate
 from onnxq.tools.fallback import Metric, fewest, latency_ms, output_cosine, user_metric
+from onnxq.tools.loss_parts import LossParts, float_inputs, loss_parts
 from onnxq.tools.sensitivity import BUDGET_S, GroupScore, Ranking, db, fix, fix_entry, rank
 
 #: the most best-ranked groups the bisection may return to float
@@ -111,6 +116,8 @@ class DebugResult:
     #: groups returned to float because the target computes them apart from the fake-quantized
     #: model (group node → RMS int8 steps on the same inputs), first in ``chosen``
     parted: dict[str, float] = field(default_factory=dict)
+    #: the metric with one part of the quantization on (None: int8 lost nothing)
+    parts: LossParts | None = None
 
     def kind(self, group: GroupScore) -> str:
         """What ``group`` went back to: "float" or "int16"."""
@@ -155,6 +162,10 @@ class DebugResult:
             f"onnxq debug {self.model} (target {self.target}; {self.seconds:.0f} s)",
             f"metric: {self.metric}",
             f"  fp32 {self.fp32:.4f}, int8 {self.int8:.4f} (loss {self.loss:.4f})",
+            *(
+                f"  {'where the loss sits: ' if i == 0 else ''}{text}"
+                for i, text in enumerate(self.parts_lines())
+            ),
             "",
             self.ranking.table(),
             "",
@@ -194,6 +205,13 @@ class DebugResult:
         lines.extend(f"note: {n}" for n in self.notes)
         return "\n".join(lines)
 
+    def parts_lines(self) -> list[str]:
+        """Where the loss sits, and what that says (nothing when int8 lost nothing)."""
+        if self.parts is None:
+            return []
+        advice = self.parts.advice()
+        return [self.parts.line()] + ([advice] if advice else []) + list(self.parts.notes)
+
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready."""
         return {
@@ -203,6 +221,7 @@ class DebugResult:
             "fp32": self.fp32,
             "int8": self.int8,
             "loss": self.loss,
+            "loss_parts": None if self.parts is None else self.parts.to_dict(),
             "recover": self.recover,
             "fixed": self.fixed,
             "recovered": self.recovered,
@@ -278,6 +297,20 @@ def debug(
     fp32 = metric(source)
     int8 = metric(int8_model)
     emulation = emulate(state)
+    parts = (
+        loss_parts(
+            emulation,
+            metric,
+            fp32,
+            int8,
+            float_inputs(source),
+            lambda: emulate(
+                quantize_state(source, feeds, activation_dtype="int16", format="qdq", **kw)
+            ).fixed(),
+        )
+        if fp32 > int8
+        else None
+    )
     ranking = rank(emulation, feeds, budget, fallback=mode)
     check = cross_check(
         emulation, state.quantizer.float_model, int8_model, check_feeds, state.options.target.name
@@ -394,6 +427,7 @@ def debug(
         mode,
         int16_fixed,
         {g.node: parted[g.node] for g in chosen if g.node in parted},
+        parts,
     )
     if report is not None:
         write_text_atomic(report, _html(result, source, int8_model, int8_report, check_feeds))
@@ -418,6 +452,10 @@ def _html(
         ("metric", result.metric),
         ("fp32", f"{result.fp32:.4f}"),
         ("int8", f"{result.int8:.4f} (loss {result.loss:.4f})"),
+        (
+            "where the loss sits",
+            " ".join(result.parts_lines()) or "-",
+        ),
         (
             "fix",
             "nothing to fix"
