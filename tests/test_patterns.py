@@ -477,16 +477,21 @@ ACT_CASES = {
 }
 
 
-@pytest.mark.parametrize("case", list(ACT_CASES))
-def test_activations_between_convs(case):
-    act, qop = ACT_CASES[case]
+def _between_convs(act):
+    """x → Conv → ``act`` (output t) → Conv → y."""
     nodes = [
         h.make_node("Conv", ["x", "W1", "B1"], ["a"], pads=[1, 1, 1, 1], name="c1"),
         act,
         h.make_node("Conv", ["t", "W2"], ["y"], name="c2"),
     ]
     inits = {"W1": weights(4, 3, 3, 3), "B1": weights(4), "W2": weights(2, 4, 1, 1)}
-    model = make_model(nodes, [("x", ["N", 3, 8, 8])], [("y", None)], inits)
+    return make_model(nodes, [("x", ["N", 3, 8, 8])], [("y", None)], inits)
+
+
+@pytest.mark.parametrize("case", list(ACT_CASES))
+def test_activations_between_convs(case):
+    act, qop = ACT_CASES[case]
+    model = _between_convs(act)
     q, report, feeds = quantize_random(model, {"x": [1, 3, 8, 8]})
     assert ops(q) == ["QuantizeLinear", "QLinearConv", qop, "QLinearConv", "DequantizeLinear"]
     if case in ("sigmoid", "softmax"):
@@ -502,14 +507,7 @@ def test_activations_between_convs(case):
 def test_fixed_unit_grid_for_int16_activations(case, symmetric):
     # the fixed [0, 1] grid had entries for uint8 and int8 only: int16 activations (A16W8,
     # QDQ) raised KeyError 'int16' on any model with a Sigmoid or Softmax between int8 layers
-    act, _ = ACT_CASES[case]
-    nodes = [
-        h.make_node("Conv", ["x", "W1", "B1"], ["a"], pads=[1, 1, 1, 1], name="c1"),
-        act,
-        h.make_node("Conv", ["t", "W2"], ["y"], name="c2"),
-    ]
-    inits = {"W1": weights(4, 3, 3, 3), "B1": weights(4), "W2": weights(2, 4, 1, 1)}
-    model = make_model(nodes, [("x", ["N", 3, 8, 8])], [("y", None)], inits)
+    model = _between_convs(ACT_CASES[case][0])
     kw = {"activation_dtype": "int16", "format": "qdq", "symmetric_activations": symmetric}
     q, report, feeds = quantize_random(model, {"x": [1, 3, 8, 8]}, **kw)
     scale, zero = (1 / 32767, 0) if symmetric else (1 / 65535, -32768)
