@@ -134,8 +134,9 @@ def narrowed_warning(model: onnx.ModelProto) -> str | None:
         and len(n.input) > 2
         and zero_points.get(n.input[2]) in wide_types
     }
+    # the MatMul/Gemm nodes that read one, by output (MatMulNBits keeps the output's name)
     readers = {
-        n.input[0]: n.name or n.output[0]
+        n.output[0]: n.name or n.output[0]
         for n in graph.node
         if n.op_type in ("MatMul", "Gemm") and n.input and n.input[0] in wide
     }
@@ -150,9 +151,9 @@ def narrowed_warning(model: onnx.ModelProto) -> str | None:
         ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
         optimized = onnx.load(opts.optimized_model_filepath, load_external_data=False)
     fused = sorted(
-        readers[n.input[0]]
+        readers[n.output[0]]
         for n in optimized.graph.node
-        if n.op_type == "MatMulNBits" and n.input and n.input[0] in readers
+        if n.op_type == "MatMulNBits" and n.output and n.output[0] in readers
     )
     if not fused:
         return None

@@ -66,7 +66,10 @@ class LossParts:
         return "; ".join(cells)
 
     def advice(self) -> str | None:
-        """What the parts say, when one of them holds at least half of the int8 model's loss."""
+        """What the parts say: which of them holds at least half of the int8 model's loss.
+
+        None without a loss, or when neither part could be measured.
+        """
         if self.loss <= 0:
             return None
         if self.inputs is not None and self.fp32 - self.inputs >= 0.5 * self.loss:
@@ -86,7 +89,8 @@ class LossParts:
         if self.weights is not None:
             return (
                 f"with every activation at int16 the loss falls to {self.fp32 - self.weights:.4f}: "
-                "the 8-bit activation grids hold most of it (the ranking below names where)"
+                "the 8-bit activation grids (the inputs' included) hold most of it (the ranking "
+                "names where)"
             )
         return None
 
