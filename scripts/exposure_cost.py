@@ -1,7 +1,7 @@
 """What it costs onnxruntime to hand out the tensors calibration observes, and the alternatives.
 
     python scripts/exposure_cost.py MODEL.onnx --data FILE.npz [--samples 256] [--method minmax]
-    python scripts/exposure_cost.py --zoo NAME [--samples 256]      (a zoo model, its recipe's data)
+    python scripts/exposure_cost.py --zoo NAME [--samples 256] [--openvino]   (a zoo model)
 
 The calibrate step cannot be faster than onnxruntime producing the tensors it observes. This
 script takes the float model and the tensor names of a real calibration pass (onnxq's own,
@@ -20,7 +20,10 @@ caught as it opens its session) and times, on the same samples, one at a time:
   little: the difference of the two pairs is the reorders' cost.
 
 Each at 1 onnxruntime thread and at onnxruntime's default, as a ratio to the floor at its
-default threads (the floor of ``benchmarks.calibration``). The samples are stacked on axis 0 of
+default threads (the floor of ``benchmarks.calibration``). With ``--openvino`` (where OpenVINO
+is installed) three more rows: the floor, ``exposed`` and ``reduced`` run by OpenVINO's CPU
+plugin (f32, its default threads), as ratios to the same onnxruntime floor: whether the other
+runtime onnxq uses hands the tensors out cheaper. The samples are stacked on axis 0 of
 every array of ``--data`` and fed one at a time.
 """
 
@@ -127,6 +130,7 @@ def main() -> int:
     ap.add_argument("--zoo", help="a zoo model: its file and its recipe's calibration feeds")
     ap.add_argument("--samples", type=int, default=256)
     ap.add_argument("--method", default="minmax")
+    ap.add_argument("--openvino", action="store_true", help="also time OpenVINO's CPU plugin")
     args = ap.parse_args()
     if args.zoo:
         from benchmarks.zoo import _setup
@@ -158,6 +162,15 @@ def main() -> int:
     for label, graph, wanted in (("floor", model, None), ("exposed", exposed, names)):
         seconds = _timed(_session(graph, 1, layout=False), wanted, feeds)
         rows.append((f"{label}, 1 thread, no layout transforms", seconds))
+    if args.openvino:
+        from onnxq.io.openvino import OpenVINOSession
+
+        for label, graph, wanted in (
+            ("floor", model, None),
+            ("exposed", exposed, names),
+            ("reduced", reduced, scalars),
+        ):
+            rows.append((f"OpenVINO {label}", _timed(OpenVINOSession(graph), wanted, feeds)))
     print(f"  floor (default threads) {floor:.3f} s")
     for name, seconds in rows:
         print(f"  {name:40s} {seconds:.3f} s ({seconds / floor:.2f}x the floor)")

@@ -6,12 +6,13 @@ from pathlib import Path
 
 import numpy as np
 import onnx
+import pytest
 from helpers import DIGITS_CNN
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def test_exposure_cost_times_the_tensors_of_a_real_pass(tmp_path):
+def _run(tmp_path, *extra):
     model = onnx.load(str(DIGITS_CNN))
     dims = [d.dim_value or 1 for d in model.graph.input[0].type.tensor_type.shape.dim]
     x = np.random.default_rng(0).uniform(0, 1, (12, *dims[1:])).astype(np.float32)
@@ -25,12 +26,17 @@ def test_exposure_cost_times_the_tensors_of_a_real_pass(tmp_path):
             str(tmp_path / "calib.npz"),
             "--samples",
             "8",
+            *extra,
         ],
         capture_output=True,
         text=True,
     )
     assert done.returncode == 0, done.stderr[-2000:]
-    head, *rows = done.stdout.strip().splitlines()
+    return done.stdout.strip().splitlines()
+
+
+def test_exposure_cost_times_the_tensors_of_a_real_pass(tmp_path):
+    head, *rows = _run(tmp_path)
     observed = int(head.split(" tensors observed")[0].split()[-1])
     assert "8 feeds" in head and observed > 0  # the names of the pass were caught
     labels = [r.strip().split("  ")[0] for r in rows[1:]]
@@ -45,3 +51,11 @@ def test_exposure_cost_times_the_tensors_of_a_real_pass(tmp_path):
         "exposed, 1 thread, no layout transforms",
     ]
     assert all("x the floor" in r for r in rows[1:])
+
+
+def test_exposure_cost_times_openvino_on_the_same_tensors(tmp_path):
+    pytest.importorskip("openvino", reason="pip install openvino")
+    head, *rows = _run(tmp_path, "--openvino")
+    labels = [r.strip().split("  ")[0] for r in rows[1:]]
+    assert labels[-3:] == ["OpenVINO floor", "OpenVINO exposed", "OpenVINO reduced"]
+    assert all("x the floor" in r for r in rows[-3:])
