@@ -189,12 +189,10 @@ class ActivationPattern(QuantizerPattern):
     qop = ""
     arity = 1
     fold_relu = True
-    #: the widest output scale and zero point per dtype (Sigmoid, Softmax: the range is known
-    #: to be [0, 1]); a "<dtype>-symmetric" key serves symmetric activations (zero point 0).
-    #: A calibrated range inside it gives a finer grid and wins (sigmoid outputs in [0, 0.3]
-    #: lost 5 dB on the fixed grid against onnxruntime's calibrated one)
-    #: the output's range is the op's own, [0, 1] (Sigmoid, Softmax): its grid is
-    #: :func:`unit_range` of the output's type, not calibrated
+    #: the output's range is known to be [0, 1] (Sigmoid, Softmax): its widest grid is
+    #: :func:`unit_range` of the output's type. A calibrated range inside it gives a finer grid
+    #: and wins (sigmoid outputs in [0, 0.3] lost 5 dB on the fixed grid against onnxruntime's
+    #: calibrated one)
     fixed_output: bool = False
 
     def __init__(self, calibration_callback: CalibrationCallback | None = None):
