@@ -29,7 +29,6 @@ from onnxq.pattern import (
     tensor_shape,
     wildcard,
 )
-from onnxq.solve.qparams import qrange
 
 
 def unit_range(dtype: str, symmetric: bool) -> tuple[float, int]:
@@ -38,7 +37,8 @@ def unit_range(dtype: str, symmetric: bool) -> tuple[float, int]:
     Asymmetric: 1 / (qmax − qmin) with zero point qmin (uint8: 1/255, 0; int8: 1/255, −128;
     int16: 1/65535, −32768); symmetric: 1 / qmax with zero point 0 (int8: 1/127).
     """
-    lo, hi = qrange(dtype)
+    info = np.iinfo(np.dtype(dtype))
+    lo, hi = int(info.min), int(info.max)
     if symmetric:
         return 1.0 / hi, 0
     return 1.0 / (hi - lo), lo
