@@ -118,9 +118,10 @@ def narrowed_warning(model: onnx.ModelProto) -> str | None:
     """A warning when onnxruntime computes a MatMul/Gemm of 16-bit activations in 8 bits.
 
     A QDQ model with int16 activations holds each MatMul/Gemm as DequantizeLinear(int16 x),
-    DequantizeLinear(int8 W) → MatMul. onnxruntime (1.2x and later) fuses the weight's pair into
-    ``com.microsoft.MatMulNBits``, whose default accuracy level (4) quantizes the activation
-    to int8 on the fly: the layer does not run with the 16-bit activations the model holds.
+    DequantizeLinear(int8 W) → MatMul. onnxruntime (1.32 here; the message names the version)
+    fuses the weight's pair into ``com.microsoft.MatMulNBits``, whose default accuracy level (4)
+    quantizes the activation to int8 on the fly: the layer does not run with the 16-bit
+    activations the model holds.
     Whether it fuses is asked of onnxruntime itself (the graph it optimizes), only for a
     model with such a MatMul/Gemm; None when nothing is fused.
     """
