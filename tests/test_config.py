@@ -150,6 +150,38 @@ def test_dtype_conflict_inserts_exactly_one_rescale(fmt):
     assert plain.rescales == []
 
 
+def test_a_node_entry_beats_the_global_dtype_across_its_group():
+    # global int16, conv1 uint8: conv1's group (conv1 and its folded relu1) reads the graph
+    # input and writes r as uint8 (the node's own entry beats the global one reaching relu1);
+    # conv2 reads r as int16 through exactly one rescale
+    from helpers import run
+
+    model = _two_convs()
+    data = {"x": np.random.default_rng(5).normal(0, 1, (16, 3, 8, 8)).astype(np.float32)}
+    cfg = UserConfig.from_dict(
+        {"activation_dtype": "int16", "node": {"conv1": {"activation_dtype": "uint8"}}}
+    )
+    q, report = onnxq.quantize(model, data, config=cfg, format="qdq", progress=False)
+    zps = {i.name: onnx.numpy_helper.to_array(i).dtype for i in q.graph.initializer}
+    read = {n.input[0]: zps[n.input[2]] for n in q.graph.node if n.op_type == "QuantizeLinear"}
+    assert read["x"] == np.uint8
+    assert report.rescales == ["r"]
+    by = {d.node: d for d in report.decisions}
+    assert '[node."conv1"]' in by["conv1"].reason and "activations uint8" in by["conv1"].reason
+    assert "activations int16 (config global)" in by["conv2"].reason
+    ref, got = run(model, {"x": data["x"][:2]})[0], run(q, {"x": data["x"][:2]})[0]
+    assert np.abs(got - ref).max() < 0.05 * np.abs(ref).max()
+
+
+def test_a_node_entry_beats_the_global_per_channel_setting():
+    model = _two_convs()
+    data = {"x": np.random.default_rng(5).normal(0, 1, (16, 3, 8, 8)).astype(np.float32)}
+    cfg = UserConfig.from_dict({"per_channel": False, "node": {"conv1": {"per_channel": True}}})
+    q, _ = onnxq.quantize(model, data, config=cfg, progress=False)
+    scales = {i.name: onnx.numpy_helper.to_array(i).shape for i in q.graph.initializer}
+    assert scales["W1_scale"] == (8,) and scales["W2_scale"] == ()
+
+
 @pytest.mark.parametrize(
     "table, message",
     [

@@ -1,7 +1,8 @@
 """Per-node configuration from a TOML file (``--config``).
 
 Priority, lowest first: the global keys < ``[op_type.<Op>]`` < each matching ``[[node_regex]]``
-entry in file order < ``[node."<name>"]``. Keys at every level:
+entry in file order < ``[node."<name>"]``, key by key; a group rewritten together (a Conv
+and its folded Relu) takes each key from its most specific entry. Keys at every level:
 
 | key | meaning |
 |---|---|
@@ -57,18 +58,37 @@ def load_toml(path: str | os.PathLike[str], option: str) -> dict[str, Any]:
         raise ConfigError(f"{option} file '{path}' is not valid TOML: {exc}") from None
 
 
+def most_specific(nodes: list[str], values: dict[str, Any], levels: dict[str, int]) -> Any:
+    """The setting of ``nodes`` (one group) from the highest priority level, first on ties.
+
+    ``values``/``levels``: per node, its setting and the level that set it; None when no
+    node of the group has one.
+    """
+    set_ = [n for n in nodes if n in values]
+    if not set_:
+        return None
+    return values[max(set_, key=lambda n: levels.get(n, 0))]
+
+
 @dataclass(frozen=True)
 class NodeSettings:
     """The resolved settings of one node and where each came from."""
 
     keep_float: bool = False
     method: str | None = None
+    #: the most specific layer that set anything for the node
     source: str = "defaults"
-    #: priority level of the layer that set ``method``: global 0, op type 1, regex 2, name 3
-    method_level: int = -1
     activation_dtype: str | None = None
     weight_dtype: str | None = None
     per_channel: bool | None = None
+    #: per key: the priority level of the layer that set it (global 0, op type 1, regex 2,
+    #: name 3) and that layer's name; a key no layer sets is absent
+    levels: dict[str, int] = field(default_factory=dict)
+    sources: dict[str, str] = field(default_factory=dict)
+
+    def level(self, key: str) -> int:
+        """The priority level that set ``key`` (−1: unset)."""
+        return self.levels.get(key, -1)
 
 
 @dataclass
@@ -160,12 +180,14 @@ class UserConfig:
         ]
         if node in self.node:
             layers.append((3, f'[node."{node}"]', self.node[node]))
+        levels: dict[str, int] = {}
+        sources: dict[str, str] = {}
         for level, source, table in layers:
             if table:
                 out = replace(out, **table, source=source)
-                if "method" in table:
-                    out = replace(out, method_level=level)
-        return out
+                levels.update(dict.fromkeys(table, level))
+                sources.update(dict.fromkeys(table, source))
+        return replace(out, levels=levels, sources=sources)
 
     def asks(self, key: str, value: Any) -> bool:
         """Some level of the configuration sets ``key`` to ``value`` (opset decisions)."""

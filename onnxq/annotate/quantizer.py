@@ -25,6 +25,7 @@ import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
 
+from onnxq.annotate.config import most_specific
 from onnxq.annotate.explain import explain
 from onnxq.annotate.placement import attention_masks
 from onnxq.annotate.rule import QuantizerPattern
@@ -179,8 +180,10 @@ class Quantizer:
         #: activation dtype per node from the user configuration (--config activation_dtype)
         self.node_dtypes: dict[str, str] = {}
         self.node_dtype_sources: dict[str, str] = {}
+        self.node_dtype_levels: dict[str, int] = {}
         #: per-channel weights per node (--config per_channel)
         self.node_per_channel: dict[str, bool] = {}
+        self.node_per_channel_levels: dict[str, int] = {}
         #: MatMul/Gemm nodes whose weights become block-wise int4 (--config weight_dtype)
         self.int4_nodes: dict[str, str] = {}
         #: requests the target cannot run, per node, and the warnings they raise
@@ -235,22 +238,25 @@ class Quantizer:
             )
         for n in graph.nodes:
             st = user.resolve(n.name, n.op)
-            where = f"--config {st.source}"
             if st.keep_float:
-                kept[n.name] = f"--config ({st.source})"
+                kept[n.name] = f"--config ({st.sources['keep_float']})"
             if st.method is not None:
                 self.node_methods[n.name] = st.method
-                self.node_method_levels[n.name] = st.method_level
+                self.node_method_levels[n.name] = st.level("method")
             dt = st.activation_dtype
+            where = f"--config {st.sources.get('activation_dtype')}"
             refused = self.config.refused_dtype(dt) if dt is not None else ""
             if refused:
                 self._ignore(n.name, f"activation_dtype {dt} ({where}) is ignored: {refused}")
             elif dt is not None:
                 self.node_dtypes[n.name] = dt
                 self.node_dtype_sources[n.name] = where
+                self.node_dtype_levels[n.name] = st.level("activation_dtype")
             if st.per_channel is not None:
                 self.node_per_channel[n.name] = st.per_channel
+                self.node_per_channel_levels[n.name] = st.level("per_channel")
             if st.weight_dtype == "int4":
+                where = f"--config {st.sources['weight_dtype']}"
                 why = self.config.int4_refused or _int4_unfit(n)
                 if why:
                     self._ignore(n.name, f"weight_dtype int4 ({where}) is ignored: {why}")
@@ -389,12 +395,14 @@ class Quantizer:
 
     @contextlib.contextmanager
     def group(self, nodes: list[str]) -> Iterator[None]:
-        """The scope of one group's rewrite: its per-node dtype and per-channel settings apply."""
-        self._group_dtype = next(
-            (self.node_dtypes[n] for n in nodes if n in self.node_dtypes), None
-        )
-        self._group_per_channel = next(
-            (self.node_per_channel[n] for n in nodes if n in self.node_per_channel), None
+        """The scope of one group's rewrite: its per-node dtype and per-channel settings apply.
+
+        Among the group's nodes the most specific setting wins, as for the calibration
+        method: a dtype named for the Conv beats a global one reaching its folded Relu.
+        """
+        self._group_dtype = most_specific(nodes, self.node_dtypes, self.node_dtype_levels)
+        self._group_per_channel = most_specific(
+            nodes, self.node_per_channel, self.node_per_channel_levels
         )
         try:
             yield

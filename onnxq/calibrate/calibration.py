@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 import onnx
 
+from onnxq.annotate.config import most_specific
 from onnxq.annotate.quantizer import Quantizer
 from onnxq.annotate.specs import PatternRecord
 from onnxq.calibrate.callbacks import CalibrationCallback, CalibrationInfo, Observer
@@ -268,10 +269,9 @@ class Calibrator:
         setting wins: a method named for the Conv beats a global one reaching the Relu.
         """
         levels = self.quantizer.node_method_levels
-        configured = [n for n in record.nodes if n in self.node_callbacks]
-        if configured:
-            best = max(configured, key=lambda n: levels.get(n, 0))  # first on ties
-            return self.node_callbacks[best]
+        chosen = most_specific(list(record.nodes), self.node_callbacks, levels)
+        if chosen is not None:
+            return chosen
         return record.pattern.calibration_callback or self.default_callback
 
     def calibrate(self) -> dict[str, np.ndarray]:
