@@ -76,6 +76,39 @@ def test_switches_off_is_the_float_model_and_on_is_the_quantized_one():
     np.testing.assert_array_equal(run(fixed, feeds[0])[0], on)
 
 
+@pytest.mark.parametrize(
+    "nodes",
+    [
+        {"conv2": {"activation_dtype": "int16"}},  # an int16 island in a uint8 model
+        {"conv1": {"activation_dtype": "int16"}},  # the graph input read as int16
+    ],
+)
+def test_switches_on_is_the_int8_model_where_dtypes_meet(nodes):
+    # conv2 int16 in a uint8 model: conv1 writes r1 as uint8 and conv2 reads it again as int16;
+    # conv2 writes int16 that MaxPool carries to conv3, which reads it again as uint8. The
+    # emulation must round both times, as the written model's rescales do (it rounded r1 on
+    # the int16 grid alone and the pooled tensor on conv2's int16 grid alone: 58 dB apart)
+    import onnxruntime as ort
+
+    from onnxq.annotate.config import UserConfig
+    from onnxq.post.requantize import rescales
+
+    model, calib, feeds = _digits()
+    config = UserConfig.from_dict({"node": nodes})
+    state = quantize_state(model, calib, progress=False, format="qdq", config=config)
+    assert rescales(state.model)  # the dtypes meet
+    emu = emulate(state)
+    session = make_session(emu.model)
+    options = ort.SessionOptions()  # Q/DQ arithmetic in float, as the emulation computes it
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    written = ort.InferenceSession(
+        state.model.SerializeToString(), options, providers=["CPUExecutionProvider"]
+    )
+    for feed in feeds:
+        on = session.run(None, {**feed, FLAGS: emu.flags()})[0]
+        assert _sqnr(written.run(None, feed)[0], on) > 80
+
+
 def test_ranking_names_the_fragile_activation_first():
     model, data = _fragile_mlp()
     state = quantize_state(model, data, **KW)

@@ -10,8 +10,10 @@ For a tensor quantized with scale ``s`` and zero point ``z`` to ``[qmin, qmax]``
     output_low, output_high = input_low, input_high
 
 Weights get per-channel bounds shaped to broadcast along their channel axis. A tensor produced
-by a quantized op is read quantized by all its consumers (as the QOperator model's
-DequantizeLinear output is); an input tensor only by the quantized ops. Biases stay float:
+by a quantized op is read quantized, on the grid that op writes, by all its consumers (as the
+QOperator model's DequantizeLinear output is); an input tensor only by the quantized ops. A
+group that reads a tensor in another activation dtype (``--config activation_dtype``) rounds it
+again onto its own grid, as the DequantizeLinear → QuantizeLinear rescale of the QDQ model does. Biases stay float:
 OpenVINO keeps them in its accumulators. Run the model with the OpenVINO runtime
 (``pip install openvino``); onnxruntime does not implement FakeQuantize.
 """
@@ -89,22 +91,34 @@ def to_fakequantize(
         and rec.outputs[0].tensor not in read
         and not starts_at_zero(values[rec.outputs[0].zero_point])
     }
+    #: per activation: the grid every quantized reader sees, and whether that is a rounded
+    #: value (an int8 op's output, or one carried from it) rather than the float tensor
+    seen: dict[str, tuple[QTensor, bool]] = {}
     for rec in quantizer.records:
         for qt in [*rec.inputs, *rec.outputs]:
-            if qt.tensor in done:
-                continue
-            done.add(qt.tensor)
-            t = tensors[qt.tensor]
-            if qt.role == "weight":
-                _fq_weight(editor, t, qt, values, group_nodes, weight_qrange)
-            else:
-                # like the requantize pass: data that reached this op through MaxPool, Split…
-                # from a quantized op keeps that op's parameters
+            if qt.tensor not in done:
+                done.add(qt.tensor)
+                t = tensors[qt.tensor]
+                if qt.role == "weight":
+                    _fq_weight(editor, t, qt, values, group_nodes, weight_qrange)
+                    continue
+                # every reader sees the grid the writing group wrote; like the requantize pass,
+                # data that reached this op through MaxPool, Split… from a quantized op keeps
+                # that op's parameters
                 carried = carried_source(t)
-                source = (by_tensor.get(carried.name) if carried is not None else None) or qt
+                source = (
+                    by_tensor.get(qt.tensor)
+                    or (by_tensor.get(carried.name) if carried is not None else None)
+                    or qt
+                )
                 _fq_activation(
                     editor, graph, t, source, values, group_nodes, all_readers=qt.tensor in produced
                 )
+                seen[qt.tensor] = (source, qt.tensor in produced or source is not qt)
+            if qt.tensor in seen and any(qt is r for r in rec.inputs):
+                first, rounded = seen[qt.tensor]
+                if qt.dtype != first.dtype:
+                    _read_as(editor, tensors[qt.tensor], qt, values, set(rec.nodes), rounded)
     editor.finish()
     return export_model(graph, quantizer.float_model)
 
@@ -186,6 +200,40 @@ def _fq_activation(
         for i, inp in enumerate(node.inputs):
             if inp is t:
                 editor.set_input(node, i, out)
+
+
+def _read_as(
+    editor: GraphEditor,
+    t: gs.Tensor,
+    qt: QTensor,
+    values: dict[str, np.ndarray],
+    nodes: set[str],
+    rounded: bool,
+) -> None:
+    """Let the group of ``nodes`` read activation ``t`` on its own grid ``qt``.
+
+    The group reads ``t`` in another dtype than the grid its other readers see, as the written
+    model does through the DequantizeLinear → QuantizeLinear rescale it keeps at that boundary:
+    a value an int8 op wrote (``rounded``) is rounded again, onto ``qt``'s grid; a float
+    tensor (a graph input, a float op's output) is rounded once, onto ``qt``'s grid alone.
+    """
+    # what the group reads now: t itself, or t's FakeQuantize output
+    views = [t] + [o.outputs[0] for o in t.outputs if o.op == "FakeQuantize"]
+    uses = [
+        (node, i)
+        for view in views
+        for node in list(view.outputs)
+        if node.name in nodes
+        for i, inp in enumerate(node.inputs)
+        if inp is view
+    ]
+    if not uses:
+        return
+    read = uses[0][0].inputs[uses[0][1]]
+    low, high, levels = fq_bounds(values[qt.scale], values[qt.zero_point], qt.dtype)
+    out = _fq_node(editor, read if rounded else t, low, high, levels, f"{t.name}/{qt.dtype}")
+    for node, i in uses:
+        editor.set_input(node, i, out)
 
 
 def _fq_weight(
