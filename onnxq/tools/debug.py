@@ -209,8 +209,8 @@ class DebugResult:
         """Where the loss sits, and what that says (nothing when int8 lost nothing)."""
         if self.parts is None:
             return []
-        advice = self.parts.advice()
-        return [self.parts.line()] + ([advice] if advice else []) + list(self.parts.notes)
+        said = [self.parts.advice(), self.parts.ties()]
+        return [self.parts.line(), *(x for x in said if x), *self.parts.notes]
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready."""

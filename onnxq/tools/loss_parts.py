@@ -15,6 +15,14 @@
   the weights' share: activation grids, however chosen, cannot bring the int8 model closer to
   fp32 than that (up to the interaction of the two).
 
+Beside them, the metric of the **same int8 model with its quantization computed in float**
+(the emulation, every switch on: each QuantizeLinear, DequantizeLinear and op as the ONNX spec
+writes it, where the runtime runs integer kernels that requantize their int32 sums). The two
+differ only where a value lands within a rounding of a grid point, so the gap between them is
+how far the metric moves on rounding ties alone: on MobileNetV2's near-tie crops, about a point
+(the same QDQ file agrees with itself on 95% of them, ``scripts/kernel_agreement.py``), on
+most models nothing. A change smaller than that between two quantizations is not a difference.
+
 The parts are measured, not modelled: the errors interact and a metric is not a sum, so they
 do not add up to the int8 model's loss. Each part is one evaluation of the metric; the second
 is one quantization more. (The emulation cannot isolate the weights: the sequential bias
@@ -44,6 +52,8 @@ class LossParts:
     inputs: float | None
     #: int8 weights, every activation int16 (quantized anew)
     weights: float | None
+    #: the same int8 model with its quantization computed in float (its emulation)
+    exact: float | None = None
     #: the float graph inputs the int8 model reads on an 8-bit grid
     rounded_inputs: tuple[str, ...] = ()
     notes: tuple[str, ...] = ()
@@ -60,10 +70,25 @@ class LossParts:
             ("inputs on their 8-bit grid alone", self.inputs),
             ("int8 weights, 16-bit activations", self.weights),
             ("int8", self.int8),
+            ("the same int8 in float arithmetic", self.exact),
         ):
             shown = "-" if value is None else f"{value:.4f} (loss {self.fp32 - value:.4f})"
             cells.append(f"{label} {shown}")
         return "; ".join(cells)
+
+    def ties(self) -> str | None:
+        """A warning when rounding ties alone move the metric by a tenth of the loss or more."""
+        if self.exact is None or self.loss <= 0:
+            return None
+        gap = abs(self.exact - self.int8)
+        if gap < 0.1 * self.loss:
+            return None
+        return (
+            f"the same int8 model with its quantization computed in float scores "
+            f"{self.exact:.4f} against {self.int8:.4f} with the runtime's integer kernels: "
+            f"the metric moves {gap:.4f} on rounding ties alone, so a change of that size "
+            "between two quantizations (or in the bisection below) is not a difference"
+        )
 
     def advice(self) -> str | None:
         """What the parts say: which of them holds at least half of the int8 model's loss.
@@ -99,6 +124,7 @@ class LossParts:
         return {
             "inputs": self.inputs,
             "weights": self.weights,
+            "exact": self.exact,
             "rounded_inputs": list(self.rounded_inputs),
             "notes": list(self.notes),
         }
@@ -145,6 +171,7 @@ def loss_parts(
             notes.append(f"{label}: not measured ({exc})")
             return None
 
+    exact = measured("int8 in float arithmetic", emulation.fixed)
     if on_input:
         rounded = measured("inputs alone", lambda: emulation.fixed(on_input))
     else:
@@ -155,6 +182,7 @@ def loss_parts(
         int8=int8,
         inputs=rounded,
         weights=measured("int16 activations", widened),
+        exact=exact,
         rounded_inputs=tuple(sorted({emulation.switches[k].tensor for k in on_input})),
         notes=tuple(notes),
     )
