@@ -13,9 +13,9 @@ Weights get per-channel bounds shaped to broadcast along their channel axis. A t
 by a quantized op is read quantized, on the grid that op writes, by all its consumers (as the
 QOperator model's DequantizeLinear output is); an input tensor only by the quantized ops. A
 group that reads a tensor in another activation dtype (``--config activation_dtype``) rounds it
-again onto its own grid, as the DequantizeLinear → QuantizeLinear rescale of the QDQ model does. Biases stay float:
-OpenVINO keeps them in its accumulators. Run the model with the OpenVINO runtime
-(``pip install openvino``); onnxruntime does not implement FakeQuantize.
+again onto its own grid, as the DequantizeLinear → QuantizeLinear rescale of the QDQ model
+does. Biases stay float: OpenVINO keeps them in its accumulators. Run the model with the
+OpenVINO runtime (``pip install openvino``); onnxruntime does not implement FakeQuantize.
 """
 
 from __future__ import annotations
