@@ -182,6 +182,33 @@ def test_a_node_entry_beats_the_global_per_channel_setting():
     assert scales["W1_scale"] == (8,) and scales["W2_scale"] == ()
 
 
+def test_dtype_conflict_in_openvino_output_matches_the_qdq_model():
+    # conv2 reads r as int8 where conv1 writes it uint8: with one range the two are one grid,
+    # so the FakeQuantize model rounds r once (the QDQ model's rescale is exact) and computes
+    # what the QDQ model does
+    import onnxruntime as ort
+
+    from onnxq.io.openvino import OpenVINOSession, available
+
+    if not available():
+        pytest.skip("OpenVINO is not installed: pip install openvino")
+    model = _two_convs()
+    data = {"x": np.random.default_rng(5).normal(0, 1, (16, 3, 8, 8)).astype(np.float32)}
+    cfg = UserConfig.from_dict({"node": {"conv2": {"activation_dtype": "int8"}}})
+    qdq, _ = onnxq.quantize(model, data, config=cfg, format="qdq", progress=False)
+    fq, _ = onnxq.quantize(model, data, config=cfg, format="openvino", progress=False)
+    options = ort.SessionOptions()  # the spec's arithmetic, as FakeQuantize computes it
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    session = ort.InferenceSession(
+        qdq.SerializeToString(), options, providers=["CPUExecutionProvider"]
+    )
+    a, b = session.run(None, data)[0], OpenVINOSession(fq).run(None, data)[0]
+    noise = np.sum((a - b).astype(np.float64) ** 2) / np.sum(a.astype(np.float64) ** 2)
+    assert 10 * np.log10(1 / max(noise, 1e-30)) > 80
+    on_r = [n for n in fq.graph.node if n.op_type == "FakeQuantize" and n.input[0].startswith("r")]
+    assert len(on_r) == 1
+
+
 @pytest.mark.parametrize(
     "table, message",
     [

@@ -118,7 +118,8 @@ def to_fakequantize(
             if qt.tensor in seen and any(qt is r for r in rec.inputs):
                 first, rounded = seen[qt.tensor]
                 if qt.dtype != first.dtype:
-                    _read_as(editor, tensors[qt.tensor], qt, values, set(rec.nodes), rounded)
+                    grid = fq_bounds(values[first.scale], values[first.zero_point], first.dtype)
+                    _read_as(editor, tensors[qt.tensor], qt, values, set(rec.nodes), rounded, grid)
     editor.finish()
     return export_model(graph, quantizer.float_model)
 
@@ -209,6 +210,7 @@ def _read_as(
     values: dict[str, np.ndarray],
     nodes: set[str],
     rounded: bool,
+    seen_grid: tuple[np.ndarray, np.ndarray, int],
 ) -> None:
     """Let the group of ``nodes`` read activation ``t`` on its own grid ``qt``.
 
@@ -231,9 +233,18 @@ def _read_as(
         return
     read = uses[0][0].inputs[uses[0][1]]
     low, high, levels = fq_bounds(values[qt.scale], values[qt.zero_point], qt.dtype)
+    if rounded and _same_grid((low, high, levels), seen_grid):
+        return  # uint8 and int8 with one range: the same grid, the second rounding is exact
     out = _fq_node(editor, read if rounded else t, low, high, levels, f"{t.name}/{qt.dtype}")
     for node, i in uses:
         editor.set_input(node, i, out)
+
+
+def _same_grid(
+    a: tuple[np.ndarray, np.ndarray, int], b: tuple[np.ndarray, np.ndarray, int]
+) -> bool:
+    """Two FakeQuantize grids (low, high, levels) that hold the same values."""
+    return a[2] == b[2] and np.array_equal(a[0], b[0]) and np.array_equal(a[1], b[1])
 
 
 def _fq_weight(
