@@ -95,7 +95,7 @@ def to_fakequantize(
     #: value (an int8 op's output, or one carried from it) rather than the float tensor
     seen: dict[str, tuple[QTensor, bool]] = {}
     for rec in quantizer.records:
-        for qt in [*rec.inputs, *rec.outputs]:
+        for k, qt in enumerate([*rec.inputs, *rec.outputs]):
             if qt.tensor not in done:
                 done.add(qt.tensor)
                 t = tensors[qt.tensor]
@@ -115,11 +115,10 @@ def to_fakequantize(
                     editor, graph, t, source, values, group_nodes, all_readers=qt.tensor in produced
                 )
                 seen[qt.tensor] = (source, qt.tensor in produced or source is not qt)
-            if qt.tensor in seen and any(qt is r for r in rec.inputs):
+            if k < len(rec.inputs) and qt.tensor in seen:
                 first, rounded = seen[qt.tensor]
                 if qt.dtype != first.dtype:
-                    grid = fq_bounds(values[first.scale], values[first.zero_point], first.dtype)
-                    _read_as(editor, tensors[qt.tensor], qt, values, set(rec.nodes), rounded, grid)
+                    _read_as(editor, tensors[qt.tensor], qt, first, values, set(rec.nodes), rounded)
     editor.finish()
     return export_model(graph, quantizer.float_model)
 
@@ -207,10 +206,10 @@ def _read_as(
     editor: GraphEditor,
     t: gs.Tensor,
     qt: QTensor,
+    first: QTensor,
     values: dict[str, np.ndarray],
     nodes: set[str],
     rounded: bool,
-    seen_grid: tuple[np.ndarray, np.ndarray, int],
 ) -> None:
     """Let the group of ``nodes`` read activation ``t`` on its own grid ``qt``.
 
@@ -218,6 +217,7 @@ def _read_as(
     model does through the DequantizeLinear → QuantizeLinear rescale it keeps at that boundary:
     a value an int8 op wrote (``rounded``) is rounded again, onto ``qt``'s grid; a float
     tensor (a graph input, a float op's output) is rounded once, onto ``qt``'s grid alone.
+    ``first``: the grid the other readers see.
     """
     # what the group reads now: t itself, or t's FakeQuantize output
     views = [t] + [o.outputs[0] for o in t.outputs if o.op == "FakeQuantize"]
@@ -233,7 +233,8 @@ def _read_as(
         return
     read = uses[0][0].inputs[uses[0][1]]
     low, high, levels = fq_bounds(values[qt.scale], values[qt.zero_point], qt.dtype)
-    if rounded and _same_grid((low, high, levels), seen_grid):
+    seen = fq_bounds(values[first.scale], values[first.zero_point], first.dtype)
+    if rounded and _same_grid((low, high, levels), seen):
         return  # uint8 and int8 with one range: the same grid, the second rounding is exact
     out = _fq_node(editor, read if rounded else t, low, high, levels, f"{t.name}/{qt.dtype}")
     for node, i in uses:
