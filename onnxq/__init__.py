@@ -3,18 +3,45 @@
 ``onnxq.quantize(model, data)`` is the one-call API; ``Quantizer``, ``QuantizerPattern``,
 ``Calibrator``, ``CalibrationInfo``, ``CalibrationCallback``, ``DatasetManager`` and
 ``Requantizer`` are the building blocks for advanced use.
+
+The names are imported when first used (PEP 562): ``import onnxq`` alone costs nothing, so the
+command-line tool answers Ctrl-C from its first moment (onnxq._entry).
 """
 
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from onnxq._version import __version__
-from onnxq.annotate.quantizer import Quantizer, QuantizerConfig
-from onnxq.annotate.rule import QuantizerPattern
-from onnxq.api import QuantizeReport, quantize
-from onnxq.calibrate.calibration import Calibrator
-from onnxq.calibrate.callbacks import CalibrationCallback, CalibrationInfo, ObserverCallback
-from onnxq.calibrate.dataset import DatasetManager
-from onnxq.calibrate.sources import as_dataset
-from onnxq.errors import OnnxqError
-from onnxq.post.requantize import Requantizer
+
+if TYPE_CHECKING:
+    from onnxq.annotate.quantizer import Quantizer, QuantizerConfig
+    from onnxq.annotate.rule import QuantizerPattern
+    from onnxq.api import QuantizeReport, quantize
+    from onnxq.calibrate.calibration import Calibrator
+    from onnxq.calibrate.callbacks import CalibrationCallback, CalibrationInfo, ObserverCallback
+    from onnxq.calibrate.dataset import DatasetManager
+    from onnxq.calibrate.sources import as_dataset
+    from onnxq.errors import OnnxqError
+    from onnxq.post.requantize import Requantizer
+
+#: each public name and the module that defines it
+_WHERE = {
+    "CalibrationCallback": "onnxq.calibrate.callbacks",
+    "CalibrationInfo": "onnxq.calibrate.callbacks",
+    "Calibrator": "onnxq.calibrate.calibration",
+    "DatasetManager": "onnxq.calibrate.dataset",
+    "ObserverCallback": "onnxq.calibrate.callbacks",
+    "OnnxqError": "onnxq.errors",
+    "QuantizeReport": "onnxq.api",
+    "Quantizer": "onnxq.annotate.quantizer",
+    "QuantizerConfig": "onnxq.annotate.quantizer",
+    "QuantizerPattern": "onnxq.annotate.rule",
+    "Requantizer": "onnxq.post.requantize",
+    "as_dataset": "onnxq.calibrate.sources",
+    "quantize": "onnxq.api",
+}
 
 __all__ = [
     "CalibrationCallback",
@@ -32,3 +59,15 @@ __all__ = [
     "as_dataset",
     "quantize",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _WHERE:
+        raise AttributeError(f"module 'onnxq' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_WHERE[name]), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_WHERE])

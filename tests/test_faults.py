@@ -92,7 +92,8 @@ else:
         block()
         return real_run(*args, **kwargs)
     streaming.run_checked = slow
-sys.exit(main(["quantize", sys.argv[3], "-o", sys.argv[4], "--data", sys.argv[5], "--quiet"]))
+from onnxq._entry import run
+run(["quantize", sys.argv[3], "-o", sys.argv[4], "--data", sys.argv[5], "--quiet"])
 """
 
 

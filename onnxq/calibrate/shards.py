@@ -21,7 +21,9 @@ import multiprocessing
 import os
 import pickle
 import queue
+import signal
 import tempfile
+import threading
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
@@ -101,11 +103,11 @@ def observe_in_processes(
             )
             for i in range(workers)
         ]
-        with _thread_limits(threads):
-            for p in procs:
-                p.start()
         results: dict[int, Statistics] = {}
         try:
+            with _thread_limits(threads), _ignoring_ctrl_c():
+                for p in procs:
+                    p.start()
             for index, feeds in enumerate(itertools.chain([first], it)):
                 box = inboxes[worker_of(index, block, workers)]
                 _put(box, (index, feeds), procs, outbox, results)
@@ -117,12 +119,41 @@ def observe_in_processes(
             if len(results) < workers:  # stopped early: batches nobody will read stay queued,
                 for box in inboxes:  # and this process must not wait to flush them at exit
                     box.cancel_join_thread()
-            for p in procs:
+            started = [p for p in procs if p.pid is not None]
+            for p in started:
                 if p.is_alive() and len(results) < workers:
                     p.terminate()
+            for p in started:
                 p.join(timeout=10)
     for i in range(workers):
         yield results[i]
+
+
+@contextlib.contextmanager
+def _ignoring_ctrl_c() -> Iterator[None]:
+    """Workers started here never see SIGINT, and a Ctrl-C meanwhile is raised once they run.
+
+    A terminal sends Ctrl-C to every process of the group: a worker still importing printed
+    its own traceback beside the parent's one line, and a parent interrupted inside
+    ``Process.start`` left a half-started worker it could not stop. While the workers start,
+    SIGINT is blocked on this thread (the mask is inherited across the spawn's exec, so it stays
+    blocked in the workers) and a signal delivered to another thread is only recorded; it is
+    raised again, through the handler the caller had, once every worker has started (the
+    caller then stops them).
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught: list[int] = []
+    saved = signal.signal(signal.SIGINT, lambda signum, frame: caught.append(signum))
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, saved)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+        if caught:
+            signal.raise_signal(signal.SIGINT)
 
 
 #: environment variables that size the BLAS/OpenMP thread pools numpy uses

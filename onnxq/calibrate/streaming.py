@@ -11,6 +11,7 @@ Shared by the one-process pass (onnxq.calibrate.calibration), the worker process
 from __future__ import annotations
 
 import ast
+import atexit
 import collections
 import contextlib
 import math
@@ -19,6 +20,7 @@ import os
 import queue
 import re
 import threading
+import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from fractions import Fraction
 from typing import Any
@@ -194,8 +196,10 @@ def run_ahead(
     so at most ``depth + 1`` batches' outputs are alive (a second run goes ahead only while a
     batch's outputs are at most :data:`AHEAD_BYTES`). The caller still sees the batches in
     order (deterministic). The runs happen on ``depth`` daemon threads kept for the whole
-    pass, so Ctrl-C in the caller exits at once, not after the batch. ``number`` maps the
-    position of a batch to the number an error names (a worker's share).
+    pass, stopped and joined when it ends (an error included); after Ctrl-C the runs in flight
+    are not waited for (they finish on their own; the console script then leaves without
+    waiting, :mod:`onnxq._entry`). ``number`` maps the position of a batch to the number an
+    error names (a worker's share).
     """
     name = number or (lambda i: i)
     it = iter(batches)
@@ -204,6 +208,7 @@ def run_ahead(
     free: list[_Runner] = []
     pending: collections.deque[tuple[dict[str, np.ndarray], _Runner]] = collections.deque()
     index = 0
+    interrupted = False
 
     def fill() -> None:
         nonlocal upcoming, index
@@ -229,13 +234,25 @@ def run_ahead(
                 free.append(runners[-1])
             fill()
             yield done, outs
+    except KeyboardInterrupt:  # the runs in flight end on their own; not waited for here
+        interrupted = True
+        raise
     finally:
         for runner in runners:
             runner.stop()
+        if not interrupted:
+            for runner in runners:
+                runner.join()
 
 
 class _Runner:
-    """A daemon thread running :func:`run_checked` on the feeds it is handed, one at a time."""
+    """A daemon thread running :func:`run_checked` on the feeds it is handed, one at a time.
+
+    A runner is stopped and joined when its pass ends, on an error or Ctrl-C too: a run still
+    inside onnxruntime when the interpreter exits aborts the process (``terminate called
+    without an active exception``, exit 134). Runners a pass did not close (its generator not
+    yet collected) are joined at exit (:func:`_join_all`).
+    """
 
     def __init__(self, session: Any, names: list[str]):
         self._inbox: queue.SimpleQueue[tuple[Mapping[str, Any], int] | None] = queue.SimpleQueue()
@@ -244,6 +261,7 @@ class _Runner:
         )
         self._thread = threading.Thread(target=self._work, args=(session, names), daemon=True)
         self._thread.start()
+        _LIVE.add(self)
 
     def _work(self, session: Any, names: list[str]) -> None:
         while (job := self._inbox.get()) is not None:
@@ -267,6 +285,45 @@ class _Runner:
     def stop(self) -> None:
         """End the thread once its current run (if any) is done."""
         self._inbox.put(None)
+
+    def alive(self) -> bool:
+        """Whether the thread still runs."""
+        return self._thread.is_alive()
+
+    def join(self) -> None:
+        """Wait for the thread to end (its current run finishes); Ctrl-C meanwhile waits too.
+
+        A KeyboardInterrupt that arrives while waiting is raised once the run is done.
+        """
+        interrupted = False
+        while self._thread.is_alive():
+            try:
+                self._thread.join()
+            except KeyboardInterrupt:
+                interrupted = True
+        _LIVE.discard(self)
+        if interrupted:
+            raise KeyboardInterrupt
+
+
+#: runners whose threads may still be running
+_LIVE: weakref.WeakSet[_Runner] = weakref.WeakSet()
+
+
+def runs_in_flight() -> bool:
+    """Whether a runner's thread may still be inside onnxruntime (after Ctrl-C)."""
+    return any(r.alive() for r in list(_LIVE))
+
+
+@atexit.register
+def _join_all() -> None:
+    """Stop and join every runner still alive before the interpreter tears down onnxruntime."""
+    live = list(_LIVE)
+    for runner in live:
+        runner.stop()
+    for runner in live:
+        with contextlib.suppress(KeyboardInterrupt):
+            runner.join()
 
 
 def run_checked(
