@@ -19,7 +19,8 @@ from onnxq.calibrate.calibration import CalibrationReport
 from onnxq.calibrate.callbacks import CalibrationCallback
 from onnxq.calibrators import DEFAULT_METHOD
 from onnxq.errors import ConfigError, OnnxqError
-from onnxq.io.graph import with_file_weights
+from onnxq.io.graph import load_model, with_file_weights
+from onnxq.io.paths import reads_of, refuse_collisions, writes_of
 from onnxq.options import QuantizeOptions, pythonize, resolve, spell
 from onnxq.passes import pipeline
 from onnxq.passes.manager import State, op_histogram, run_passes
@@ -69,8 +70,13 @@ def quantize(
     metric: str | None = None,
     fallback: str | None = None,
     budget: float | None = None,
+    base_dir: str | os.PathLike[str] | None = None,
 ) -> tuple[onnx.ModelProto, QuantizeReport]:
     """Quantize ``model`` with calibration ``data``; return the int8 model and a report.
+
+    ``model`` is a path or a ModelProto; a ModelProto whose initializers keep their data in
+    external files needs ``base_dir``, the folder those files are in (relative locations
+    inside it only, as for a model file).
 
     ``data``: an .npz path, a folder of .npy/.npz files (or images, with ``preprocess``), a dict
     of arrays (samples on axis 0), an iterable of feed dicts, an onnxruntime
@@ -131,7 +137,23 @@ def quantize(
     is the target's (int16 where it runs int16 activations, ``Target.int16_activations``).
     """
     try:
-        options = resolve_call(locals())
+        refuse_collisions(
+            [
+                *reads_of("model", model),
+                *reads_of("data", data),
+                *reads_of("config", config),
+                *reads_of("load_ranges", load_ranges),
+            ],
+            [*writes_of("output", output, model=True), *writes_of("save_ranges", save_ranges)],
+        )
+        if isinstance(model, onnx.ModelProto):  # its external data resolved as a file's
+            model = load_model(model, check=False, base_dir=base_dir)
+        elif base_dir is not None:
+            raise ConfigError(
+                "base_dir is for a ModelProto with external data; a model file's external "
+                "data is read from the file's own folder"
+            )
+        options = resolve_call({k: v for k, v in locals().items() if k != "base_dir"})
         qmodel, report = quantize_with(model, data, options)
         # weights the output shares with a model file's external data are read in: the
         # caller gets a self-contained model (the CLI's writer reads them one at a time)
@@ -204,6 +226,9 @@ def quantize_state(
     if unknown:
         raise ConfigError(f"quantize() has no parameter {sorted(unknown)[0]!r}")
     args.update(kwargs, max_drop=None, metric=None)
+    base_dir = args.pop("base_dir")
+    if isinstance(model, onnx.ModelProto):
+        model = load_model(model, check=False, base_dir=base_dir)
     options = resolve_call(args)
     return run_passes(State(options, model, data), pipeline.build(options, quantize_with))
 

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from onnxq import __version__
+from onnxq._entry import INTERRUPTED, interrupted
 from onnxq.annotate.quantizer import Quantizer
 from onnxq.annotate.targets import load_targets, targets
 from onnxq.api import quantize_with, resolve_call
@@ -25,6 +26,8 @@ from onnxq.demo import run_demo
 from onnxq.errors import ConfigError, OnnxqError
 from onnxq.io.graph import load_model, save_model, write_text_atomic
 from onnxq.io.loader import load_object
+from onnxq.io.paths import reads_of, refuse_collisions, writes_of
+from onnxq.io.text import one_line
 from onnxq.lower.convert import convert
 from onnxq.lower.formats import get_format
 from onnxq.options import (
@@ -441,9 +444,9 @@ def _quantize_run(q: argparse.ArgumentParser) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``onnxq`` console script."""
-    parser = _parser()
-    args = parser.parse_args(argv)
     try:
+        parser = _parser()
+        args = parser.parse_args(argv)
         if args.version:
             print(f"onnxq {__version__}")
             return 0
@@ -465,25 +468,35 @@ def main(argv: Sequence[str] | None = None) -> int:
             return run_demo(output=args.output, runs=args.runs)
         parser.print_help()
         return 2
-    except OnnxqError as exc:
-        print(f"onnxq: error: {exc}", file=sys.stderr)
-        return exc.exit_code
     except KeyboardInterrupt:
-        print("onnxq: interrupted; no output written", file=sys.stderr)
+        print(INTERRUPTED, file=sys.stderr)
         return 130
-    except OSError as exc:  # a file onnxq was pointed at cannot be read or written
+    except Exception as exc:
+        if interrupted():  # Ctrl-C that surfaced as another error (an import, a run)
+            print(INTERRUPTED, file=sys.stderr)
+            return 130
+        return _failed(exc)
+
+
+def _failed(exc: Exception) -> int:
+    """One line for an exception that ends a command, and its exit code."""
+    if isinstance(exc, OnnxqError):
+        print(f"onnxq: error: {one_line(str(exc))}", file=sys.stderr)
+        return exc.exit_code
+    if isinstance(exc, OSError):  # a file onnxq was pointed at cannot be read or written
         where = f" '{exc.filename}'" if exc.filename else ""
-        print(f"onnxq: error: {exc.strerror or exc}{where}", file=sys.stderr)
+        print(one_line(f"onnxq: error: {exc.strerror or exc}{where}"), file=sys.stderr)
         return 2
-    except Exception as exc:  # an onnxq bug: one line unless debugging
-        if os.environ.get("ONNXQ_DEBUG"):
-            raise
-        print(
-            f"onnxq: internal error: {type(exc).__name__}: {exc} (set ONNXQ_DEBUG=1 for the "
-            "traceback and please report it)",
-            file=sys.stderr,
-        )
-        return 1
+    if os.environ.get("ONNXQ_DEBUG"):  # an onnxq bug: one line unless debugging
+        raise exc
+    print(
+        one_line(
+            f"onnxq: internal error: {type(exc).__name__}: {exc} (set ONNXQ_DEBUG=1 for "
+            "the traceback and please report it)"
+        ),
+        file=sys.stderr,
+    )
+    return 1
 
 
 def _zoo(args: argparse.Namespace) -> int:
@@ -538,7 +551,23 @@ def _zoo(args: argparse.Namespace) -> int:
 
 
 def _quantize(args: argparse.Namespace) -> int:
-    src, dst = Path(args.model), _output_path(args.model, args.output)
+    refuse_collisions(
+        [
+            *reads_of("the model", args.model),
+            *reads_of("--data", args.data),
+            *reads_of("--config", args.config),
+            *reads_of("--target-file", args.target_file),
+            *reads_of("--load-ranges", args.load_ranges),
+        ],
+        [
+            *writes_of("-o", args.output, model=True),
+            *writes_of("--report", args.report),
+            *writes_of("--save-ranges", args.save_ranges),
+        ],
+    )
+    if _is_html(args.report):
+        _needs_matplotlib("--report")
+    src, dst = Path(args.model), _output_path(args.output)
     if args.target_file:
         load_targets(args.target_file)
     if args.data is None and args.load_ranges is None and args.weight_dtype != "int4":
@@ -598,7 +627,7 @@ def _quantize(args: argparse.Namespace) -> int:
         cli=True,
     )
     qmodel, report = quantize_with(str(src), args.data, options)
-    if args.report and str(args.report).lower().endswith((".html", ".htm")):
+    if _is_html(args.report):
         _quantize_html(args, src, qmodel, report)
     elif args.report:
         write_text_atomic(args.report, json.dumps(report.to_dict(), indent=2))
@@ -629,23 +658,35 @@ def _quantize_html(args: argparse.Namespace, src: Path, qmodel: Any, report: Any
     write_text_atomic(args.report, page)
 
 
-def _output_path(model: str, output: str) -> Path:
-    src, dst = Path(model), Path(output)
-    if dst.exists() and src.exists() and dst.resolve() == src.resolve():
-        raise ConfigError(
-            f"output '{dst}' is the input model; onnxq never overwrites its input — "
-            "choose another -o"
-        )
+def _output_path(output: str, option: str = "-o") -> Path:
+    """An output path whose folder exists (collisions are refused before, by refuse_collisions)."""
+    dst = Path(output)
     if not (dst.parent if str(dst.parent) else Path(".")).is_dir():
         raise ConfigError(
-            f"output folder '{dst.parent}' does not exist; create it or choose another -o"
+            f"output folder '{dst.parent}' does not exist; create it or choose another {option}"
         )
     return dst
 
 
-def _convert(args: argparse.Namespace) -> int:
+def _is_html(report: str | None) -> bool:
+    return report is not None and str(report).lower().endswith((".html", ".htm"))
 
-    dst = _output_path(args.model, args.output)
+
+def _needs_matplotlib(option: str) -> None:
+    """Refuse an HTML report before any work when matplotlib, which draws it, is missing."""
+    import importlib.util
+
+    if importlib.util.find_spec("matplotlib") is None:
+        raise ConfigError(
+            f"{option}: an HTML report draws its charts with matplotlib, which is not "
+            'installed; pip install matplotlib (or pip install "onnxq[report]"), or leave '
+            f"{option} out"
+        )
+
+
+def _convert(args: argparse.Namespace) -> int:
+    refuse_collisions(reads_of("the model", args.model), writes_of("-o", args.output, model=True))
+    dst = _output_path(args.output)
     model, report = convert(load_model(args.model), args.format)
     verify(model, runtime=get_format(args.format).runtime)
     save_model(model, dst)
@@ -673,7 +714,17 @@ def _targets(args: argparse.Namespace) -> int:
 
 
 def _compare(args: argparse.Namespace) -> int:
-
+    refuse_collisions(
+        [
+            *reads_of("the float model", args.float_model),
+            *reads_of("the quantized model", args.quant_model),
+            *reads_of("--data", args.data),
+        ],
+        writes_of("--report", args.report),
+    )
+    if args.report is not None:
+        _needs_matplotlib("--report")
+        _output_path(args.report, "--report")
     float_model = load_model(args.float_model)
     quant_model = load_model(args.quant_model)
     dataset = as_dataset(args.data, model_inputs(float_model), args.batch_size, args.samples)
@@ -706,7 +757,7 @@ def _fallback_flag(parser: argparse.ArgumentParser, prefix: str) -> None:
 
 
 def _debug(args: argparse.Namespace) -> int:
-    from onnxq.tools.debug import debug
+    from onnxq.tools.debug import debug, default_fix_path
 
     if args.target_file:
         load_targets(args.target_file)
@@ -715,9 +766,20 @@ def _debug(args: argparse.Namespace) -> int:
     for flag, value in (("--samples", args.samples), ("--batch-size", args.batch_size)):
         if value is not None and value < 1:
             raise ConfigError(f"{flag} {value} must be ≥ 1")
-    for path in (args.output, args.report):
+    output = args.output if args.output is not None else default_fix_path(args.model)
+    refuse_collisions(
+        [
+            *reads_of("the model", args.model),
+            *reads_of("--data", args.data),
+            *reads_of("--target-file", args.target_file),
+        ],
+        [*writes_of("-o", output), *writes_of("--report", args.report)],
+    )
+    if args.report is not None:
+        _needs_matplotlib("--report")
+    for option, path in (("-o", output), ("--report", args.report)):
         if path is not None:
-            _output_path(args.model, path)
+            _output_path(path, option)
     result = debug(
         args.model,
         args.data,
@@ -729,7 +791,7 @@ def _debug(args: argparse.Namespace) -> int:
         batch_size=args.batch_size,
         samples=args.samples,
         preprocess=args.preprocess,
-        output=args.output,
+        output=output,
         data_label=args.data,
         target_file=args.target_file,
         report=args.report,

@@ -18,6 +18,7 @@ import onnx
 
 from onnxq.api import quantize
 from onnxq.io.graph import load_model, serialize
+from onnxq.io.paths import reads_of, refuse_collisions, writes_of
 
 
 def demo_files() -> tuple[Path, dict[str, np.ndarray]]:
@@ -78,6 +79,7 @@ def latency_ms(model: onnx.ModelProto, x: np.ndarray, runs: int) -> float:
 def run_demo(output: str | None = None, runs: int = 300) -> int:
     """Quantize the bundled model, print the comparison; optionally write the int8 model."""
     path, data = demo_files()
+    refuse_collisions(reads_of("the demo model", path), writes_of("-o", output, model=True))
     fp32 = load_model(path)
     print(
         f"onnxq demo: {path.name}, calibrating on {len(data['calib'])} images, testing on "
