@@ -9,6 +9,7 @@ rank, fixed dimensions and dtype, with a message that names the input.
 
 from __future__ import annotations
 
+import math
 import os
 import zipfile
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -20,6 +21,7 @@ import numpy as np
 import onnx
 
 from onnxq.errors import DataError
+from onnxq.io.text import shown
 
 Feed = dict[str, np.ndarray]
 
@@ -203,18 +205,24 @@ class DatasetManager:
         unknown = sorted(set(raw) - want)
         missing = sorted(want - set(raw))
         if unknown or missing:
-            parts = []
-            if unknown:
-                parts.append(f"unexpected input(s) {unknown}")
-            if missing:
-                parts.append(f"missing input(s) {missing}")
             raise with_inputs(
-                DataError(f"{self.describe()}: {what} has {' and '.join(parts)}"), self.inputs
+                DataError(f"{self.describe()}: {names_mismatch(what, unknown, missing)}"),
+                self.inputs,
             )
 
     def _warn(self, message: str) -> None:
         if message not in self.warnings:
             self.warnings.append(message)
+
+
+def names_mismatch(what: str, unknown: list[str], missing: list[str]) -> str:
+    """``what`` holds arrays named ``unknown`` (no model input) and none for ``missing``."""
+    parts = []
+    if unknown:
+        parts.append(f"{what} has array(s) {shown(str(unknown))} that name no input of the model")
+    if missing:
+        parts.append(f"{'it' if unknown else what} has no array for input(s) {shown(str(missing))}")
+    return ", and ".join(parts)
 
 
 def inputs_hint(inputs: list[InputSpec] | None) -> str:
@@ -470,35 +478,104 @@ def check_numpy_file(path: Path) -> None:
     Object arrays (pickles) and arrays larger than :func:`_member_limit` — a compressed
     ``.npz`` of a few KB can declare gigabytes — are refused before any data is read.
     """
-    try:
-        if path.suffix == ".npy":
+    if path.suffix == ".npy":
+        try:
             with open(path, "rb") as handle:
                 _check_header(handle, path, None, None)
-            return
+        except (OSError, ValueError, EOFError) as exc:
+            raise _unreadable(path, exc) from None
+        return
+    npz_headers(path)
+
+
+@dataclass(frozen=True)
+class Member:
+    """One array of an ``.npz``, from its header: the zip member, dtype, shape and bytes."""
+
+    name: str
+    member: str
+    dtype: np.dtype
+    shape: tuple[int, ...]
+    nbytes: int
+
+
+def npz_headers(path: Path) -> dict[str, Member]:
+    """Every array of an ``.npz`` by name, each header checked, no array data read.
+
+    Every member is checked whatever its name (numpy reads a member without the ``.npy``
+    suffix as raw bytes, and a crafted one could declare any size): it must be a numpy array
+    header of a plain dtype within :func:`_member_limit`, and the member must hold the bytes
+    it declares.
+    """
+    out: dict[str, Member] = {}
+    try:
         with zipfile.ZipFile(path) as archive:
             for info in archive.infolist():
-                if info.filename.endswith(".npy"):
-                    with archive.open(info) as handle:
-                        _check_header(handle, path, info.filename[:-4], info.file_size)
-    except (OSError, ValueError, zipfile.BadZipFile, EOFError) as exc:
+                name = info.filename[:-4] if info.filename.endswith(".npy") else info.filename
+                with archive.open(info) as handle:
+                    dtype, shape, nbytes = _check_header(handle, path, name, info.file_size)
+                out[name] = Member(name, info.filename, dtype, shape, nbytes)
+    except (OSError, ValueError, zipfile.BadZipFile, EOFError, RuntimeError) as exc:
+        raise _unreadable(path, exc) from None
+    return out
+
+
+def read_npz(
+    path: Path, names: Iterable[str], headers: dict[str, Member] | None = None
+) -> dict[str, np.ndarray]:
+    """The arrays ``names`` of an ``.npz``, its headers checked (:func:`npz_headers`).
+
+    Only those members are read; together they must fit in :func:`_member_limit`.
+    """
+    headers = npz_headers(path) if headers is None else headers
+    wanted = [headers[n] for n in names]
+    total, limit = sum(m.nbytes for m in wanted), _member_limit()
+    if total > limit:
         raise DataError(
-            f"calibration data '{path}' is not a readable numpy file ({exc}); save it with "
-            "numpy.savez(path, input_name=array) or numpy.save"
-        ) from None
+            f"calibration data '{shown(str(path))}' holds {total / 2**30:.1f} GiB of arrays for "
+            f"the model's inputs, over the {limit / 2**30:.1f} GiB onnxq may load at once (half "
+            "the free memory); split the samples into a folder of .npz files, which onnxq "
+            "reads one at a time"
+        )
+    out = {}
+    try:
+        with zipfile.ZipFile(path) as archive:
+            for m in wanted:
+                with archive.open(m.member) as handle:
+                    out[m.name] = np.lib.format.read_array(handle, allow_pickle=False)
+    except (OSError, ValueError, zipfile.BadZipFile, EOFError, RuntimeError) as exc:
+        raise _unreadable(path, exc) from None
+    return out
 
 
-def _check_header(handle: Any, path: Path, member: str | None, stored: int | None) -> None:
+def _unreadable(path: Path, exc: BaseException) -> DataError:
+    return DataError(
+        f"calibration data '{shown(str(path))}' is not a readable numpy file "
+        f"({shown(str(exc))}); save it with numpy.savez(path, input_name=array) or numpy.save"
+    )
+
+
+def _check_header(
+    handle: Any, path: Path, member: str | None, stored: int | None
+) -> tuple[np.dtype, tuple[int, ...], int]:
     fmt = np.lib.format
-    version = fmt.read_magic(handle)
+    where = f"'{shown(str(path))}'" + (f" member '{shown(member)}'" if member else "")
+    try:
+        version = fmt.read_magic(handle)
+    except ValueError:
+        raise DataError(
+            f"calibration data {where} is not a numpy array (every member of an .npz must be "
+            "one); save the file with numpy.savez(path, input_name=array)"
+        ) from None
     read = fmt.read_array_header_1_0 if version == (1, 0) else fmt.read_array_header_2_0
-    shape, _, dtype = read(handle)
-    where = f"'{path}'" + (f" member '{member}'" if member else "")
+    shape, _, dtype = read(handle, max_header_size=10000)
     if dtype.hasobject:
         raise DataError(
             f"calibration data {where} holds an object array (pickled Python objects), which "
             "onnxq does not load; save plain numeric arrays"
         )
-    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    count = math.prod(shape)
+    nbytes = count * dtype.itemsize
     if stored is not None and stored < nbytes:
         raise DataError(
             f"calibration data {where} is truncated: it declares {nbytes} bytes of "
@@ -512,25 +589,39 @@ def _check_header(handle: Any, path: Path, member: str | None, stored: int | Non
             "at once (half the free memory); split the samples into a folder of .npz files, "
             "which onnxq reads one at a time"
         )
+    return dtype, tuple(shape), nbytes
 
 
 class NpzDataset(ArrayDataset):
-    """An ``.npz`` file of arrays keyed by input name, samples stacked on axis 0."""
+    """An ``.npz`` file of arrays keyed by input name, samples stacked on axis 0.
+
+    The names are checked against the model's ``inputs`` from the file's headers first, then
+    every member's header; only the inputs' arrays are read.
+    """
 
     def __init__(
-        self, path: str | os.PathLike[str], batch_size: int | None = None, limit: int | None = None
+        self,
+        path: str | os.PathLike[str],
+        batch_size: int | None = None,
+        limit: int | None = None,
+        inputs: list[InputSpec] | None = None,
     ):
         p = Path(path)
-        check_numpy_file(p)
+        self.inputs = inputs
+        self.name = f"'{shown(str(p))}'"
         try:
-            with np.load(p, allow_pickle=False) as data:
-                arrays = {k: data[k] for k in data.files}
-        except (OSError, ValueError) as exc:
-            raise DataError(
-                f"calibration data '{p}' is not a readable .npz file ({exc}); save it "
-                "with numpy.savez(path, input_name=array)"
-            ) from None
-        super().__init__(arrays, batch_size, name=f"'{p}'", limit=limit)
+            with zipfile.ZipFile(p) as archive:
+                listed = [
+                    i.filename[:-4] if i.filename.endswith(".npy") else i.filename
+                    for i in archive.infolist()
+                ]
+        except (OSError, zipfile.BadZipFile, ValueError) as exc:
+            raise _unreadable(p, exc) from None
+        if inputs is not None:
+            self.check_names(dict.fromkeys(listed), "the file")
+        names = listed if inputs is None else [s.name for s in inputs]
+        arrays = read_npz(p, names)
+        super().__init__(arrays, batch_size, name=self.name, limit=limit)
 
 
 class FolderDataset(DatasetManager):
@@ -562,7 +653,8 @@ class FolderDataset(DatasetManager):
     def _raw(self) -> Iterator[Mapping[str, Any]]:
         specs = self.inputs or []
         for f in self.files:
-            check_numpy_file(f)
+            if f.suffix == ".npy":
+                check_numpy_file(f)
             try:
                 if f.suffix == ".npy":
                     if len(specs) != 1:
@@ -572,8 +664,10 @@ class FolderDataset(DatasetManager):
                         )
                     sample = {specs[0].name: np.load(f, allow_pickle=False)}
                 else:
-                    with np.load(f, allow_pickle=False) as data:
-                        sample = {k: data[k] for k in data.files}
+                    headers = npz_headers(f)
+                    if specs:
+                        self.check_names(dict.fromkeys(headers), f"'{shown(str(f))}'")
+                    sample = read_npz(f, [s.name for s in specs] if specs else headers, headers)
             except (OSError, ValueError) as exc:
                 raise DataError(f"'{f}' cannot be read as a numpy file ({exc})") from None
             yield {k: _add_batch(v, _spec(specs, k)) for k, v in sample.items()}

@@ -62,7 +62,7 @@ def as_dataset(
         elif p.is_dir():
             ds = FolderDataset(p, limit=limit)
         elif p.is_file():
-            ds = NpzDataset(p, batch_size, limit=limit)
+            ds = NpzDataset(p, batch_size, limit=limit, inputs=inputs)
         else:
             raise DataError(f"calibration data '{p}' does not exist; pass an .npz file or a folder")
     elif isinstance(data, Mapping) and all(isinstance(v, np.ndarray) for v in data.values()):

@@ -7,7 +7,9 @@ topologically sorted after :meth:`GraphEditor.finish`.
 
 from __future__ import annotations
 
+import math
 import os
+import secrets
 import tempfile
 from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
@@ -22,6 +24,7 @@ from onnx_graphsurgeon.ir.tensor import LazyValues
 
 from onnxq._version import __version__
 from onnxq.errors import ModelError, OutputError
+from onnxq.io.text import shown
 
 MS_DOMAIN = "com.microsoft"
 TWO_GIB = 2**31  # protobuf's limit on one serialized message
@@ -32,16 +35,23 @@ TWO_GIB = 2**31  # protobuf's limit on one serialized message
 
 
 def load_model(
-    model: str | os.PathLike[str] | onnx.ModelProto, check: bool = True
+    model: str | os.PathLike[str] | onnx.ModelProto,
+    check: bool = True,
+    base_dir: str | os.PathLike[str] | None = None,
 ) -> onnx.ModelProto:
     """Return a private copy of ``model`` (a path or a ModelProto), validated by onnx.checker.
 
-    The caller's object or file is never modified. External data next to a file is loaded.
+    The caller's object or file is never modified. External data is resolved by one policy:
+    relative to the model file's folder, or for a ModelProto to ``base_dir`` (the folder the
+    caller names; without it a ModelProto with external data is refused), always inside that
+    folder, and left in its file (:data:`FOLDER_KEY`). onnxq's own key is never taken from
+    the caller's model: only a value this process wrote is honoured.
     """
     if isinstance(model, onnx.ModelProto):
         proto = onnx.ModelProto()
         proto.CopyFrom(model)
         where = "the given ModelProto"
+        _adopt_external(proto, base_dir)
     else:
         path = Path(model)
         where = f"'{path}'"
@@ -62,61 +72,155 @@ def load_model(
             ) from None
         if not proto.graph.node and not proto.graph.output:
             raise ModelError(f"model file {where} holds no ONNX graph; pass an .onnx model file")
-        if _leave_in_file(proto, path):
+        _refuse_private_keys(proto, where)
+        if _leave_in_file(proto, path.parent, where):
             if check:  # the checker reads the file itself: external data locations included
                 _checked(lambda: onnx.checker.check_model(str(path)), where)
+            check_sizes(proto, where)
             return proto
     if check:
         check_model(proto, where)
+    check_sizes(proto, where)
     return proto
 
 
-def _leave_in_file(proto: onnx.ModelProto, path: Path) -> bool:
+def _adopt_external(proto: onnx.ModelProto, base_dir: str | os.PathLike[str] | None) -> None:
+    """A ModelProto's external data resolved against ``base_dir`` (see :func:`load_model`).
+
+    Tensors this process already left in their file keep their folder; any other external
+    tensor needs ``base_dir``.
+    """
+    where = "the given ModelProto"
+    for g in _all_graphs(proto.graph):
+        for t in g.initializer:
+            if t.data_location != onnx.TensorProto.EXTERNAL or is_file_weight(t):
+                continue
+            if any(e.key == FOLDER_KEY for e in t.external_data):
+                raise ModelError(
+                    f"{where}: initializer '{shown(t.name)}' carries onnxq's private "
+                    f"external-data key '{FOLDER_KEY}', which onnxq never takes from a "
+                    "caller's model; remove it (onnx.load the model file, or give base_dir)"
+                )
+            if base_dir is None:
+                raise ModelError(
+                    f"{where}: initializer '{shown(t.name)}' keeps its data in an external "
+                    "file and no folder was named for it; pass base_dir= the folder the model "
+                    "file is in (or the model's path instead of a ModelProto)"
+                )
+    if base_dir is not None:
+        _leave_in_file(proto, Path(base_dir), where)
+
+
+def _refuse_private_keys(proto: onnx.ModelProto, where: str) -> None:
+    """A model file never carries onnxq's key (onnxq never writes it out)."""
+    for g in _all_graphs(proto.graph):
+        for t in g.initializer:
+            if any(e.key == FOLDER_KEY for e in t.external_data):
+                raise ModelError(
+                    f"model file {where}: initializer '{shown(t.name)}' carries onnxq's "
+                    f"private external-data key '{FOLDER_KEY}', which onnxq never reads from a "
+                    "file; remove it and re-export the model"
+                )
+
+
+def check_sizes(proto: onnx.ModelProto, where: str) -> None:
+    """Every in-memory initializer holds as many values as its dims say (the checker does not)."""
+    for g in _all_graphs(proto.graph):
+        for t in g.initializer:
+            if t.data_location == onnx.TensorProto.EXTERNAL:
+                continue  # checked against its file by _leave_in_file
+            want = math.prod(t.dims)
+            got = _stored_values(t, want)
+            if got is not None and got != want:
+                held = f"{got} values" if got >= 0 else "not a whole number of values"
+                raise ModelError(
+                    f"{_model_label(where)}: initializer '{shown(t.name)}' declares dims "
+                    f"{list(t.dims)} ({want} values) but holds {held}; the file is damaged — "
+                    "re-export the model"
+                )
+
+
+#: types packed two values to a byte in raw_data
+_PACKED = {onnx.TensorProto.INT4, onnx.TensorProto.UINT4}
+
+
+def _stored_values(t: onnx.TensorProto, want: int) -> int | None:
+    """How many values ``t`` holds in memory (None: a type this check does not know)."""
+    if t.HasField("raw_data"):
+        if t.data_type in _PACKED:  # two to a byte: any count that rounds up to its bytes
+            return want if len(t.raw_data) == (want + 1) // 2 else len(t.raw_data) * 2
+        try:
+            size = np.dtype(onnx.helper.tensor_dtype_to_np_dtype(t.data_type)).itemsize
+        except (KeyError, ValueError, TypeError):
+            return None
+        if t.data_type == onnx.TensorProto.STRING:
+            return None
+        count, rest = divmod(len(t.raw_data), size)
+        return count if not rest else -1  # -1: not a whole number of values
+    try:
+        field = onnx.helper.tensor_dtype_to_field(t.data_type)
+    except (KeyError, ValueError, TypeError):
+        return None
+    values = len(getattr(t, field))
+    if t.data_type in (onnx.TensorProto.COMPLEX64, onnx.TensorProto.COMPLEX128):
+        return values // 2
+    if t.data_type in _PACKED:
+        return want if values == (want + 1) // 2 else values * 2
+    return values
+
+
+def _leave_in_file(proto: onnx.ModelProto, folder: Path, where: str) -> bool:
     """Mark ``proto``'s external-data tensors to be read from their file when needed.
 
-    Each gets :data:`FOLDER_KEY` (the model's folder), after checks of what onnx.load checks
-    when it loads external data: a relative location inside that folder, a file that exists
-    and holds the tensor's bytes. False when the model has no external data.
+    Each gets :data:`FOLDER_KEY` (``folder``, the model's), after checks of what onnx.load
+    checks when it loads external data: a relative location inside that folder, a file that
+    exists and holds the tensor's bytes. False when the model has no external data.
     """
-    folder = path.parent.resolve()
+    folder = folder.resolve()
     marked = False
     for g in _all_graphs(proto.graph):
         for t in g.initializer:
-            if t.data_location != onnx.TensorProto.EXTERNAL:
+            if t.data_location != onnx.TensorProto.EXTERNAL or is_file_weight(t):
                 continue
             info = _external_info(t)
             location = info.get("location", "")
             file = (folder / location).resolve()
             if not location or Path(location).is_absolute() or folder not in file.parents:
                 raise ModelError(
-                    f"model file '{path}': initializer '{t.name}' keeps its data at "
-                    f"{location!r}, which is not a file inside the model's folder; re-export "
-                    "the model with its external data beside it"
+                    f"{_model_label(where)}: initializer '{shown(t.name)}' keeps its data at "
+                    f"{shown(location)!r}, which is not a file inside the model's folder; "
+                    "re-export the model with its external data beside it"
                 )
             if not file.is_file():
-                raise ModelError(_missing_data_message(proto, path))
+                raise ModelError(_missing_data_message(proto, folder, where))
             length = _nbytes(t)
-            offset = _external_number(info, "offset", 0, t, path)
-            if _external_number(info, "length", length, t, path) != length:
+            offset = _external_number(info, "offset", 0, t, where)
+            if _external_number(info, "length", length, t, where) != length:
                 raise ModelError(
-                    f"model file '{path}': initializer '{t.name}' declares {info['length']} "
-                    f"bytes of external data where its type and shape need {length}; "
-                    "re-export the model"
+                    f"{_model_label(where)}: initializer '{shown(t.name)}' declares "
+                    f"{shown(info['length'])} bytes of external data where its type and shape "
+                    f"need {length}; re-export the model"
                 )
             if offset + length > file.stat().st_size:
                 raise ModelError(
-                    f"model file '{path}': initializer '{t.name}' needs bytes {offset} to "
-                    f"{offset + length} of '{location}', which has {file.stat().st_size}; the "
-                    "external data file is truncated or belongs to another export"
+                    f"{_model_label(where)}: initializer '{shown(t.name)}' needs bytes {offset} "
+                    f"to {offset + length} of '{shown(location)}', which has "
+                    f"{file.stat().st_size}; the external data file is truncated or belongs to "
+                    "another export"
                 )
             entry = t.external_data.add()
-            entry.key, entry.value = FOLDER_KEY, str(folder)
+            entry.key, entry.value = FOLDER_KEY, _SECRET + str(folder)
             marked = True
     return marked
 
 
+def _model_label(where: str) -> str:
+    """``model file 'm.onnx'`` for a file, ``the given ModelProto`` for a proto."""
+    return where if where.startswith("the ") else f"model file {where}"
+
+
 def _external_number(
-    info: dict[str, str], key: str, default: int, t: onnx.TensorProto, path: Path
+    info: dict[str, str], key: str, default: int, t: onnx.TensorProto, where: str
 ) -> int:
     """A whole-number field of a tensor's external data entry (offset, length), checked."""
     try:
@@ -125,8 +229,8 @@ def _external_number(
         value = -1
     if value < 0:
         raise ModelError(
-            f"model file '{path}': initializer '{t.name}' has external data {key} "
-            f"{info.get(key)!r}, not a whole number of bytes; re-export the model"
+            f"{_model_label(where)}: initializer '{shown(t.name)}' has external data {key} "
+            f"{shown(str(info.get(key)))!r}, not a whole number of bytes; re-export the model"
         )
     return value
 
@@ -136,8 +240,8 @@ def _external_info(t: onnx.TensorProto) -> dict[str, str]:
     return {e.key: e.value for e in t.external_data}
 
 
-def _missing_data_message(proto: onnx.ModelProto, path: Path) -> str:
-    """The error for external-data files not beside the model, naming every one (bodies too)."""
+def _missing_data_message(proto: onnx.ModelProto, folder: Path, where: str) -> str:
+    """The error for external-data files not in the folder, naming every one (bodies too)."""
     wanted = {
         info["location"]
         for g in _all_graphs(proto.graph)
@@ -145,11 +249,11 @@ def _missing_data_message(proto: onnx.ModelProto, path: Path) -> str:
         if init.data_location == onnx.TensorProto.EXTERNAL
         and "location" in (info := _external_info(init))
     }
-    missing = sorted(w for w in wanted if not (path.parent / w).is_file())
+    missing = sorted(w for w in wanted if not (folder / w).is_file())
     return (
-        f"model file '{path}' keeps its weights in the external file(s) "
-        f"{', '.join(repr(m) for m in missing)}, which are not beside it in "
-        f"'{path.parent}'; put the .data file(s) next to the model (the exporter wrote them "
+        f"{_model_label(where)} keeps its weights in the external file(s) "
+        f"{', '.join(repr(shown(m)) for m in missing)}, which are not beside it in "
+        f"'{folder}'; put the .data file(s) next to the model (the exporter wrote them "
         "together)"
     )
 
@@ -345,12 +449,15 @@ def serialize(proto: onnx.ModelProto) -> bytes:
 #: :func:`tensor_array` and :func:`raw_bytes` read one when it is needed. Such tensors never
 #: leave the process: :func:`serialize`, the writers and the sessions read them in.
 FOLDER_KEY = "onnxq_folder"
+#: the prefix of every :data:`FOLDER_KEY` value this process writes: a value without it (a
+#: caller's model carrying the key, to have onnxq read any file) is never honoured
+_SECRET = secrets.token_hex(16) + ":"
 
 
 def is_file_weight(t: onnx.TensorProto) -> bool:
-    """Whether ``t`` is left in its model's external data file (:data:`FOLDER_KEY`)."""
+    """Whether ``t`` is left in its model's external data file by this process."""
     return t.data_location == onnx.TensorProto.EXTERNAL and any(
-        e.key == FOLDER_KEY for e in t.external_data
+        e.key == FOLDER_KEY and e.value.startswith(_SECRET) for e in t.external_data
     )
 
 
@@ -367,7 +474,7 @@ def raw_bytes(t: onnx.TensorProto) -> bytes:
     """``t``'s data as ``raw_data`` holds it (read from the data file for a file weight)."""
     if is_file_weight(t):
         info = _external_info(t)
-        path = Path(info[FOLDER_KEY]) / info["location"]
+        path = Path(info[FOLDER_KEY][len(_SECRET) :]) / info["location"]
         length = _nbytes(t)
         with open(path, "rb") as f:
             f.seek(int(info.get("offset", 0)))
