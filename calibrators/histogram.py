@@ -63,6 +63,11 @@ def sample(x: np.ndarray) -> np.ndarray:
     return x.reshape(rows, per_row)[:, ::stride].ravel()
 
 
+#: the narrowest range a histogram spans: its bins per unit must fit in float32 (values of
+#: 1e-37 overflowed them), and ranges this small get onnxq's smallest scale anyway
+MIN_HALF_RANGE = 2.0**-100
+
+
 def power_above(value: float) -> float:
     """The smallest power of two strictly above ``value`` (> 0)."""
     mantissa, exponent = np.frexp(value)  # value = mantissa · 2**exponent, mantissa in [0.5, 1)
@@ -131,7 +136,7 @@ class Histogram:
                 self.zeros += x.size
                 return
         elif self.half_range == 0.0:
-            self.half_range = power_above(need)
+            self.half_range = max(power_above(need), MIN_HALF_RANGE)
             self.counts[self.bins // 2] += self.zeros
             self.zeros = 0
         while need >= self.half_range:

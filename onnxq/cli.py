@@ -7,12 +7,13 @@ written (outputs are written atomically, after verification).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from onnxq import __version__
 from onnxq._entry import INTERRUPTED, interrupted
@@ -27,7 +28,7 @@ from onnxq.errors import ConfigError, OnnxqError
 from onnxq.io.graph import load_model, save_model, write_text_atomic
 from onnxq.io.loader import load_object
 from onnxq.io.paths import reads_of, refuse_collisions, writes_of
-from onnxq.io.text import one_line
+from onnxq.io.text import TerminalWriter, one_line
 from onnxq.lower.convert import convert
 from onnxq.lower.formats import get_format
 from onnxq.options import (
@@ -48,10 +49,24 @@ from onnxq.tools import zoo
 from onnxq.tools.compare import compare
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line errors: what was wrong and where the help is, exit 2.
+
+    argparse's own error printed the whole usage (27 lines for quantize) before the line
+    that mattered, and echoed a bad value whole.
+    """
+
+    def error(self, message: str) -> NoReturn:
+        """Print one line naming the problem and the help command; exit 2."""
+        print(
+            one_line(f"{self.prog}: error: {message}; `{self.prog} --help` lists the options"),
+            file=sys.stderr,
+        )
+        sys.exit(2)
+
+
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="onnxq", description="Post-training int8 quantization of ONNX models."
-    )
+    p = _Parser(prog="onnxq", description="Post-training int8 quantization of ONNX models.")
     p.add_argument("--version", action="store_true", help="print the version and exit")
     sub = p.add_subparsers(dest="command")
 
@@ -443,7 +458,16 @@ def _quantize_run(q: argparse.ArgumentParser) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``onnxq`` console script."""
+    """Entry point of the ``onnxq`` console script.
+
+    What it prints on stdout escapes control characters (node names come from the model:
+    an ESC or BEL byte in one would drive the terminal).
+    """
+    with contextlib.redirect_stdout(TerminalWriter(sys.stdout)):
+        return _main(argv)
+
+
+def _main(argv: Sequence[str] | None) -> int:
     try:
         parser = _parser()
         args = parser.parse_args(argv)
@@ -569,7 +593,7 @@ def _quantize(args: argparse.Namespace) -> int:
         _needs_matplotlib("--report")
     src, dst = Path(args.model), _output_path(args.output)
     if args.target_file:
-        load_targets(args.target_file)
+        load_targets(args.target_file, _warn)
     if args.data is None and args.load_ranges is None and args.weight_dtype != "int4":
         raise ConfigError("quantize needs calibration data: --data PATH (or --load-ranges FILE)")
     callback = None
@@ -636,7 +660,7 @@ def _quantize(args: argparse.Namespace) -> int:
         print(f"wrote {dst}")
     else:  # warnings are never silent, even with --quiet
         for w in report.warnings:
-            print(f"onnxq: warning: {w}", file=sys.stderr)
+            _warn(w)
     return 0
 
 
@@ -656,6 +680,10 @@ def _quantize_html(args: argparse.Namespace, src: Path, qmodel: Any, report: Any
                 break
     page = quantize_page(f"onnxq quantize: {src.name}", float_model, qmodel, report, feeds)
     write_text_atomic(args.report, page)
+
+
+def _warn(message: str) -> None:
+    print(f"onnxq: warning: {one_line(message)}", file=sys.stderr)
 
 
 def _output_path(output: str, option: str = "-o") -> Path:
@@ -698,7 +726,7 @@ def _convert(args: argparse.Namespace) -> int:
 
 def _targets(args: argparse.Namespace) -> int:
     if args.target_file:
-        load_targets(args.target_file)
+        load_targets(args.target_file, _warn)
     for t in targets():
         pats = "all patterns" if t.patterns is None else ", ".join(t.patterns)
         sym = (" symmetric" if t.symmetric_activations else "") + (
@@ -760,7 +788,7 @@ def _debug(args: argparse.Namespace) -> int:
     from onnxq.tools.debug import debug, default_fix_path
 
     if args.target_file:
-        load_targets(args.target_file)
+        load_targets(args.target_file, _warn)
     if args.budget is not None and not args.budget >= 0:
         raise ConfigError(f"--budget {args.budget} must be ≥ 0 seconds")
     for flag, value in (("--samples", args.samples), ("--batch-size", args.batch_size)):
@@ -804,13 +832,13 @@ def _debug(args: argparse.Namespace) -> int:
 def _inspect(args: argparse.Namespace) -> int:
 
     if args.target_file:
-        load_targets(args.target_file)
+        load_targets(args.target_file, _warn)
     options = resolve(target=args.target, config=args.config, exclude=args.exclude, cli=True)
     float_model = load_model(args.model)
     refuse_quantized(float_model, f"'{args.model}'", "inspect")
     quantizer = Quantizer(float_model, options.patterns, options.quantizer_config())
     for w in quantizer.warnings:
-        print(f"warning: {w}", file=sys.stderr)
+        _warn(w)
     hist = op_histogram(quantizer.float_model)
     decisions = mark_carried(quantizer)
     if args.json:

@@ -17,6 +17,7 @@ import numpy as np
 from onnxq.annotate.quantizer import Quantizer
 from onnxq.annotate.specs import Decision
 from onnxq.calibrate.calibration import CalibrationReport
+from onnxq.io.text import shown
 from onnxq.options import pythonize, returned_label, spell
 from onnxq.passes.budget import budget_line
 from onnxq.passes.manager import PassRecord, State, op_histogram
@@ -117,11 +118,6 @@ class QuantizeReport:
             )
         lines.extend(f"note: {n}" for n in self.notes)
         lines.extend(f"constraint: {c}" for c in self.constraints)
-        for name, count in cal.nonfinite.items():
-            lines.append(
-                f"warning: tensor '{name}' held {count} NaN/Inf values during "
-                "calibration; they were ignored"
-            )
         lines.extend(f"warning: {c}" for c in cal.conflicts)
         lines.extend(f"warning: {w}" for w in self.warnings)
         return "\n".join(lines)
@@ -154,6 +150,20 @@ class QuantizeReport:
         }
 
 
+def nonfinite_warnings(nonfinite: dict[str, int], shown_at_most: int = 4) -> list[str]:
+    """One warning naming the tensors that held NaN/Inf on the calibration data, in graph order."""
+    if not nonfinite:
+        return []
+    worst = list(nonfinite.items())
+    named = ", ".join(f"'{shown(n)}' {c}" for n, c in worst[:shown_at_most])
+    more = f" and {len(worst) - shown_at_most} more tensor(s)" if len(worst) > shown_at_most else ""
+    return [
+        f"NaN/Inf values on the calibration data were left out of the ranges: {named}{more} "
+        "(values per tensor); check the data with numpy.isfinite, or the model for ops that "
+        "overflow on it"
+    ]
+
+
 def build_report(state: State) -> QuantizeReport:
     """The report of a finished quantize pipeline."""
     q, o, sol = state.quantizer, state.options, state.solution
@@ -171,7 +181,12 @@ def build_report(state: State) -> QuantizeReport:
         values={k: v.tolist() for k, v in state.values.items()},
         rescales=rescales(state.model) if o.output_format.from_requantized else [],
         constraints=sol.shared + [str(r) for r in sol.rescales],
-        warnings=list(q.warnings) + list(o.warnings) + dataset_warnings + state.check_warnings,
+        warnings=nonfinite_warnings(state.calibrator.report.nonfinite)
+        + list(state.calibrator.report.outliers)
+        + list(q.warnings)
+        + list(o.warnings)
+        + dataset_warnings
+        + state.check_warnings,
         notes=list(o.notes) + widened_notes(q.widened_biases),
         latency=state.latency,
         bias_corrections=dict(state.bias_corrections),

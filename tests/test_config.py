@@ -64,17 +64,24 @@ def test_config_drives_quantization(tmp_path):
     "text, message",
     [
         ("colour = 1\n", "unknown key(s) ['colour']"),
-        ('method = "magic"\n', "method 'magic' is unknown"),
+        ('method = "magic"\n', "method = 'magic' is not one of minmax"),
+        ('[op_type.Conv]\nmethod = "magic"\n', "method = 'magic' (in [op_type.Conv])"),
+        ("op_type = 5\n", "op_type = 5 must be tables of settings"),
+        ('node = "conv1"\n', "node = 'conv1' must be tables of settings"),
+        ("a = " + "[" * 2000 + "]" * 2000 + "\n", "nests arrays or tables deeper"),
+        ("a = " + "{b = " * 1200 + "1" + "}" * 1200 + "\n", "nests arrays or tables deeper"),
+        ("[[node_regex]]\npattern = 5\n", "needs a pattern"),
         ('[[node_regex]]\npattern = "("\nkeep_float = true\n', "not a valid regular expression"),
         ("[[node_regex]]\nkeep_float = true\n", "needs a pattern"),
         ('[node."nope"]\nkeep_float = true\n', "names node(s) ['nope']"),
         ("keep_float = 3\n", "must be true or false"),
         ("this is = not toml [\n", "not valid TOML"),
+        (bytes(range(256)), "is not text (TOML is UTF-8)"),
     ],
 )
 def test_bad_configs_are_clear_errors(tmp_path, capsys, text, message):
     toml = tmp_path / "bad.toml"
-    toml.write_text(text)
+    toml.write_bytes(text if isinstance(text, bytes) else text.encode())
     data = tmp_path / "d.npz"
     np.savez(data, input=X[:4])
     rc = main(
@@ -214,7 +221,10 @@ def test_dtype_conflict_in_openvino_output_matches_the_qdq_model():
     [
         ({"activation_dtype": "int4"}, "is not one of uint8, int8, int16"),
         ({"weight_dtype": "int2"}, "is not one of int8, int4"),
-        ({"per_channel": "yes"}, "per_channel must be true or false"),
+        (
+            {"per_channel": "yes"},
+            'per_channel = .yes. \\(in \\[node."conv2"\\]\\) must be true or false',
+        ),
     ],
 )
 def test_per_node_settings_are_validated(table, message):

@@ -148,7 +148,10 @@ def test_bad_targets(tmp_path, capsys):
     )
     assert rc == 2 and "warp-drive" in capsys.readouterr().err
     for table, message in (
-        ('int16_activations = "yes"', "[target.t].int16_activations must be true or false"),
+        (
+            'int16_activations = "yes"',
+            "int16_activations = 'yes' in [target.t] must be true or false",
+        ),
         ("int16_activations = true", 'int16_activations needs format = "qdq"'),
     ):
         toml.write_text(f"[target.t]\n{table}\n")

@@ -39,6 +39,7 @@ from typing import Any
 
 from onnxq.calibrators import METHODS
 from onnxq.errors import ConfigError
+from onnxq.io.text import shown
 
 KEYS = {"keep_float", "method", "activation_dtype", "weight_dtype", "per_channel"}
 ACTIVATION_DTYPES = ("uint8", "int8", "int16")
@@ -49,13 +50,27 @@ def load_toml(path: str | os.PathLike[str], option: str) -> dict[str, Any]:
     """A TOML file as a dict; a missing or malformed file is a ConfigError naming ``option``."""
     import tomllib
 
+    where = f"{option} file '{shown(str(path))}'"
     try:
         with open(path, "rb") as handle:
             return tomllib.load(handle)
     except FileNotFoundError:
-        raise ConfigError(f"{option} file '{path}' does not exist") from None
+        raise ConfigError(f"{where} does not exist") from None
+    except IsADirectoryError:
+        raise ConfigError(f"{where} is a folder; pass a .toml file") from None
     except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(f"{option} file '{path}' is not valid TOML: {exc}") from None
+        raise ConfigError(f"{where} is not valid TOML: {shown(str(exc))}") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"{where} is not text (TOML is UTF-8); pass a .toml file") from None
+    except RecursionError:
+        raise ConfigError(
+            f"{where} nests arrays or tables deeper than onnxq reads; a config needs two levels"
+        ) from None
+
+
+def _value(value: Any) -> str:
+    """A value from the file as a message shows it (quoted, escaped, cut)."""
+    return shown(repr(value), 80)
 
 
 def most_specific(nodes: list[str], values: dict[str, Any], levels: dict[str, int]) -> Any:
@@ -112,54 +127,60 @@ class UserConfig:
         cfg = UserConfig(path=f"'{path}'")
 
         def settings(where: str, table: Any, extra: frozenset[str] = frozenset()) -> dict[str, Any]:
+            at = f" (in {where})" if where else ""
             if not isinstance(table, dict):
                 raise ConfigError(f"{cfg.path}: {where} must be a table of settings")
             unknown = set(table) - KEYS - extra
             if unknown:
                 raise ConfigError(
-                    f"{cfg.path}: {where} has unknown key(s) {sorted(unknown)}; "
-                    f"valid keys: {sorted(KEYS)}"
+                    f"{cfg.path}: unknown key(s) {shown(str(sorted(unknown)))}{at}; the keys "
+                    f"are {', '.join(sorted(KEYS))}"
                 )
             for flag in ("keep_float", "per_channel"):
                 if flag in table and not isinstance(table[flag], bool):
-                    raise ConfigError(f"{cfg.path}: {where}.{flag} must be true or false")
+                    raise ConfigError(
+                        f"{cfg.path}: {flag} = {_value(table[flag])}{at} must be true or false"
+                    )
             for key, allowed in (
                 ("activation_dtype", ACTIVATION_DTYPES),
                 ("weight_dtype", WEIGHT_DTYPES),
+                ("method", METHODS),
             ):
                 if key in table and table[key] not in allowed:
                     raise ConfigError(
-                        f"{cfg.path}: {where}.{key} {table[key]!r} is not one of "
+                        f"{cfg.path}: {key} = {_value(table[key])}{at} is not one of "
                         f"{', '.join(allowed)}"
                     )
-            if "method" in table and table["method"] not in METHODS:
-                raise ConfigError(
-                    f"{cfg.path}: {where}.method {table['method']!r} is unknown; "
-                    f"choose one of {', '.join(METHODS)}"
-                )
             return {k: v for k, v in table.items() if k in KEYS}
 
         sections = {"op_type", "node_regex", "node"}
-        cfg.global_ = settings("the top level", {k: v for k, v in doc.items() if k not in sections})
+        cfg.global_ = settings("", {k: v for k, v in doc.items() if k not in sections})
+        examples = {"op_type": "[op_type.Conv]", "node": '[node."conv1"]'}
+        for section, example in examples.items():
+            if not isinstance(doc.get(section, {}), dict):
+                raise ConfigError(
+                    f"{cfg.path}: {section} = {_value(doc[section])} must be tables of "
+                    f"settings instead, e.g. {example} with keep_float = true on the next line"
+                )
         for op, table in doc.get("op_type", {}).items():
-            cfg.op_type[op] = settings(f"[op_type.{op}]", table)
+            cfg.op_type[op] = settings(f"[op_type.{shown(op)}]", table)
         regexes = doc.get("node_regex", [])
         if not isinstance(regexes, list):
             raise ConfigError(f"{cfg.path}: node_regex must be an array of tables ([[node_regex]])")
         for i, table in enumerate(regexes):
             where = f"[[node_regex]] #{i + 1}"
-            if not isinstance(table, dict) or "pattern" not in table:
+            if not isinstance(table, dict) or not isinstance(table.get("pattern"), str):
                 raise ConfigError(f'{cfg.path}: {where} needs a pattern = "regex"')
             try:
                 rx = re.compile(table["pattern"])
-            except (re.error, TypeError) as exc:
+            except (re.error, RecursionError, OverflowError) as exc:
                 raise ConfigError(
-                    f"{cfg.path}: {where} pattern {table['pattern']!r} is not a "
-                    f"valid regular expression ({exc})"
+                    f"{cfg.path}: {where} pattern {_value(table['pattern'])} is not a "
+                    f"valid regular expression ({shown(str(exc))})"
                 ) from None
             cfg.node_regex.append((rx, settings(where, table, frozenset({"pattern"}))))
         for name, table in doc.get("node", {}).items():
-            cfg.node[name] = settings(f'[node."{name}"]', table)
+            cfg.node[name] = settings(f'[node."{shown(name)}"]', table)
         return cfg
 
     def with_nodes(self, entries: dict[str, dict[str, Any]]) -> UserConfig:
@@ -197,3 +218,7 @@ class UserConfig:
     def unknown_nodes(self, names: set[str]) -> list[str]:
         """``[node."…"]`` entries naming no node of the model."""
         return sorted(n for n in self.node if n not in names)
+
+    def unknown_op_types(self, ops: set[str]) -> list[str]:
+        """``[op_type.…]`` entries naming an op type the model does not have."""
+        return sorted(op for op in self.op_type if op not in ops)

@@ -17,6 +17,7 @@ the same one the next pattern's input uses, so the Requantizer can fold the DQâ†
 from __future__ import annotations
 
 import contextlib
+from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -50,13 +51,14 @@ from onnxq.io.graph import (
     producer,
     tensor_array,
 )
+from onnxq.io.text import shown
 from onnxq.lower.formats import Format, get_format
 from onnxq.lower.qoperator import TemplateWriter
 from onnxq.match.dfpattern import Match
 from onnxq.match.rewrite import Partition, partition
 from onnxq.patterns import default_patterns
 from onnxq.prepare.opset import default_opset
-from onnxq.prepare.preprocess import preprocess
+from onnxq.prepare.preprocess import preprocess, unique_names
 from onnxq.solve.materialize import materialize
 
 ACTIVATION_DTYPES = ("uint8", "int8", "int16")
@@ -119,6 +121,25 @@ class QuantizerConfig:
         return "" if get_format(self.format).int4 else "FakeQuantize output has 8-bit weights only"
 
 
+def _refuse_shared_names(model: onnx.ModelProto, exclude: Sequence[str]) -> None:
+    """An ``--exclude`` name that several nodes share is ambiguous: refused, with the matches.
+
+    Preprocessing gives each node a unique name (``mm``, ``mm_1``, ``mm_2``), so the name
+    matched one of them, silently.
+    """
+    counts = Counter(n.name for n in model.graph.node if n.name in set(exclude))
+    shared = sorted(name for name, k in counts.items() if k > 1)
+    if shared:
+        name = shared[0]
+        given = [n.name or "\0" for n in model.graph.node]  # unnamed: never the name asked
+        renamed = [r for g, r in zip(given, unique_names(given), strict=True) if g == name]
+        raise ConfigError(
+            f"--exclude {shown(name)} is ambiguous: {counts[name]} nodes of the model are "
+            f"named so; onnxq names them {', '.join(shown(r) for r in renamed)} (`onnxq "
+            "inspect MODEL --explain` lists them): exclude those names"
+        )
+
+
 class Quantizer:
     """Match ``patterns`` in ``model`` and annotate every group; lower the records to a template.
 
@@ -141,6 +162,7 @@ class Quantizer:
         # so the preprocessed copy replaces it instead of joining it (a model's worth of memory)
         proto = load_model(model) if copy or not isinstance(model, onnx.ModelProto) else model
         del model
+        _refuse_shared_names(proto, self.config.exclude)
         self.float_model: onnx.ModelProto = preprocess(proto)
         del proto
         self.patterns = list(patterns) if patterns is not None else default_patterns()
@@ -233,8 +255,14 @@ class Quantizer:
         missing = user.unknown_nodes({n.name for n in graph.nodes})
         if missing:
             raise ConfigError(
-                f"{user.path} names node(s) {missing} that are not in the "
+                f"{user.path} names node(s) {shown(str(missing))} that are not in the "
                 "model; `onnxq inspect MODEL` lists node names"
+            )
+        absent = user.unknown_op_types({n.op for n in graph.nodes})
+        if absent:
+            self.warnings.append(
+                f"{user.path} configures op type(s) {shown(str(absent))} that the model does "
+                "not have; those tables change nothing (`onnxq inspect MODEL` lists its ops)"
             )
         for n in graph.nodes:
             st = user.resolve(n.name, n.op)

@@ -23,10 +23,13 @@ fallback and ``onnxq debug`` then return a group to int16 activations rather tha
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, fields
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 from onnxq.annotate.config import load_toml
 from onnxq.errors import ConfigError
+from onnxq.io.text import shown
 from onnxq.lower.formats import FORMATS
 
 #: ops whose scale sharing onnxq.solve.constraints can enforce
@@ -144,36 +147,82 @@ def targets() -> list[Target]:
     return [_REGISTRY[k] for k in sorted(_REGISTRY)]
 
 
-def load_targets(path: str | os.PathLike[str]) -> list[Target]:
-    """Register the ``[target.NAME]`` tables of a TOML file and return them."""
+def load_targets(
+    path: str | os.PathLike[str], warn: Callable[[str], None] | None = None
+) -> list[Target]:
+    """Register the ``[target.NAME]`` tables of a TOML file and return them.
+
+    Every value is checked against the type of its :class:`Target` field; a table that
+    redefines a built-in target is ``warn``-ed about (it replaces it for this process).
+    """
+    where = f"--target-file '{shown(str(path))}'"
     doc = load_toml(path, "--target-file")
-    known = {f.name for f in fields(Target)} - {"name"}
-    flags = {f.name for f in fields(Target) if f.type in (bool, "bool")}
+    tables = doc.get("target", {})
+    if not isinstance(tables, dict):
+        raise ConfigError(
+            f"{where}: target = {_value(tables)} must be tables instead, e.g. [target.my-npu] "
+            'with format = "qdq" on the next line'
+        )
     loaded = []
-    for name, table in doc.get("target", {}).items():
+    for name, table in tables.items():
+        label = f"[target.{shown(name)}]"
         if not isinstance(table, dict):
-            raise ConfigError(f"'{path}': [target.{name}] must be a table")
-        unknown = set(table) - known
+            raise ConfigError(f"{where}: {label} must be a table")
+        unknown = set(table) - set(_KINDS)
         if unknown:
             raise ConfigError(
-                f"'{path}': [target.{name}] has unknown key(s) {sorted(unknown)}; "
-                f"valid keys: {sorted(known)}"
+                f"{where}: {label} has unknown key(s) {shown(str(sorted(unknown)))}; the keys "
+                f"are {', '.join(sorted(_KINDS))}"
             )
-        values = dict(table)
-        for key in sorted(flags & set(values)):
-            if not isinstance(values[key], bool):
-                raise ConfigError(f"'{path}': [target.{name}].{key} must be true or false")
-        if values.get("weight_bits") == "auto":
-            values["weight_bits"] = None
-        for key in ("patterns", "shared_scale_ops"):
-            if key in values:
-                values[key] = tuple(values[key])
-        try:
-            target = Target(name=name, **values)
-        except TypeError as exc:
-            raise ConfigError(f"'{path}': [target.{name}]: {exc}") from None
+        values = {key: _typed(where, label, key, value) for key, value in table.items()}
+        target = Target(name=name, **values)
+        if name in _BUILTIN_NAMES and warn is not None:
+            warn(f"{where}: {label} replaces the built-in target {name!r} for this run")
         register_target(target)
         loaded.append(target)
     if not loaded:
-        raise ConfigError(f"'{path}' defines no [target.NAME] table")
+        raise ConfigError(f"{where} defines no [target.NAME] table")
     return loaded
+
+
+#: what each key of a [target.NAME] table takes: a type, or "names" (an array of strings),
+#: or "bits" (8, 7 or "auto")
+_KINDS: dict[str, Any] = {
+    "description": str,
+    "format": str,
+    "activation_dtype": str,
+    "symmetric_activations": bool,
+    "per_channel": bool,
+    "weight_bits": "bits",
+    "patterns": "names",
+    "unsigned_after_relu": bool,
+    "dedicated_qdq_pairs": bool,
+    "shared_scale_ops": "names",
+    "runtime": str,
+    "int16_activations": bool,
+}
+_BUILTIN_NAMES = frozenset(t.name for t in BUILTIN)
+
+
+def _typed(where: str, label: str, key: str, value: Any) -> Any:
+    """A table value as its Target field takes it, or a ConfigError naming it."""
+    kind = _KINDS[key]
+    if kind == "names":
+        if isinstance(value, list) and all(isinstance(v, str) for v in value):
+            return tuple(value)
+        expected = 'an array of names, e.g. ["conv", "gemm"]'
+    elif kind == "bits":
+        if value == "auto":
+            return None
+        if type(value) is int:
+            return value
+        expected = '8, 7 or "auto"'
+    elif type(value) is kind:
+        return value
+    else:
+        expected = "true or false" if kind is bool else "a string"
+    raise ConfigError(f"{where}: {key} = {_value(value)} in {label} must be {expected}")
+
+
+def _value(value: Any) -> str:
+    return shown(repr(value), 80)

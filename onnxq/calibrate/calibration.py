@@ -29,7 +29,7 @@ from onnxq.annotate.quantizer import Quantizer
 from onnxq.annotate.specs import PatternRecord
 from onnxq.calibrate.callbacks import CalibrationCallback, CalibrationInfo, Observer
 from onnxq.calibrate.dataset import DatasetManager, Feed, feed_samples
-from onnxq.calibrate.statistics import Statistics
+from onnxq.calibrate.statistics import OUTLIER_RATIO, Statistics, outlier_batches
 from onnxq.calibrate.streaming import (
     AHEAD_BYTES,
     available_cores,
@@ -43,6 +43,7 @@ from onnxq.calibrators import MinMaxCallback
 from onnxq.errors import CalibrationError
 from onnxq.io.graph import graphs_of, tensor_array
 from onnxq.io.session import make_session
+from onnxq.io.text import shown
 
 #: batches in flight in the one-process pass, each run on its own thread sharing the session's
 #: threads: with one run, onnxruntime (exposing the tensors on the cores but one) was the
@@ -176,6 +177,23 @@ def clamped_by_reader(model: onnx.ModelProto) -> dict[str, tuple[str, np.ndarray
     return out
 
 
+def outlier_warnings(stats: Statistics, names: list[str]) -> list[str]:
+    """One warning for the first tensor (graph order) with outlier batches, if any."""
+    for name in names:
+        batches, median = outlier_batches(stats.extremes.get(name, {}))
+        if not batches:
+            continue
+        top = max(stats.extremes[name][b] for b in batches)
+        listed = ", ".join(str(b) for b in batches[:5]) + (" …" if len(batches) > 5 else "")
+        return [
+            f"calibration batch(es) {listed} reach {top:.3g} in tensor '{shown(name)}', over "
+            f"{OUTLIER_RATIO:g}× the largest value of the median batch ({median:.3g}): such "
+            "an outlier sets the range of every tensor it reaches, and the int8 model rounds "
+            "the other samples to almost nothing; fix or drop those samples"
+        ]
+    return []
+
+
 @dataclass
 class CalibrationReport:
     """What calibration saw: samples, batches, timing, conflicts and data problems."""
@@ -187,6 +205,8 @@ class CalibrationReport:
     observer_bytes: int = 0
     nonfinite: dict[str, int] = field(default_factory=dict)
     conflicts: list[str] = field(default_factory=list)
+    #: batches whose values dwarf the rest's (onnxq.calibrate.statistics.outlier_batches)
+    outliers: list[str] = field(default_factory=list)
 
 
 class Calibrator:
@@ -410,8 +430,21 @@ class Calibrator:
             )
         self.channel_sums = stats.channel_totals()
         self.report.batches, self.report.samples = stats.batches, stats.samples
-        for name, bad in stats.nonfinite.items():
-            self.report.nonfinite[name] = self.report.nonfinite.get(name, 0) + bad
+        for name in self._graph_order([*names, *sorted(set(stats.nonfinite) - set(names))]):
+            if name in stats.nonfinite:
+                self.report.nonfinite[name] = (
+                    self.report.nonfinite.get(name, 0) + stats.nonfinite[name]
+                )
+        hopeless = [n for n in self.report.nonfinite if n not in stats.finite]
+        if hopeless:
+            raise CalibrationError(
+                f"tensor '{shown(hopeless[0])}' held no finite value on the calibration data "
+                f"({stats.nonfinite[hopeless[0]]} NaN/Inf values"
+                + (f"; {len(hopeless) - 1} more tensor(s) too" if len(hopeless) > 1 else "")
+                + "), so no range can be chosen for it; check the data for NaN/Inf (e.g. "
+                "numpy.isfinite(x).all()) or exclude the nodes that compute it"
+            )
+        self.report.outliers = outlier_warnings(stats, self._graph_order(names))
         self.report.tensors_observed = len(names)
         self.report.observer_bytes = sum(o.nbytes() for o in self.observers.values())
 
@@ -444,6 +477,13 @@ class Calibrator:
         t1 = time.perf_counter()
         self._fold(fold, feeds, outs, 0)
         return t1 - t0, time.perf_counter() - t1, outputs_bytes(outs)
+
+    def _graph_order(self, names: list[str]) -> list[str]:
+        """``names`` as the data flows: graph inputs, then outputs node by node, then the rest."""
+        g = self.quantizer.float_model.graph
+        order = [i.name for i in g.input] + [o for n in g.node for o in n.output]
+        rank = {t: i for i, t in enumerate(order)}
+        return sorted(names, key=lambda t: (rank.get(t, len(rank)), t))
 
     def _observe_ray(self, stats: Statistics, names: list[str]) -> None:
         """The pass as Ray tasks, each reading its own share of the data."""

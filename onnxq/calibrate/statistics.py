@@ -39,6 +39,11 @@ class Statistics:
     #: tensor -> (per-channel sums, values per channel)
     channel_sums: dict[str, tuple[PairSum, int]] = field(default_factory=dict)
     nonfinite: dict[str, int] = field(default_factory=dict)
+    #: tensors with at least one finite value seen (a tensor of NaN/Inf only is refused)
+    finite: set[str] = field(default_factory=set)
+    #: tensor -> {batch number: largest finite magnitude}, for the outlier check
+    #: (:func:`outlier_batches`)
+    extremes: dict[str, dict[int, float]] = field(default_factory=dict)
     batches: int = 0
     samples: int = 0
     #: consecutive batches that go to one process together (set from the first batch):
@@ -64,6 +69,9 @@ class Statistics:
                 arr = arr[np.isfinite(arr)]
                 if arr.size == 0:
                     continue
+            self.finite.add(name)
+            top = max(-lo, hi) if finite else float(np.abs(arr).max())
+            self.extremes.setdefault(name, {})[index] = top
             observers = self.observers.get(name, ())
             clamp = self.clamps.get(name)
             if clamp is not None and finite and observers:
@@ -111,6 +119,9 @@ class Statistics:
             self.channel_sums[name] = (total, seen + count)
         for name, bad in other.nonfinite.items():
             self.nonfinite[name] = self.nonfinite.get(name, 0) + bad
+        self.finite |= other.finite
+        for name, tops in other.extremes.items():
+            self.extremes.setdefault(name, {}).update(tops)
         self.batches += other.batches
         self.samples += other.samples
 
@@ -138,3 +149,25 @@ def merge_observer(obs: Any, other: Any, tensor: str) -> None:
             f"cannot merge a {type(other).__name__} into a {type(obs).__name__} (tensor '{tensor}')"
         )
     merge(other)
+
+
+#: a batch whose largest magnitude is this many times the median batch's is an outlier
+OUTLIER_RATIO = 1000.0
+#: batches needed before a median batch means anything
+OUTLIER_MIN_BATCHES = 4
+
+
+def outlier_batches(tops: dict[int, float]) -> tuple[list[int], float]:
+    """The batches of one tensor whose largest magnitude dwarfs the rest, and the median's.
+
+    One bad sample (a pixel of 1e6 where the data stays within 1) sets the range of every
+    tensor it reaches: an int8 grid that wide rounds the other samples to zero, and no
+    histogram method sees past it (its bins are as wide as the range allows). Robust: the
+    median batch, not the mean.
+    """
+    if len(tops) < OUTLIER_MIN_BATCHES:
+        return [], 0.0
+    median = float(np.median(list(tops.values())))
+    if median <= 0.0:
+        return [], median
+    return sorted(b for b, t in tops.items() if t > OUTLIER_RATIO * median), median

@@ -184,8 +184,13 @@ def _leave_in_file(proto: onnx.ModelProto, folder: Path, where: str) -> bool:
                 continue
             info = _external_info(t)
             location = info.get("location", "")
-            file = (folder / location).resolve()
-            if not location or Path(location).is_absolute() or folder not in file.parents:
+            file = (folder / location.replace("\0", "")).resolve()
+            if (
+                not location
+                or "\0" in location
+                or Path(location).is_absolute()
+                or folder not in file.parents
+            ):
                 raise ModelError(
                     f"{_model_label(where)}: initializer '{shown(t.name)}' keeps its data at "
                     f"{shown(location)!r}, which is not a file inside the model's folder; "

@@ -47,8 +47,8 @@ def reads_of(option: str, value: object) -> list[Use]:
     Nothing for a ``module:function``, arrays or a ModelProto. A model file brings its
     external data files (read from the model's header, without the weights).
     """
-    if not isinstance(value, (str, os.PathLike)):
-        return []
+    if not isinstance(value, (str, os.PathLike)) or "\0" in os.fspath(value):
+        return []  # a NUL in a path: refused by whatever opens it
     path = Path(value)
     if path.is_dir():
         return [Use(option, path, folder=True)]
@@ -73,7 +73,7 @@ def external_files(model: Path) -> list[Path]:
         for t in g.initializer:
             if t.data_location == onnx.TensorProto.EXTERNAL:
                 location = next((e.value for e in t.external_data if e.key == "location"), "")
-                if location:
+                if location and "\0" not in location:
                     found.add(model.parent / location)
         for node in g.node:
             for a in node.attribute:
@@ -86,6 +86,11 @@ def writes_of(option: str, value: object, model: bool = False) -> list[Use]:
     """The uses of a write option; a model output also writes ``NAME.data`` past 2 GB."""
     if not isinstance(value, (str, os.PathLike)):
         return []
+    if "\0" in os.fspath(value):
+        raise ConfigError(
+            f"{option} '{shown(os.fspath(value))}' holds a NUL character, which no file name "
+            "can; choose another path"
+        )
     uses = [Use(option, Path(value))]
     if model:
         uses.append(Use(option, Path(f"{value}.data"), part="external data"))

@@ -8,7 +8,9 @@ value is a 50 MB error line. :func:`shown` is applied to such a value where a me
 
 from __future__ import annotations
 
+import io
 import unicodedata
+from typing import TextIO
 
 #: characters of an echoed value kept (its head and its tail)
 VALUE_LIMIT = 300
@@ -55,3 +57,30 @@ def shown(text: str, limit: int = VALUE_LIMIT) -> str:
 def one_line(message: str, limit: int = LINE_LIMIT) -> str:
     """A whole message as one printable line of at most ``limit`` characters."""
     return cut(escaped(message), limit)
+
+
+def terminal(text: str) -> str:
+    """``text`` with control characters escaped, its line breaks and tabs kept."""
+    if text.isprintable():
+        return text
+    return "\n".join(escaped(line) for line in text.split("\n"))
+
+
+class TerminalWriter(io.TextIOBase):
+    """A text stream that writes :func:`terminal` text to another (the command's stdout)."""
+
+    def __init__(self, stream: TextIO):
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        """Write ``text`` escaped; returns the length given, as a stream does."""
+        self._stream.write(terminal(text))
+        return len(text)
+
+    def flush(self) -> None:
+        """Flush the stream written to."""
+        self._stream.flush()
+
+    def isatty(self) -> bool:
+        """Whether the stream written to is a terminal."""
+        return self._stream.isatty()

@@ -224,7 +224,8 @@ def _sequential(
         bias_name, bias, rec, node_name, _ = jobs[k]
         f_sum = sum(s for s, _ in float_sums[k][:used])
         f_count = sum(n for _, n in float_sums[k][:used])
-        shift = np.asarray(f_sum, np.float64) / max(f_count, 1) - sums / max(count, 1)
+        with np.errstate(over="ignore", invalid="ignore"):  # non-finite: skipped below
+            shift = np.asarray(f_sum, np.float64) / max(f_count, 1) - sums / max(count, 1)
         if shift.shape != bias.shape or not np.all(np.isfinite(shift)):
             skipped.append(node_name)
             return None

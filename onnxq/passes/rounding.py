@@ -208,6 +208,12 @@ class WeightRounding:
                     "at least as many: fewer over-fit the calibration data)"
                 }
                 continue
+            if not np.isfinite(h).all():
+                state.rounding[name] = {
+                    "skipped": "its calibration inputs are too large for their products to "
+                    "fit a float (values past about 1e19); check the data for outliers"
+                }
+                continue
             w = np.asarray(state.quantizer.float_value(layer.weight), np.float64)
             rows = _as_rows(w, layer)
             grid = _grid(state, layer, rows)

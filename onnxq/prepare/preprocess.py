@@ -127,15 +127,23 @@ def _symbolic_value_info(model: onnx.ModelProto) -> list[onnx.ValueInfoProto]:
 
 def _name_nodes(graph: gs.Graph) -> None:
     """Give every node a unique, deterministic name derived from its op and first output."""
+    bases = [n.name or f"{n.op}_{n.outputs[0].name if n.outputs else 'node'}" for n in graph.nodes]
+    for node, name in zip(graph.nodes, unique_names(bases), strict=True):
+        node.name = name
+
+
+def unique_names(bases: list[str]) -> list[str]:
+    """``bases`` made unique in order: a repeated ``mm`` becomes ``mm_1``, ``mm_2`` and so on."""
     seen: set[str] = set()
-    for node in graph.nodes:
-        base = node.name or f"{node.op}_{node.outputs[0].name if node.outputs else 'node'}"
+    out = []
+    for base in bases:
         name, k = base, 1
         while name in seen:
             name = f"{base}_{k}"
             k += 1
-        node.name = name
+        out.append(name)
         seen.add(name)
+    return out
 
 
 def _drop_identities(graph: gs.Graph) -> None:

@@ -62,10 +62,11 @@ def channel_means(batch: np.ndarray, axis: int) -> tuple[np.ndarray, int]:
     if batch.size == 0:
         return np.zeros(channels), 0
     view = batch.reshape(before, channels, -1)
-    if view.dtype == np.float32:
-        sums = view.sum(axis=2).astype(np.float64).sum(axis=0)
-    else:  # float16 rows could overflow their own type; others as they come
-        sums = view.sum(axis=2, dtype=np.float64).sum(axis=0)
+    with np.errstate(over="ignore", invalid="ignore"):  # an overflow is an Inf the user skips
+        if view.dtype == np.float32:
+            sums = view.sum(axis=2).astype(np.float64).sum(axis=0)
+        else:  # float16 rows could overflow their own type; others as they come
+            sums = view.sum(axis=2, dtype=np.float64).sum(axis=0)
     return sums, view.shape[0] * view.shape[2]
 
 

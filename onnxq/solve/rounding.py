@@ -379,7 +379,8 @@ class HessianObserver:
         if not self._pending:
             return
         cols = np.concatenate(self._pending, axis=2)
-        product = np.matmul(cols, np.swapaxes(cols, 1, 2))
+        with np.errstate(over="ignore", invalid="ignore"):  # an overflow is seen by its user
+            product = np.matmul(cols, np.swapaxes(cols, 1, 2))
         if self._block_sum is None:
             self._block_sum = product.astype(np.float64)
         elif not self._block_sum.flags.writeable:  # a shard's, back from Ray's object store

@@ -36,16 +36,17 @@ cuts its samples to stay within it).
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import shlex
 import time
+import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import onnx
+import tomli_w
 
 from onnxq.annotate.config import UserConfig
 from onnxq.api import quantize_state
@@ -53,6 +54,8 @@ from onnxq.calibrate.dataset import model_inputs
 from onnxq.calibrate.sources import as_dataset
 from onnxq.errors import ConfigError, DataError
 from onnxq.io.graph import load_model, write_text_atomic
+from onnxq.io.paths import reads_of, refuse_collisions, writes_of
+from onnxq.io.text import escaped
 from onnxq.lower.fakequantize import holds_fakequantize
 from onnxq.options import resolve, returned_label
 from onnxq.passes.load import refuse_quantized
@@ -259,19 +262,35 @@ def debug(
     target_file: str | None = None,
     report: str | os.PathLike[str] | None = None,
     cli: bool = False,
+    base_dir: str | os.PathLike[str] | None = None,
 ) -> DebugResult:
     """Rank, bisect, write and check; see the module docstring.
 
     ``output``: the config file; ``report``: an HTML report (onnxq.tools.html) to write.
+    ``base_dir``: for a ModelProto with external data, the folder its files are in.
     ``fallback``: what a group returns to, "float" or "int16" (None: the target's choice).
     ``data_label`` and ``target_file`` are what the printed command names.
     """
     start = time.perf_counter()
+    name = str(model) if not isinstance(model, onnx.ModelProto) else "model.onnx"
+    if not cli:  # the command line checked its own paths, under their option names
+        refuse_collisions(
+            [
+                *reads_of("model", model),
+                *reads_of("data", data),
+                *reads_of("target_file", target_file),
+            ],
+            [
+                *writes_of("output", output if output is not None else default_fix_path(name)),
+                *writes_of("report", report),
+            ],
+        )
     if not 0 < recover <= 1:
         raise ConfigError(f"{_flag('recover', cli)} {recover} must be in (0, 1]")
     mode = resolve(target=target, fallback=fallback, cli=cli).fallback
-    name = str(model) if not isinstance(model, onnx.ModelProto) else "model.onnx"
-    source = model if isinstance(model, onnx.ModelProto) else load_model(model)
+    # a path is checked here; a ModelProto by the quantize passes (external data resolved
+    # against base_dir either way)
+    source = load_model(model, check=not isinstance(model, onnx.ModelProto), base_dir=base_dir)
     refuse_quantized(source, f"'{name}'", "debug")
     feeds = [
         dict(f)
@@ -365,7 +384,7 @@ def debug(
             )
         chosen = candidates[:k]
     if loss > 0 and chosen:
-        config_path = Path(output) if output is not None else Path(_default_output(name))
+        config_path = Path(output) if output is not None else Path(default_fix_path(name))
         text = _config_text(
             name,
             target_name,
@@ -555,7 +574,8 @@ def _flag(option: str, cli: bool) -> str:
     return f"--{option}" if cli else option
 
 
-def _default_output(model: str) -> str:
+def default_fix_path(model: str | os.PathLike[str]) -> str:
+    """Where ``debug`` writes its config when no output is named: MODEL_fix.toml, here."""
     return f"{Path(model).stem}_fix.toml"
 
 
@@ -591,6 +611,7 @@ def _config_text(
         f"({ranking.samples} samples)",
         "",
     ]
+    document: dict[str, dict[str, Any]] = {"node": {}}
     for g, kind in zip(chosen, kinds, strict=True):
         split = (
             ""
@@ -617,9 +638,21 @@ def _config_text(
             f"# {g.node} ({g.op}): {100 * g.alone_share:.1f}% of the output noise comes back "
             f"when it alone is int8 ({db(g.alone):.2f} dB); {floated}{split}{why}"
         )
-        entry = fix_entry(kind)
-        for node in g.nodes:
-            lines.append(f"[node.{json.dumps(node)}]")
-            lines += [f"{key} = {json.dumps(value)}" for key, value in entry.items()]
-        lines.append("")
-    return "\n".join(lines)
+        tables = {node: fix_entry(kind) for node in g.nodes}
+        document["node"].update(tables)
+        lines.append(tomli_w.dumps({"node": tables}))
+    return toml_document(lines, document)
+
+
+def toml_document(lines: list[str], document: dict[str, Any]) -> str:
+    """TOML text from comment lines and tables written by a TOML writer, checked.
+
+    Comment lines (starting with ``#``) are escaped (a name holding a newline cannot start a
+    line of its own); the tables come from ``tomli_w``. The text is parsed back and must give
+    ``document`` exactly, and be a valid ``--config``, before anything is written.
+    """
+    text = "\n".join(escaped(line) if line.startswith("#") else line for line in lines)
+    if tomllib.loads(text) != document:
+        raise AssertionError("the config written does not read back as written")
+    UserConfig.from_dict(document, "the config onnxq debug writes")
+    return text
