@@ -85,3 +85,10 @@ def zoo_datasets():
     from models import datasets
 
     return datasets
+
+
+def examples(fast: int, slow: int) -> int:
+    """A property test's example count: ``fast`` in the fast tier, ``slow`` under --slow."""
+    import os
+
+    return slow if os.environ.get("ONNXQ_TEST_TIER") == "slow" else fast
