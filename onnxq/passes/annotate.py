@@ -38,7 +38,7 @@ class Annotate:
         )
         # graphsurgeon graphs are reference cycles: free the stages' copies now, and hand the
         # pages back (the 2 GB transformer held 1.2x its weights in freed heap otherwise)
-        free_memory()
+        free_memory(state.float_model)
         state.quantizer = q
         matched = len({n for rec in q.records for n in rec.nodes})
         return PassResult(

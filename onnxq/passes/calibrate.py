@@ -78,7 +78,7 @@ class Calibrate:
             calibrator.loaded_means = read_channel_means(o.load_ranges)
         state.values = calibrator.calibrate()
         calibrator.release()
-        free_memory()
+        free_memory(state.float_model)
         state.calibrator = calibrator
         rep = calibrator.report
         return PassResult(f"{len(state.values)} values from {rep.samples} samples")

@@ -32,7 +32,7 @@ class Lower:
         guarded: list[str] = []
         if fmt.runtime == "onnxruntime":
             state.model, guarded = guard_float_layers(state.model)
-        free_memory()
+        free_memory(state.float_model)
         changed = op_changes(before, op_histogram(state.model))
         note = (
             f"; {len(guarded)} float layer(s) guarded from runtime quantization" if guarded else ""

@@ -22,7 +22,7 @@ class Requantize:
         requantizer = Requantizer()
         state.model = requantizer.requantize(state.model)
         state.requantize_stats = s = requantizer.stats
-        free_memory()
+        free_memory(state.float_model)
         return PassResult(
             f"{s.folded_pairs} DQ→Q pairs folded, {s.rescaled_pairs} rescaled, "
             f"{len(s.crossed_ops)} ops carried, {len(s.relus_removed)} Relus removed"

@@ -24,7 +24,7 @@ class Save:
         # nothing after the checks runs the verification session: let its copy of the
         # model go before the writer serializes one (a 2 GB model's peak was here)
         state.session = None
-        free_memory()
+        free_memory(state.float_model)
         if o.output is not None:
             save_model(state.model, o.output)
             wrote.append(str(o.output))
