@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import onnx
-from helpers import run
+from helpers import examples, run
 from hypothesis import HealthCheck, given, note, settings
 from hypothesis import strategies as st
 from onnx import TensorProto
@@ -41,7 +41,7 @@ ENOUGH_DB = 35.0
 FLOOR_DB = 12.0
 
 SETTINGS = {"default": {}, "qdq": {"format": "qdq"}, "tensorrt": {"target": "tensorrt"}}
-EXAMPLES = int(os.environ.get("ONNXQ_PROPERTY_EXAMPLES", "30"))
+EXAMPLES = int(os.environ.get("ONNXQ_PROPERTY_EXAMPLES", examples(6, 30)))
 
 
 # --------------------------------------------------------------------------------------------

@@ -70,6 +70,7 @@ def test_the_report_of_a_200_node_model_stays_under_2_mb(tmp_path):
     assert 10_000 < size < 2 * 1024 * 1024, size
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(
     CHROMIUM is None,
     reason="Chromium is not installed: apt-get install chromium (.ci/run installs it)",

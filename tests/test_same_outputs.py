@@ -19,6 +19,7 @@ def _has_history() -> bool:
     return subprocess.run(probe, capture_output=True).returncode == 0
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not _has_history(), reason="needs the git history (git fetch --unshallow)")
 def test_committed_models_give_the_reference_values_and_outputs():
     done = subprocess.run(

@@ -299,6 +299,7 @@ def _folder(tmp_path, count: int = 48):
     return path, folder
 
 
+@pytest.mark.slow
 def test_ray_on_a_local_cluster_it_starts_writes_the_one_process_model(tmp_path, capsys):
     ray = pytest.importorskip("ray", reason="Ray is not installed: pip install 'onnxq[ray]'")
     path, folder = _folder(tmp_path)
@@ -329,6 +330,7 @@ def test_ray_on_a_local_cluster_it_starts_writes_the_one_process_model(tmp_path,
     assert not (tmp_path / "x.onnx").exists()
 
 
+@pytest.mark.slow
 def test_ray_tasks_open_a_shard_function_and_errors_are_clear(tmp_path, capsys):
     ray = pytest.importorskip("ray", reason="Ray is not installed: pip install 'onnxq[ray]'")
     from onnxq.demo import demo_files
