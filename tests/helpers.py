@@ -92,3 +92,33 @@ def examples(fast: int, slow: int) -> int:
     import os
 
     return slow if os.environ.get("ONNXQ_TEST_TIER") == "slow" else fast
+
+
+#: what tells that a Debian package is installed: a file, or a command on PATH
+DEBIAN_PROBES = {
+    "dataset-fashion-mnist": "/usr/share/datasets/fashion-mnist/t10k-images-idx3-ubyte.gz",
+    "espeak-ng": "espeak-ng",
+    "fonts-dejavu-core": "/usr/share/fonts/truetype/dejavu/DejaVuSans.ttf",
+    "chromium": "chromium",
+}
+
+
+def needs_debian(*packages: str) -> None:
+    """Skip the calling test when a Debian package it needs is missing, naming the command.
+
+    Under ``CI=true`` the test runs (and fails) instead: ``.ci/run`` installs every package.
+    Every test that needs a Debian package calls this (tests/test_tiers.py checks it).
+    """
+    import os
+    import shutil
+
+    import pytest
+
+    def present(probe: str) -> bool:
+        return Path(probe).is_file() if probe.startswith("/") else shutil.which(probe) is not None
+
+    missing = [p for p in packages if not present(DEBIAN_PROBES[p])]
+    if missing and not os.environ.get("CI"):
+        pytest.skip(
+            f"needs the Debian package(s) {', '.join(missing)}: apt-get install {' '.join(missing)}"
+        )

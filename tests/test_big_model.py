@@ -1,6 +1,6 @@
 """Models over 2 GB, with the 2 GB limit lowered: external data in, external data out.
 
-The real run (scripts/big_model.py on a 2.13 GiB model) is documented in docs/calibration.md;
+The real run (benchmarks/big_model.py on a 2.13 GiB model) is documented in docs/calibration.md;
 here the same code paths run on a 1.6 MB model by lowering ``onnxq.io.graph.TWO_GIB``: the
 checker's weights-as-inputs check, the session from external data, the output written with
 its weights beside it, loaded back by onnxruntime and compared with the float model.
@@ -15,7 +15,7 @@ import pytest
 import onnxq
 import onnxq.io.graph as graph
 import onnxq.io.session as session
-from scripts import big_model
+from benchmarks import big_model
 
 
 @pytest.fixture

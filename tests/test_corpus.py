@@ -194,8 +194,21 @@ def test_the_corpus_is_there():
     assert len(SMALL) >= 120 and len(LIGHT) == 9, (len(SMALL), len(LIGHT))
 
 
-@pytest.mark.parametrize("setting", list(SETTINGS))
-@pytest.mark.parametrize(("key", "path"), SMALL, ids=[k for k, _ in SMALL])
+def _small_params() -> list:
+    """Every small model in every setting: one setting each (in turn) in the fast tier, the
+    other two in the slow tier."""
+    names = list(SETTINGS)
+    return [
+        pytest.param(
+            key, path, setting, id=f"{key}-{setting}", marks=[] if fast else [pytest.mark.slow]
+        )
+        for i, (key, path) in enumerate(SMALL)
+        for setting in names
+        for fast in [setting == names[i % len(names)]]
+    ]
+
+
+@pytest.mark.parametrize(("key", "path", "setting"), _small_params())
 def test_small_corpus_model_within_the_floor_or_refused_clearly(key, path, setting):
     result = check_case(key, path, [setting], reruns={setting})[setting]
     _assert_case(key, setting, result)

@@ -9,7 +9,16 @@ from pathlib import Path
 import numpy as np
 import onnx
 import pytest
-from helpers import DIGITS_CNN, make_model, ops, rng, run, trained_model, zoo_datasets
+from helpers import (
+    DIGITS_CNN,
+    make_model,
+    needs_debian,
+    ops,
+    rng,
+    run,
+    trained_model,
+    zoo_datasets,
+)
 from onnx import helper as h
 from test_patterns import ACT_CASES, BINARY_CASES, CONV_CASES, DENSE_CASES, POOL_CASES, weights
 
@@ -196,8 +205,7 @@ def test_fq_bounds_follow_the_formula():
 
 def zoo_data(name):
     if name == "fashion_cnn":
-        if not ds.fashion_available():
-            pytest.skip("dataset-fashion-mnist is not installed")
+        needs_debian("dataset-fashion-mnist")
         xtr, _, xte, _ = ds.fashion()
         return xtr[:200], xte[:500]
     xtr, _, xte, _ = ds.digits()
@@ -207,7 +215,9 @@ def zoo_data(name):
 
 
 @needs_openvino
-@pytest.mark.parametrize("name", ["digits_cnn", "digits_mlp", "fashion_cnn"])
+@pytest.mark.parametrize(
+    "name", ["digits_cnn", "digits_mlp", pytest.param("fashion_cnn", marks=pytest.mark.slow)]
+)
 def test_three_formats_agree_within_one_step(name):
     calib, xte = zoo_data(name)
     path = str(trained_model(name))

@@ -17,6 +17,7 @@ from helpers import DIGITS_CNN, run
 
 import onnxq
 import onnxq.lower.qoperator as qoperator
+from benchmarks import big_model
 from onnxq.api import quantize_state
 from onnxq.cli import main
 from onnxq.errors import ModelError
@@ -27,7 +28,6 @@ from onnxq.io.graph import (
     serialize,
     tensor_array,
 )
-from scripts import big_model
 
 
 def _external(tmp_path, source=DIGITS_CNN, name="ext.onnx"):

@@ -8,6 +8,7 @@ import pytest
 from helpers import (
     QUANTIZED_OPS,
     dq_q_pairs_between_quantized,
+    needs_debian,
     run,
     trained_model,
     zoo_datasets,
@@ -26,8 +27,7 @@ def _digits(layout):
 
 
 def _fashion():
-    if not ds.fashion_available():
-        pytest.skip("dataset-fashion-mnist is not installed (.ci/run installs it)")
+    needs_debian("dataset-fashion-mnist")
     xtr, _, xte, yte = ds.fashion()
     return xtr[:500], xte, yte
 
@@ -37,6 +37,8 @@ CASES = {
     "digits_cnn": lambda: _digits("nchw"),
     "fashion_cnn": _fashion,
 }
+#: the real-data model runs in the slow tier
+NAMES = ["digits_mlp", "digits_cnn", pytest.param("fashion_cnn", marks=pytest.mark.slow)]
 
 
 def accuracy(model, x, y):
@@ -45,7 +47,7 @@ def accuracy(model, x, y):
     return float((out.argmax(1) == y).mean())
 
 
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("name", NAMES)
 @pytest.mark.parametrize(
     "method", ["minmax", "average-max", "percentile", "entropy", "mse", "output-aware"]
 )

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 import pytest
-from helpers import make_model, rng
+from helpers import make_model, needs_debian, rng
 from onnx import helper as h
 
 from onnxq.cli import main
@@ -71,11 +71,8 @@ def test_the_report_of_a_200_node_model_stays_under_2_mb(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(
-    CHROMIUM is None,
-    reason="Chromium is not installed: apt-get install chromium (.ci/run installs it)",
-)
 def test_the_report_renders_in_chromium_and_its_filter_works(report):
+    needs_debian("chromium")
     sync_api = pytest.importorskip("playwright.sync_api", reason="pip install playwright")
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     errors: list[str] = []

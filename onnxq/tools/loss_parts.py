@@ -20,8 +20,8 @@ Beside them, the metric of the **same int8 model with its quantization computed 
 writes it, where the runtime runs integer kernels that requantize their int32 sums). The two
 differ only where a value lands within a rounding of a grid point, so the gap between them is
 how far the metric moves on rounding ties alone: on MobileNetV2's near-tie crops, about a point
-(the same QDQ file agrees with itself on 95% of them, ``scripts/kernel_agreement.py``), on
-most models nothing. A change smaller than that between two quantizations is not a difference.
+(the same QDQ file run with onnxruntime's integer kernels and with its optimizations off
+agrees with itself on 95% of them), on most models nothing. A change smaller than that between two quantizations is not a difference.
 
 The parts are measured, not modelled: the errors interact and a metric is not a sum, so they
 do not add up to the int8 model's loss. Each part is one evaluation of the metric; the second

@@ -1,7 +1,7 @@
 """A transformer-like model whose weights pass 2 GB, built here, and onnxq run on it.
 
-    python scripts/big_model.py build DIR [--hidden 2048] [--blocks 17]   # 2.28 GB of weights
-    python scripts/big_model.py run DIR [--methods minmax mse ...] [--samples 4]
+    python -m benchmarks.big_model build DIR [--hidden 2048] [--blocks 17]   # 2.28 GB of weights
+    python -m benchmarks.big_model run DIR [--methods minmax mse ...] [--samples 4]
 
 ``build`` writes ``DIR/big.onnx`` with its weights as external data in ``DIR/big.onnx.data``,
 one tensor at a time (the builder never holds the weights at once). Each block is a

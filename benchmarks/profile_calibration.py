@@ -1,6 +1,6 @@
 """Where the calibrate step's time goes, per part, next to plain fp32 inference of the same data.
 
-    python scripts/profile_calibration.py MODEL.onnx [--samples 64] [--batch-size 16]
+    python -m benchmarks.profile_calibration MODEL.onnx [--samples 64] [--batch-size 16]
                                           [--method minmax] [--data FILE.npz] [--workers 1]
 
 Without ``--data`` the samples are seeded uniform [0, 1) values in the model's input shape
@@ -28,9 +28,6 @@ from pathlib import Path
 
 import numpy as np
 import onnx
-
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 PARTS: dict[str, float] = defaultdict(float)
 

@@ -1,7 +1,7 @@
 """What it costs onnxruntime to hand out the tensors calibration observes, and the alternatives.
 
-    python scripts/exposure_cost.py MODEL.onnx --data FILE.npz [--samples 256] [--method minmax]
-    python scripts/exposure_cost.py --zoo NAME [--samples 256] [--openvino]   (a zoo model)
+    python -m benchmarks.exposure_cost MODEL.onnx --data FILE.npz [--samples 256] [--method minmax]
+    python -m benchmarks.exposure_cost --zoo NAME [--samples 256] [--openvino]   (a zoo model)
 
 The calibrate step cannot be faster than onnxruntime producing the tensors it observes. This
 script takes the float model and the tensor names of a real calibration pass (onnxq's own,
@@ -30,7 +30,6 @@ every array of ``--data`` and fed one at a time.
 from __future__ import annotations
 
 import argparse
-import sys
 import threading
 import time
 from pathlib import Path
@@ -39,9 +38,6 @@ from typing import Any
 import numpy as np
 import onnx
 from onnx import TensorProto, helper
-
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 
 def _observed(path: str, feeds: list[dict[str, np.ndarray]], method: str) -> tuple[Any, list]:
