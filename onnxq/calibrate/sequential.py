@@ -29,7 +29,7 @@ import onnx
 from onnx import helper, numpy_helper
 
 from onnxq.calibrate.streaming import run_ahead
-from onnxq.io.graph import names_read
+from onnxq.io.graph import copy_fields, names_read
 from onnxq.io.session import inferred_types, make_session, output_types
 from onnxq.solve.bias_correction import channel_means
 
@@ -53,9 +53,11 @@ def run_in_order(
     ``targets``: (output tensor of a node, its channel axis), in any order; they are measured
     in graph order. Returns the number of batches the last measurement covered.
     """
-    model, shifts = _with_shifts(model, [name for name, _ in targets])
-    nodes = list(model.graph.node)
+    types = {**inferred_types(model), **output_types(model)}
     inits = {i.name: i for i in model.graph.initializer}
+    model, shifts = _with_shifts(model, [name for name, _ in targets])
+    inits.update({t.name: t for t in shifts.values()})
+    nodes = list(model.graph.node)
     producer = {o: i for i, n in enumerate(nodes) for o in n.output if o}
     reads = [names_read([n]) for n in nodes]
     lazy = {
@@ -68,7 +70,6 @@ def run_in_order(
         nodes, producer, reads, lazy, [producer[f"{targets[k][0]}/unshifted"] for k in order]
     )
     external = [_external(piece, nodes, reads, inits) for piece in pieces]
-    types = {**inferred_types(model), **output_types(model)}
     live: dict[str, list[np.ndarray]] = {
         name: [np.asarray(b[name]) for b in batches] for name in {i.name for i in model.graph.input}
     }
@@ -82,6 +83,7 @@ def run_in_order(
         fetch = [*keep, measured]
         sub = _submodel(model, [nodes[i] for i in piece], external[p], fetch, inits, types, live)
         session = make_session(sub, as_written=True)
+        del sub  # the session holds its own copy of the piece's weights
         feeds = ({x: live[x][b] for x in external[p]} for b in range(used))
         stored: dict[str, list[np.ndarray]] = {o: [] for o in keep}
         total: np.ndarray | None = None
@@ -117,9 +119,14 @@ def run_in_order(
 def _with_shifts(
     model: onnx.ModelProto, outputs: list[str]
 ) -> tuple[onnx.ModelProto, dict[str, onnx.TensorProto]]:
-    """A copy of ``model`` with every target output ``y`` written as ``y/unshifted + y/shift``."""
+    """``model``'s graph with every target output ``y`` written as ``y/unshifted + y/shift``.
+
+    A copy without the initializers: the caller keeps reading those of ``model``, and the
+    shifts (zero for now, by target) returned beside it.
+    """
     copy = onnx.ModelProto()
-    copy.CopyFrom(model)
+    copy_fields(model, copy, skip="graph")
+    copy_fields(model.graph, copy.graph, skip="initializer")
     wanted = set(outputs)
     shifts: dict[str, onnx.TensorProto] = {}
     nodes: list[onnx.NodeProto] = []
@@ -128,10 +135,8 @@ def _with_shifts(
         if node.output and node.output[0] in wanted:
             y = node.output[0]
             node.output[0] = f"{y}/unshifted"
-            shift = numpy_helper.from_array(np.zeros((), np.float32), f"{y}/shift")
-            copy.graph.initializer.append(shift)
-            shifts[y] = copy.graph.initializer[-1]
-            nodes.append(helper.make_node("Add", [node.output[0], shift.name], [y], f"{y}/Shift"))
+            shifts[y] = numpy_helper.from_array(np.zeros((), np.float32), f"{y}/shift")
+            nodes.append(helper.make_node("Add", [node.output[0], f"{y}/shift"], [y], f"{y}/Shift"))
     missing = wanted - set(shifts)
     if missing:
         raise ValueError(f"no node writes {sorted(missing)[0]}")

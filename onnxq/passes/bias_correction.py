@@ -185,7 +185,8 @@ def _sequential(
     from onnxq.tools.emulate import emulate
 
     q = state.quantizer
-    emulation = emulate(state, int32_biases=False)  # materialize sets their grids
+    # every switch on: no float branches (materialize sets the biases' grids)
+    emulation = emulate(state, int32_biases=False, float_branches=False)
     written = {n.name: n.output[0] for n in emulation.model.graph.node if n.output}
     for n in emulation.model.graph.node:
         if n.op_type == "If" and n.name.endswith("/If"):
@@ -235,7 +236,10 @@ def _sequential(
             state.bias_corrections[bias_name] = float(np.max(np.abs(shift))) / out_scale
         return shift
 
-    used = run_in_order(emulation.resolved(), targets, runs, correct)
+    resolved = emulation.resolved()
+    del emulation  # its switched form holds the float and the quantized weights both
+    used = run_in_order(resolved, targets, runs, correct)
+    del resolved
     samples = sum(feed_samples(b) for b in runs[:used])
     steps = list(state.bias_corrections.values())
     floats_done = sum(1 for j in jobs if j[2] is None and j[3] not in skipped)

@@ -201,6 +201,7 @@ class WeightRounding:
         done = 0
         for name, (layer, obs) in state.hessians.items():
             h = obs.hessian()
+            obs.release()  # its sums are in ``h`` now: one K×K float64 array, not three
             k = 0 if h is None else h.shape[-1]
             if h is None or obs.rows < k:
                 state.rounding[name] = {
@@ -229,6 +230,8 @@ class WeightRounding:
             }
             done += 1
         state.hessians = {}
+        if state.calibrator is not None:  # the calibrate pass kept the observers as its taps
+            state.calibrator.taps = {}
         return PassResult(describe(state.rounding) or "nothing rounded")
 
 

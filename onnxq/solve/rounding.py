@@ -409,6 +409,12 @@ class HessianObserver:
         self.sum.merge(other.sum)
         self.rows += other.rows
 
+    def release(self) -> None:
+        """Let go of the accumulated sums (after :meth:`hessian` was taken)."""
+        self.sum = PairSum()
+        self._block_sum = None
+        self._pending = []
+
     def hessian(self) -> np.ndarray | None:
         """The mean ``x xᵀ`` per group, or None before any batch."""
         self._flush()

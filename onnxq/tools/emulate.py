@@ -38,7 +38,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from onnxq.io.graph import names_read, tensor_array
+from onnxq.io.graph import copy_fields, names_read, tensor_array
 from onnxq.lower.fakequantize import OV_DOMAIN, to_fakequantize
 from onnxq.passes.manager import user_nodes
 
@@ -190,14 +190,13 @@ class Emulation:
                     for j, name in enumerate(copy.input):
                         copy.input[j] = rename.get(name, name)
                     nodes.append(copy)
-        model = onnx.ModelProto()
-        model.CopyFrom(self.model)
+        model = onnx.ModelProto()  # the fields copied one by one: no second copy of weights
+        copy_fields(self.model, model, skip="graph")
+        copy_fields(graph, model.graph, skip="initializer")
         read = names_read(nodes)
-        kept = [i for i in graph.initializer if i.name in read]
         del model.graph.node[:]
         model.graph.node.extend(nodes)
-        del model.graph.initializer[:]
-        model.graph.initializer.extend(kept)
+        model.graph.initializer.extend(i for i in graph.initializer if i.name in read)
         inputs = [i for i in model.graph.input if i.name != FLAGS]
         del model.graph.input[:]
         model.graph.input.extend(inputs)
@@ -215,7 +214,7 @@ def _step(lo: np.ndarray, hi: np.ndarray, levels: int) -> np.ndarray:
     return np.where(width > 0, width / np.float32(levels - 1), np.float32(1.0)).astype(np.float32)
 
 
-def emulate(state: Any, int32_biases: bool = True) -> Emulation:
+def emulate(state: Any, int32_biases: bool = True, float_branches: bool = True) -> Emulation:
     """The emulation of a finished quantization (a :class:`~onnxq.passes.manager.State`).
 
     ``int32_biases``: round each Conv/Gemm bias to its int32 grid s_x·s_w, as the int8 model
@@ -223,6 +222,9 @@ def emulate(state: Any, int32_biases: bool = True) -> Emulation:
     float: materialize may still widen a channel's weight scale (a bias the int32 accumulator
     cannot hold, a dead channel's bias on a too coarse grid), and the grid at that point would
     be the wrong one (a pruned channel's bias of 0.62 on a 0.79 grid was "corrected" to 0.36).
+    ``float_branches=False`` leaves out the float weights and replaced constants a switch
+    turned off would read: the emulation is then only good for :meth:`Emulation.resolved`
+    with every switch on (the sequential bias correction's model), at a third of the memory.
     """
     quantizer = state.quantizer
     raw = held_float(state.model)
@@ -250,7 +252,6 @@ def emulate(state: Any, int32_biases: bool = True) -> Emulation:
     switches: list[Switch] = []
     gates: dict[int, str] = {}
     nodes: list[onnx.NodeProto] = []
-    new_inits: list[onnx.TensorProto] = []
 
     def switch(
         tensor: str, kind: str, owners: list[int], grid: tuple[float, float, int] | None = None
@@ -267,13 +268,15 @@ def emulate(state: Any, int32_biases: bool = True) -> Emulation:
         """The boolean scalar of switch ``k`` (its Gather node emitted on first use)."""
         if k not in gates:
             index = f"{FLAGS}/{k}"
-            new_inits.append(numpy_helper.from_array(np.array(k, np.int64), index))
+            constant(index, np.array(k), np.int64)
             nodes.append(helper.make_node("Gather", [FLAGS, index], [f"{index}/on"], index))
             gates[k] = f"{index}/on"
         return gates[k]
 
     def constant(name: str, value: np.ndarray, dtype: Any = np.float32) -> str:
-        new_inits.append(numpy_helper.from_array(np.asarray(value, dtype), name))
+        # straight into the graph: a list of new tensors extended in at the end was a second
+        # copy of every quantized weight while the first was alive
+        graph.initializer.add().CopyFrom(numpy_helper.from_array(np.asarray(value, dtype), name))
         return name
 
     # weights: FakeQuantize of a constant -> (switch, rounded and quantized, float)
@@ -294,23 +297,21 @@ def emulate(state: Any, int32_biases: bool = True) -> Emulation:
         steps[y] = _step(lo, hi, levels)
         if x not in inits:
             continue
-        rounded = tensor_array(inits[x])
-        float_w = tensor_array(originals[x]) if x in originals else rounded
         k = switch(x, "weight", readers.get(x, []))
-        weights[y] = (
-            k,
-            constant(f"{y}/on", _fq(rounded, lo, hi, levels)),
-            constant(f"{y}/off", float_w),
-        )
+        on = constant(f"{y}/on", _fq(tensor_array(inits[x]), lo, hi, levels))
+        off = f"{y}/off"
+        if float_branches:
+            constant(off, tensor_array(originals[x]) if x in originals else tensor_array(inits[x]))
+        weights[y] = (k, on, off)
     for name, init in inits.items():
         original = originals.get(name)
         if name in fq_inputs or original is None:
             continue
         if original.SerializeToString() != init.SerializeToString():
-            replaced[name] = (
-                constant(f"{name}/on", tensor_array(init)),
-                constant(f"{name}/off", tensor_array(original)),
-            )
+            off = f"{name}/off"
+            if float_branches:
+                constant(off, tensor_array(original))
+            replaced[name] = (constant(f"{name}/on", tensor_array(init)), off)
 
     # activations a float op reads as the written model holds them: the FakeQuantize's input
     as_held = {
@@ -356,14 +357,14 @@ def emulate(state: Any, int32_biases: bool = True) -> Emulation:
                 node.input[j] = out
         nodes.append(node)
     read = names_read(nodes)
-    kept = [i for i in graph.initializer if i.name in read]
     del graph.node[:]
     graph.node.extend(nodes)
-    del graph.initializer[:]
     # a constant a later step replaced (a bias its int32 rounding took over) is not kept:
     # onnxruntime failed to load EfficientNet-Lite1's emulation over such unread initializers
     # ("ReplaceInitializedTensorImpl Failed to find existing initializer ….bias/on")
-    graph.initializer.extend(kept + [i for i in new_inits if i.name in read])
+    for i in reversed(range(len(graph.initializer))):  # in place: no copy of what is kept
+        if graph.initializer[i].name not in read:
+            del graph.initializer[i]
     graph.input.append(helper.make_tensor_value_info(FLAGS, onnx.TensorProto.BOOL, [len(switches)]))
     opsets = [d for d in fq_model.opset_import if d.domain != OV_DOMAIN]
     del fq_model.opset_import[:]
