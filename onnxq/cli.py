@@ -11,6 +11,7 @@ import contextlib
 import json
 import os
 import sys
+from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NoReturn
@@ -40,7 +41,7 @@ from onnxq.options import (
     SMOOTHQUANT,
     resolve,
 )
-from onnxq.passes.load import refuse_quantized
+from onnxq.passes.load import raise_for_output, refuse_quantized
 from onnxq.passes.manager import op_histogram
 from onnxq.passes.verify import verify
 from onnxq.prepare.kind import KINDS
@@ -450,6 +451,11 @@ def _quantize_run(q: argparse.ArgumentParser) -> None:
     )
     q.add_argument("--quiet", action="store_true", help="no progress bar or summary")
     q.add_argument(
+        "--verbose",
+        action="store_true",
+        help="a longer summary: calibration, requantize, every algorithm and pass with its time",
+    )
+    q.add_argument(
         "--no-latency-check",
         action="store_true",
         help="skip timing fp32 against int8 (by default a model that runs slower in int8 is "
@@ -656,7 +662,7 @@ def _quantize(args: argparse.Namespace) -> int:
     elif args.report:
         write_text_atomic(args.report, json.dumps(report.to_dict(), indent=2))
     if not args.quiet:
-        print(report.summary())
+        print(report.summary(verbose=args.verbose))
         print(f"wrote {dst}")
     else:  # warnings are never silent, even with --quiet
         for w in report.warnings:
@@ -719,7 +725,7 @@ def _convert(args: argparse.Namespace) -> int:
     verify(model, runtime=get_format(args.format).runtime)
     save_model(model, dst)
     if not args.quiet:
-        print(report.summary())
+        print(report.summary(verbose=args.verbose))
         print(f"wrote {dst}")
     return 0
 
@@ -836,11 +842,12 @@ def _inspect(args: argparse.Namespace) -> int:
     options = resolve(target=args.target, config=args.config, exclude=args.exclude, cli=True)
     float_model = load_model(args.model)
     refuse_quantized(float_model, f"'{args.model}'", "inspect")
+    float_model = raise_for_output(float_model, options)  # as quantize's load pass does
     quantizer = Quantizer(float_model, options.patterns, options.quantizer_config())
     for w in quantizer.warnings:
         _warn(w)
     hist = op_histogram(quantizer.float_model)
-    decisions = mark_carried(quantizer)
+    decisions = mark_carried(quantizer, options=options)
     if args.json:
         from dataclasses import asdict
 
@@ -861,8 +868,12 @@ def _inspect(args: argparse.Namespace) -> int:
         width = max(len(d.node) for d in shown)
         for d in shown:
             print(f"  {d.node:<{width}}  {d.op:<12} {d.reason}")
+    unruled = Counter(d.op for d in left if d not in shown)
+    if unruled:
+        ops = ", ".join(f"{op} ×{k}" for op, k in sorted(unruled.items()))
+        print(f"not quantized, no rule for them: {ops} (--explain lists each with its reason)")
     q = sum(d.quantized for d in decisions)
-    print(f"{q} of {len(decisions)} nodes would be quantized")
+    print(f"{q} of {len(decisions)} nodes would be quantized; {len(left)} stay float")
     return 0
 
 

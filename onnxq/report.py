@@ -8,16 +8,21 @@ warnings of every stage.
 
 from __future__ import annotations
 
+import functools
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import numpy as np
+import onnx
 
 from onnxq.annotate.quantizer import Quantizer
 from onnxq.annotate.specs import Decision
 from onnxq.calibrate.calibration import CalibrationReport
+from onnxq.io.graph import tensor_array
 from onnxq.io.text import shown
+from onnxq.optable import CARRIERS
 from onnxq.options import pythonize, returned_label, spell
 from onnxq.passes.budget import budget_line
 from onnxq.passes.manager import PassRecord, State, op_histogram
@@ -80,47 +85,74 @@ class QuantizeReport:
         """Wall time per pass."""
         return {p.name: p.seconds for p in self.passes}
 
-    def summary(self) -> str:
-        """A few lines for a terminal."""
-        q = sum(d.quantized for d in self.decisions)
-        cal = self.calibration
+    def summary(self, verbose: bool = False) -> str:
+        """A few lines for a terminal: what runs int8, what stays float, what ran, the speed.
+
+        ``verbose`` adds the detail: calibration, requantize, every algorithm's result with
+        its reason and every pass with its time (all of it is in :meth:`to_dict` too).
+        """
+        q = [d for d in self.decisions if d.quantized]
+        left = Counter(d.op for d in self.decisions if not d.quantized)
+        floats = ", ".join(f"{op} {k}" for op, k in sorted(left.items())) or "none"
+        total = sum(p.seconds for p in self.passes)
         lines = [
-            f"quantized {q} of {len(self.decisions)} nodes; calibrated on {cal.samples} samples "
-            f"({cal.batches} batches, {cal.tensors_observed} tensors, "
-            f"{cal.observer_bytes} bytes of statistics)",
-            f"requantize: {self.requantize.folded_pairs} DQ→Q pairs folded, "
-            f"{self.requantize.rescaled_pairs} rescaled into QLinear ops, "
-            f"{len(self.requantize.crossed_ops)} ops carried int8, "
-            f"{len(self.requantize.relus_removed)} Relus removed",
-            f"model: {self.model_kind} ({self.model_kind_reason}); algorithms: "
-            + "; ".join(f"{k} {v}" for k, v in self.algorithms.items()),
-            "passes: "
-            + "; ".join(
-                f"{p.name} {p.seconds:.2f}s" + (f" ({p.changed})" if p.changed else "")
-                for p in self.passes
-            ),
+            f"int8: {len(q)} of {len(self.decisions)} nodes; float: {floats}"
+            + (" (`onnxq inspect MODEL --explain` says why)" if left else ""),
         ]
-        if self.budget:
-            lines.append(budget_line(self.budget, sum(p.seconds for p in self.passes)))
+        ran = [
+            f"{name} ({text.split(' (')[0]})"
+            for name, text in self.algorithms.items()
+            if not text.startswith("off")
+        ]
+        cal = self.calibration
+        lines.append(
+            f"calibrated on {cal.samples} samples; "
+            + (f"{self.model_kind} model: {', '.join(ran)}" if ran else "no extra algorithm ran")
+            + f"; {total:.1f} s in all"
+        )
+        if self.latency:
+            ratio = self.latency["ratio"]
+            lines.append(
+                f"speed: int8 takes {ratio:.2f}× fp32's time per batch "
+                f"({self.latency['int8_ms']:.3f} vs {self.latency['fp32_ms']:.3f} ms, 1 thread)"
+            )
+        if self.budget:  # what a --budget left out, in every summary
+            lines.append(budget_line(self.budget, total))
+        if verbose:
+            lines += self._details()
         if self.fallback:
             lines.append(fallback_line(self.fallback))
-        if self.latency:
-            lines.append(
-                f"latency: fp32 {self.latency['fp32_ms']:.3f} ms, int8 "
-                f"{self.latency['int8_ms']:.3f} ms per batch ({self.latency['ratio']:.2f}× "
-                "fp32, 1 thread)"
-            )
-        if self.rescales:
-            lines.append(
-                f"{len(self.rescales)} rescale(s) (DQ→Q) kept, where the activation dtype "
-                "changes or a shared scale meets a conflicting constraint: "
-                + ", ".join(self.rescales)
-            )
         lines.extend(f"note: {n}" for n in self.notes)
-        lines.extend(f"constraint: {c}" for c in self.constraints)
         lines.extend(f"warning: {c}" for c in cal.conflicts)
         lines.extend(f"warning: {w}" for w in self.warnings)
         return "\n".join(lines)
+
+    def _details(self) -> list[str]:
+        """The lines ``summary(verbose=True)`` adds."""
+        cal = self.calibration
+        lines = [
+            f"calibration: {cal.samples} samples in {cal.batches} batches, {cal.tensors_observed} "
+            f"tensors observed, {cal.observer_bytes} bytes of statistics",
+            f"requantize: {self.requantize.folded_pairs} DequantizeLinear→QuantizeLinear pairs "
+            f"folded, {self.requantize.rescaled_pairs} rescaled into QLinear ops, "
+            f"{len(self.requantize.crossed_ops)} ops carrying int8, "
+            f"{len(self.requantize.relus_removed)} Relus removed",
+            f"model kind: {self.model_kind} ({self.model_kind_reason})",
+        ]
+        lines += [f"  {name}: {text}" for name, text in self.algorithms.items()]
+        lines.append("passes:")
+        lines += [
+            f"  {p.name} {p.seconds:.2f} s" + (f": {p.changed}" if p.changed else "")
+            for p in self.passes
+        ]
+        if self.rescales:
+            lines.append(
+                f"{len(self.rescales)} rescale(s) (DequantizeLinear→QuantizeLinear) kept, where "
+                "the activation dtype changes or a shared scale meets a conflicting constraint: "
+                + ", ".join(self.rescales)
+            )
+        lines.extend(f"constraint: {c}" for c in self.constraints)
+        return lines
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict."""
@@ -168,7 +200,7 @@ def build_report(state: State) -> QuantizeReport:
     """The report of a finished quantize pipeline."""
     q, o, sol = state.quantizer, state.options, state.solution
     stats = state.requantize_stats
-    decisions = mark_carried(q, stats.crossed_ops)
+    decisions = mark_carried(q, stats.crossed_ops, o, state.model)
     decisions += branch_decisions(q, state.branches)
     dataset_warnings = state.dataset.warnings if state.dataset is not None else []
     report = QuantizeReport(
@@ -239,13 +271,21 @@ def speak_python(report: QuantizeReport) -> None:
     report.notes = [pythonize(n) for n in report.notes]
 
 
-def mark_carried(quantizer: Quantizer, crossed: Sequence[str] | None = None) -> list[Decision]:
-    """The quantizer's decisions with the ops requantize carries int8 through marked quantized.
+def mark_carried(
+    quantizer: Quantizer,
+    crossed: Sequence[str] | None = None,
+    options: Any = None,
+    model: onnx.ModelProto | None = None,
+) -> list[Decision]:
+    """The quantizer's decisions with the ops that run on int8 data marked quantized.
 
-    ``crossed``: the ops requantize crossed; None runs requantize on the model materialized
-    with default scales (what it crosses depends on the graph and opset, not on the values),
-    for ``inspect``, which then counts what ``quantize`` will.
+    ``crossed``: the ops requantize carried int8 through (QOperator); ``model``: the QDQ
+    output, whose float ops between DequantizeLinear and QuantizeLinear the runtime runs on
+    int8 (:func:`qdq_int8_nodes`). None of either: predicted from the model materialized with
+    default scales (what is carried depends on the graph and opset, not on the values), for
+    ``inspect``, which then counts what ``quantize`` will. ``options`` says the output format.
     """
+    qdq = options is not None and options.output_format.name == "qdq"
     if crossed is None:
         # default values, but a Relu-folded output's zero point at its type's minimum (an int16
         # one is -32768; the default 0 was refused as a broken fold)
@@ -256,15 +296,103 @@ def mark_carried(quantizer: Quantizer, crossed: Sequence[str] | None = None) -> 
             for qt in rec.outputs
         }
         probe = Requantizer()
-        probe.requantize(quantizer.materialize(folds))
+        probed = probe.requantize(quantizer.materialize(folds))
         crossed = probe.stats.crossed_ops
+        if qdq and model is None:
+            model = options.output_format.lower(probed, quantizer, {}, options, {})
+    fused = qdq_int8_nodes(model, options.target.runtime == "tensorrt") if qdq and model else []
     decisions = list(quantizer.decisions.values())
-    carried = set(crossed)
+    carried, between = set(crossed), set(fused)
     for d in decisions:
+        if d.quantized:
+            continue
         if d.node in carried:
             d.quantized, d.pattern = True, "requantize"
             d.reason = "carries int8 through (commutes with the affine map)"
+        elif d.node in between:
+            d.quantized, d.pattern = True, "int8 data"
+            d.reason = (
+                "runs on int8 data between DequantizeLinear and QuantizeLinear (the runtime "
+                "fuses it)"
+            )
     return decisions
+
+
+def qdq_int8_nodes(model: onnx.ModelProto, fused_activations: bool = False) -> list[str]:
+    """Float nodes of a QDQ model that the runtime runs on int8 data.
+
+    A data-moving op (:data:`~onnxq.optable.CARRIERS`: MaxPool, Reshape, Flatten, ...) whose
+    input comes from a DequantizeLinear and whose outputs all go to QuantizeLinear, directly
+    or through more such ops: runtimes drop the Q/DQ around it and move int8 values. A Relu or
+    Clip counts where the runtime folds it into the quantization: always with
+    ``fused_activations`` (TensorRT fuses it into the layer before it, whose output it may then
+    read in float), else where its QuantizeLinear's zero point is the type's minimum
+    (onnxruntime then drops it).
+    """
+    g = model.graph
+    inits = {i.name: i for i in g.initializer}
+    producer = {o: n for n in g.node for o in n.output if o}
+    readers: dict[str, list[onnx.NodeProto]] = {}
+    for n in g.node:
+        for x in n.input:
+            readers.setdefault(x, []).append(n)
+    outputs = {o.name for o in g.output}
+
+    def clamps_at_qmin(n: onnx.NodeProto) -> bool:
+        qs = readers.get(n.output[0], [])
+        if not qs or any(q.op_type != "QuantizeLinear" or len(q.input) < 3 for q in qs):
+            return False
+        for q in qs:
+            zp = inits.get(q.input[2])
+            if zp is None:
+                return False
+            z = tensor_array(zp)
+            if not np.all(z == np.iinfo(z.dtype).min):
+                return False
+        return True
+
+    def fusable(n: onnx.NodeProto) -> bool:
+        if n.op_type in CARRIERS:
+            return True
+        return n.op_type in ("Relu", "Clip") and (fused_activations or clamps_at_qmin(n))
+
+    @functools.cache
+    def int8_in(t: str) -> bool:
+        p = producer.get(t)
+        if p is None:
+            return False
+        if p.op_type == "DequantizeLinear":
+            return p.input[0] not in inits
+        return fusable(p) and bool(p.input) and int8_in(p.input[0])
+
+    @functools.cache
+    def int8_out(t: str) -> bool:
+        if t in outputs or not readers.get(t):
+            return False
+        return all(
+            r.op_type == "QuantizeLinear" or (fusable(r) and all(int8_out(o) for o in r.output))
+            for r in readers[t]
+        )
+
+    def int8_layer_output(t: str) -> bool:
+        """``t`` is written by a layer that reads int8 data (TensorRT fuses what follows)."""
+        p = producer.get(t)
+        return p is not None and p.op_type in _LAYERS and bool(p.input) and int8_in(p.input[0])
+
+    def reads_int8(n: onnx.NodeProto) -> bool:
+        if int8_in(n.input[0]):
+            return True
+        return fused_activations and n.op_type in ("Relu", "Clip") and int8_layer_output(n.input[0])
+
+    return [
+        n.name
+        for n in g.node
+        if fusable(n) and n.input and reads_int8(n) and all(int8_out(o) for o in n.output)
+    ]
+
+
+#: the layers a runtime that fuses activations runs them with
+_LAYERS = frozenset({"Conv", "ConvTranspose", "Gemm", "MatMul"})
 
 
 def widened_notes(widened: dict[str, int]) -> list[str]:

@@ -31,7 +31,7 @@ def test_a_generous_budget_keeps_every_default_and_changes_nothing():
     assert report.budget["left_out"] == []
     assert report.budget["float_pass_seconds"] > 0
     assert "sequential" in report.algorithms["bias-correction"]
-    assert "every default algorithm fit" in report.summary()
+    assert "every default algorithm fit" in report.summary(verbose=True)
 
 
 def test_a_tight_budget_leaves_the_costly_defaults_out_as_if_the_cheap_ones_were_asked():
@@ -47,7 +47,7 @@ def test_a_tight_budget_leaves_the_costly_defaults_out_as_if_the_cheap_ones_were
         "fast (sequential left out: over the 0.001 s budget" in report.algorithms["bias-correction"]
     )
     assert not any("sqnr_db" in v for v in report.rounding.values())
-    line = next(x for x in report.summary().splitlines() if x.startswith("budget"))
+    line = next(x for x in report.summary(verbose=True).splitlines() if x.startswith("budget"))
     assert (
         "left out bias-correction, rounding (bias_correction='sequential' "
         "rounding='optimized' to run them anyway)" in line

@@ -108,9 +108,10 @@ def test_inputs_of_different_fixed_batch_sizes_fit_one_npz(tmp_path, capsys, sta
     b = g.normal(0, 1, (*shape, 3, 4)).astype(np.float32)
     np.savez(tmp_path / "calib.npz", a=a, b=b)
     out = tmp_path / "q.onnx"
-    rc = main(["quantize", str(src), "-o", str(out), "--data", str(tmp_path / "calib.npz")])
+    argv = ["quantize", str(src), "-o", str(out), "--data", str(tmp_path / "calib.npz")]
+    rc = main([*argv, "--verbose"])
     assert rc == 0, capsys.readouterr().err
-    assert f"({5 if stacked else 1} batches," in capsys.readouterr().out
+    assert f"in {5 if stacked else 1} batches," in capsys.readouterr().out
     feeds = {"a": a.reshape(-1, 2, 3)[0], "b": b.reshape(-1, 3, 4)[0]}
     ref, got = run(model, feeds)[0], run(onnx.load(str(out)), feeds)[0]
     assert np.abs(got - ref).max() < 0.05 * np.abs(ref).max()
@@ -167,15 +168,29 @@ def test_inspect_counts_what_quantize_quantizes(tmp_path, capsys, name):
     shape = [d.dim_value or 4 for d in spec.type.tensor_type.shape.dim]
     data = tmp_path / "calib.npz"
     np.savez(data, **{spec.name: np.random.default_rng(0).uniform(0, 1, shape).astype(np.float32)})
-    assert main(["inspect", str(model)]) == 0
-    said = capsys.readouterr().out.strip().splitlines()[-1]
-    report = tmp_path / "r.json"
-    out = tmp_path / "q.onnx"
-    args = ["--data", str(data), "--report", str(report), "--quiet", "--no-latency-check"]
-    assert main(["quantize", str(model), "-o", str(out), *args]) == 0
-    decisions = json.loads(report.read_text())["decisions"]
-    done = sum(d["quantized"] for d in decisions)
-    assert said == f"{done} of {len(decisions)} nodes would be quantized"
+    counts = set()
+    for target in ("ort-cpu", "tensorrt", "generic"):
+        assert main(["inspect", str(model), "--target", target]) == 0
+        out = capsys.readouterr().out.strip().splitlines()
+        said = out[-1]
+        report = tmp_path / "r.json"
+        q = tmp_path / "q.onnx"
+        args = ["--data", str(data), "--report", str(report), "--quiet", "--no-latency-check"]
+        assert main(["quantize", str(model), "-o", str(q), "--target", target, *args]) == 0
+        decisions = json.loads(report.read_text())["decisions"]
+        done = sum(d["quantized"] for d in decisions)
+        left = len(decisions) - done
+        assert said == f"{done} of {len(decisions)} nodes would be quantized; {left} stay float"
+        listed = sum(line.startswith("  ") for line in out) + sum(
+            int(part.split("×")[1])
+            for line in out
+            if line.startswith("not quantized, no rule")
+            for part in line.split(": ", 1)[1].split(" (")[0].split(", ")
+        )
+        assert listed == left, out  # every float node is listed or counted by op type
+        counts.add(done)
+    # TensorRT fuses the Relus and carries the pools: as quantized as the default's QOperator
+    assert len(counts) == 1
 
 
 def test_a_model_that_runs_only_at_batch_2_is_told_about_batch_size(tmp_path, capsys):

@@ -59,7 +59,7 @@ class Load:
         refuse_quantized(model, describe(state.source))
         before = default_opset(model)
         if self.raise_opsets:
-            model = _raise_opset(model, o)
+            model = raise_for_output(model, o)
         state.float_model = model
         after = default_opset(model)
         detected, why = detect(model)
@@ -72,7 +72,7 @@ class Load:
         return PassResult(f"{opset}{state.kind} model ({state.kind_reason})")
 
 
-def _raise_opset(model: onnx.ModelProto, o: QuantizeOptions) -> onnx.ModelProto:
+def raise_for_output(model: onnx.ModelProto, o: QuantizeOptions) -> onnx.ModelProto:
     """``model`` at the opset the output format needs for what ``o`` asks."""
     fmt = o.output_format
     if fmt.int16 and o.asks("activation_dtype", "int16"):

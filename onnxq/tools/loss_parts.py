@@ -21,7 +21,8 @@ writes it, where the runtime runs integer kernels that requantize their int32 su
 differ only where a value lands within a rounding of a grid point, so the gap between them is
 how far the metric moves on rounding ties alone: on MobileNetV2's near-tie crops, about a point
 (the same QDQ file run with onnxruntime's integer kernels and with its optimizations off
-agrees with itself on 95% of them), on most models nothing. A change smaller than that between two quantizations is not a difference.
+agrees with itself on 95% of them), on most models nothing. A change smaller than that
+between two quantizations is not a difference.
 
 The parts are measured, not modelled: the errors interact and a metric is not a sum, so they
 do not add up to the int8 model's loss. Each part is one evaluation of the metric; the second
