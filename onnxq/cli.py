@@ -29,7 +29,7 @@ from onnxq.errors import ConfigError, OnnxqError
 from onnxq.io.graph import load_model, save_model, write_text_atomic
 from onnxq.io.loader import load_object
 from onnxq.io.paths import reads_of, refuse_collisions, writes_of
-from onnxq.io.text import TerminalWriter, one_line
+from onnxq.io.text import TerminalWriter, one_line, shown
 from onnxq.lower.convert import convert
 from onnxq.lower.formats import get_format
 from onnxq.options import (
@@ -41,7 +41,7 @@ from onnxq.options import (
     SMOOTHQUANT,
     resolve,
 )
-from onnxq.passes.load import raise_for_output, refuse_quantized
+from onnxq.passes.load import quantized_ops, raise_for_output, refuse_quantized
 from onnxq.passes.manager import op_histogram
 from onnxq.passes.verify import verify
 from onnxq.prepare.kind import KINDS
@@ -761,6 +761,7 @@ def _compare(args: argparse.Namespace) -> int:
         _output_path(args.report, "--report")
     float_model = load_model(args.float_model)
     quant_model = load_model(args.quant_model)
+    _check_compare_order(args.float_model, float_model, args.quant_model, quant_model)
     dataset = as_dataset(args.data, model_inputs(float_model), args.batch_size, args.samples)
     result = compare(float_model, quant_model, dataset)
     if args.json:
@@ -776,6 +777,30 @@ def _compare(args: argparse.Namespace) -> int:
         title = f"onnxq compare: {Path(args.quant_model).name}"
         write_text_atomic(args.report, compare_page(title, float_model, quant_model, result, feeds))
     return 0
+
+
+def _check_compare_order(
+    float_path: str, float_model: Any, quant_path: str, quant_model: Any
+) -> None:
+    """The float model goes first, a quantized one second: say so when they do not."""
+    first, second = quantized_ops(float_model), quantized_ops(quant_model)
+    if first and not second:
+        raise ConfigError(
+            f"'{shown(float_path)}' is the quantized model (it holds {', '.join(first)}) and "
+            f"'{shown(quant_path)}' the float one: give the float model first, `onnxq compare "
+            "FLOAT.onnx QUANTIZED.onnx`"
+        )
+    if first:
+        raise ConfigError(
+            f"the first model '{shown(float_path)}' is quantized (it holds {', '.join(first)}); "
+            "compare measures a quantized model against its float model: give the float one "
+            "first"
+        )
+    if not second:
+        raise ConfigError(
+            f"the second model '{shown(quant_path)}' holds no quantized op; give the model "
+            "onnxq quantize wrote"
+        )
 
 
 def _fallback_flag(parser: argparse.ArgumentParser, prefix: str) -> None:

@@ -317,8 +317,8 @@ def test_onnxruntime_calibration_data_reader():
             {"image": np.zeros((1, 3, 6, 6), np.float32)},
             "array(s) ['image'] that name no input of the model",
         ),
-        ({"x": np.zeros((1, 3, 7, 6), np.float32)}, "dimension 2 differs"),
-        ({"x": np.zeros((3, 6, 6), np.float32)}, "expects rank 4"),
+        ({"x": np.zeros((1, 3, 7, 6), np.float32)}, "dimension 2 is 7, the model expects 6"),
+        ({"x": np.zeros((3, 6, 6), np.float32)}, "(3 dimensions), the model takes [N, 3, 6, 6] (4"),
         ({"x": np.zeros((1, 3, 6, 6), np.complex64)}, "'x' holds complex64 data"),
     ],
 )

@@ -152,7 +152,8 @@ def test_error_wrong_input_name_and_shape(tmp_path, capsys):
     _expect_error(
         capsys,
         ["quantize", str(CNN), "-o", str(out), "--data", str(tmp_path / "shape.npz")],
-        "input 'input' has shape",
+        "array 'input' has shape [2, 1, 32, 32], 2 samples of [1, 32, 32]; input 'input' "
+        "takes [N, 1, 28, 28]: dimension 2 is 32",
         out,
     )
 

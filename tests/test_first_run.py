@@ -213,3 +213,47 @@ def test_a_model_that_runs_only_at_batch_2_is_told_about_batch_size(tmp_path, ca
     err = capsys.readouterr().err.strip()
     assert "--batch-size N" in err and err.count("\n") == 0
     assert main([*base, "--batch-size", "2", "--no-latency-check"]) == 0
+
+
+def test_compare_with_its_models_swapped_says_so(tmp_path, capsys):
+    data = tmp_path / "d.npz"
+    np.savez(data, input=np.random.default_rng(0).uniform(0, 1, (4, 1, 28, 28)).astype(np.float32))
+    q = tmp_path / "q.onnx"
+    assert main(["quantize", str(DIGITS_CNN), "-o", str(q), "--data", str(data), "--quiet"]) == 0
+    capsys.readouterr()
+    assert main(["compare", str(q), str(DIGITS_CNN), "--data", str(data)]) == 2
+    err = capsys.readouterr().err
+    assert "is the quantized model" in err and "give the float model first" in err
+    assert main(["compare", str(DIGITS_CNN), str(DIGITS_CNN), "--data", str(data)]) == 2
+    assert "holds no quantized op" in capsys.readouterr().err
+
+
+def test_a_wrong_sample_shape_names_the_array_as_saved(tmp_path, capsys):
+    w = np.ones((64, 8), np.float32)
+    model = make_model(
+        [h.make_node("MatMul", ["x", "w"], ["y"])], [("x", ["N", 64])], [("y", ["N", 8])], {"w": w}
+    )
+    onnx.save(model, tmp_path / "m.onnx")
+    np.savez(tmp_path / "d.npz", x=np.ones((200, 256), np.float32))
+    argv = ["quantize", str(tmp_path / "m.onnx"), "-o", str(tmp_path / "q.onnx")]
+    assert main([*argv, "--data", str(tmp_path / "d.npz")]) == 2
+    err = capsys.readouterr().err
+    assert "array 'x' has shape [200, 256], 200 samples of [256]; input 'x' takes [N, 64]" in err
+    assert "dimension 1 is 256, the model expects 64" in err
+
+
+def test_the_default_summary_is_a_few_plain_lines(tmp_path, capsys):
+    data = tmp_path / "d.npz"
+    np.savez(data, input=np.random.default_rng(0).uniform(0, 1, (8, 1, 28, 28)).astype(np.float32))
+    out = tmp_path / "q.onnx"
+    argv = ["quantize", str(DIGITS_CNN), "-o", str(out), "--data", str(data)]
+    assert main([*argv, "--no-latency-check"]) == 0
+    text = capsys.readouterr().out
+    lines = text.strip().splitlines()
+    assert len(lines) <= 4 and max(len(line) for line in lines) < 220, text
+    assert lines[0].startswith("int8: 10 of 10 nodes; float: none")
+    for jargon in ("DQ→Q", "placeholders", "passes:", "bytes of statistics"):
+        assert jargon not in text
+    assert main([*argv, "--no-latency-check", "--verbose"]) == 0
+    verbose = capsys.readouterr().out
+    assert "passes:" in verbose and "calibration:" in verbose

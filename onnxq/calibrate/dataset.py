@@ -292,6 +292,11 @@ def shared_batch(feed: Mapping[str, np.ndarray]) -> bool:
     return len(sizes) == 1 and None not in sizes
 
 
+def dims_text(shape: tuple[int | None, ...]) -> str:
+    """A model input's shape as ``[N, 3, 224, 224]`` (N: a dimension of any size)."""
+    return "[" + ", ".join("N" if d is None or d <= 0 else str(d) for d in shape) + "]"
+
+
 def _conform(
     arr: np.ndarray, spec: InputSpec, where: str, warn: Callable[[str], None]
 ) -> np.ndarray:
@@ -300,16 +305,16 @@ def _conform(
     if spec.shape is not None:
         if arr.ndim != len(spec.shape):
             raise DataError(
-                f"{where}: input '{spec.name}' has shape {list(arr.shape)}, the model "
-                f"expects rank {len(spec.shape)} "
-                f"{['?' if d is None else d for d in spec.shape]}"
+                f"{where}: input '{spec.name}' is a batch of shape {list(arr.shape)} "
+                f"({arr.ndim} dimensions), the model takes {dims_text(spec.shape)} "
+                f"({len(spec.shape)} dimensions)"
             )
         for i, (got, exp) in enumerate(zip(arr.shape, spec.shape)):
             if exp is not None and exp > 0 and got != exp:
                 raise DataError(
-                    f"{where}: input '{spec.name}' has shape {list(arr.shape)}, the "
-                    f"model expects {['?' if d is None else d for d in spec.shape]} "
-                    f"(dimension {i} differs)"
+                    f"{where}: input '{spec.name}' is a batch of shape {list(arr.shape)}, the "
+                    f"model takes {dims_text(spec.shape)}: dimension {i} is {got}, the model "
+                    f"expects {exp}"
                 )
     # np.ascontiguousarray turns a 0-d array (a scalar input such as silero-vad's sr) into 1-d
     return np.ascontiguousarray(arr) if arr.ndim else arr
@@ -423,8 +428,37 @@ class ArrayDataset(DatasetManager):
         count = self.count if self.limit is None else min(self.count, self.limit)
         return -(-count // bs) if self._dynamic_batch() else count // bs
 
+    def _check_stacked(self) -> None:
+        """Arrays of samples stacked on axis 0: each sample's shape against its input's.
+
+        Named as the user saved them (``(200, 256)``: 200 samples of [256]), not as the
+        first batch cut from them.
+        """
+        for spec in self.inputs or []:
+            arr = self.arrays.get(spec.name)
+            if arr is None or spec.shape is None or arr.ndim == 0:
+                continue
+            want = spec.shape[1:]
+            if arr.ndim - 1 != len(want):
+                raise DataError(
+                    f"{self.name}: array '{spec.name}' has shape {list(arr.shape)}, "
+                    f"{arr.shape[0]} samples of {list(arr.shape[1:])}; input '{spec.name}' "
+                    f"takes {dims_text(spec.shape)}: save samples of "
+                    f"{dims_text(want)} stacked on axis 0"
+                )
+            for i, (got, exp) in enumerate(zip(arr.shape[1:], want), start=1):
+                if exp is not None and exp > 0 and got != exp:
+                    raise DataError(
+                        f"{self.name}: array '{spec.name}' has shape {list(arr.shape)}, "
+                        f"{arr.shape[0]} samples of {list(arr.shape[1:])}; input '{spec.name}' "
+                        f"takes {dims_text(spec.shape)}: dimension {i} is {got}, the model "
+                        f"expects {exp}"
+                    )
+
     def _raw(self) -> Iterator[Mapping[str, Any]]:
         layout = self._fixed_layout()
+        if not layout:
+            self._check_stacked()
         count = self.count
         if layout == "one":
             yield dict(self.arrays)

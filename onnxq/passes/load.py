@@ -33,6 +33,17 @@ def describe(source: object) -> str:
     return "the given model" if isinstance(source, onnx.ModelProto) else f"'{source}'"
 
 
+def quantized_ops(model: onnx.ModelProto) -> list[str]:
+    """The quantized op types ``model`` holds (QOperator, Q/DQ, integer ops, FakeQuantize)."""
+    return sorted(
+        {
+            n.op_type
+            for n in model.graph.node
+            if n.op_type in QUANTIZED_OPS or n.op_type == "FakeQuantize"
+        }
+    )
+
+
 def refuse_quantized(model: onnx.ModelProto, where: str, command: str = "quantize") -> None:
     """Raise when ``model`` already holds quantized ops."""
     found = sorted({n.op_type for n in model.graph.node if n.op_type in QUANTIZED_OPS})

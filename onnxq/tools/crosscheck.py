@@ -102,8 +102,9 @@ class CrossCheck:
         else:
             worst = max((x.steps for x in local), default=0.0)
             lines.append(
-                f"  {len(self.layers)} layers compared ({len(local)} from the same inputs); none "
-                f"parts (largest distance {worst:.2f} int8 steps RMS ≤ {PART_STEPS:g})"
+                f"  {len(self.layers)} layers compared ({len(local)} fed the same inputs): the "
+                f"runtimes agree on every one (at most {worst:.2f} int8 steps apart, RMS; "
+                f"{PART_STEPS:g} would count as a difference)"
             )
         lines.extend(f"  note: {n}" for n in self.notes)
         return "\n".join(lines)

@@ -574,6 +574,12 @@ def _flag(option: str, cli: bool) -> str:
     return f"--{option}" if cli else option
 
 
+def _sqnr(noise: float) -> str:
+    """An SQNR for a sentence: ``33.8 dB``, or ``no error`` where the noise is none."""
+    value = db(noise)
+    return "no error" if math.isinf(value) else f"{value:.1f} dB"
+
+
 def default_fix_path(model: str | os.PathLike[str]) -> str:
     """Where ``debug`` writes its config when no output is named: MODEL_fix.toml, here."""
     return f"{Path(model).stem}_fix.toml"
@@ -616,8 +622,8 @@ def _config_text(
         split = (
             ""
             if g.weights is None or g.activations is None
-            else f"; alone, its weights {db(g.weights):.1f} dB and its activations "
-            f"{db(g.activations):.1f} dB"
+            else f"; alone, its weights {_sqnr(g.weights)} and its activations "
+            f"{_sqnr(g.activations)}"
         )
         returned = "float" if ranking.fallback == "float" else "at int16 activations"
         floated = (
