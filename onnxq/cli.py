@@ -725,7 +725,7 @@ def _convert(args: argparse.Namespace) -> int:
     verify(model, runtime=get_format(args.format).runtime)
     save_model(model, dst)
     if not args.quiet:
-        print(report.summary(verbose=args.verbose))
+        print(report.summary())
         print(f"wrote {dst}")
     return 0
 
