@@ -71,6 +71,7 @@ def test_zoo_list_names_every_model(capsys):
 
 
 def test_unknown_model_is_a_clear_error(capsys):
+    # needs no Debian package: the run stops at the unknown name
     assert main(["zoo", "run", "nope", "--manifest", str(MANIFEST.path)]) == 2
     assert "model(s) ['nope'] are not in" in capsys.readouterr().err
 
@@ -205,6 +206,7 @@ def test_manifest_input_spec_is_checked_against_the_model(tmp_path):
         load_manifest(_manifest(tmp_path, body))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("target", ["ort-cpu", "tensorrt", "generic"])
 def test_explain_names_every_node_of_a_zoo_model(target, capsys):
     import json
@@ -225,6 +227,7 @@ def test_explain_names_every_node_of_a_zoo_model(target, capsys):
     assert islands == (target != "ort-cpu")
 
 
+@pytest.mark.slow
 def test_openvino_target_is_scored_in_openvino_and_one_error_does_not_stop_the_run(capsys):
     # FakeQuantize models run in the OpenVINO runtime (onnxruntime has no FakeQuantize); silero-vad
     # cannot be loaded by OpenVINO at all (float included): a clear error, and the run goes on
@@ -242,7 +245,8 @@ def test_openvino_target_is_scored_in_openvino_and_one_error_does_not_stop_the_r
 
 def test_missing_system_package_is_named_and_the_run_goes_on(tmp_path, monkeypatch, capsys):
     # a model whose Debian package is missing: one clear line with the apt-get command, exit 1,
-    # and the next model still runs (no "internal error")
+    # and the next model still runs (no "internal error"); needs no Debian package: the
+    # missing one is simulated, and digits_cnn needs none
     body = MANIFEST.path.read_text().replace(
         'requires = ["espeak-ng"]', 'requires = ["espeak-ng", "dataset-fashion-mnist"]'
     )
