@@ -181,7 +181,7 @@ def test_bad_preprocess(tmp_path, capsys, spec, message):
 def test_image_folder_needs_preprocess_and_matching_size(tmp_path, capsys):
     images = _images(tmp_path / "imgs", n=1)
     assert "give --preprocess" in error_of(capsys, CNN, "-o", tmp_path / "o.onnx", "--data", images)
-    assert "input 'input' has shape" in error_of(
+    assert "input 'input' is a batch of shape" in error_of(
         capsys, CNN, "-o", tmp_path / "o.onnx", "--data", images, "--preprocess", "color=gray"
     )
 
