@@ -90,6 +90,10 @@ class DatasetManager:
         """Number of batches when known in advance."""
         return None
 
+    def most_samples(self) -> int | None:
+        """An upper bound on the samples one pass yields, when known without reading them."""
+        return None
+
     def batch_size(self) -> int | None:
         """Samples per batch when fixed."""
         return None
@@ -413,6 +417,10 @@ class ArrayDataset(DatasetManager):
             )
         return next(iter(counts.values()))
 
+    def most_samples(self) -> int:
+        """The samples held (at most ``limit``)."""
+        return self.count if self.limit is None else min(self.count, self.limit)
+
     def batch_size(self) -> int:
         """Samples per feed."""
         if self._fixed_layout():
@@ -683,6 +691,36 @@ class FolderDataset(DatasetManager):
     def num_batches(self) -> int:
         """One batch per file."""
         return len(self.files) if self.limit is None else min(len(self.files), self.limit)
+
+    def most_samples(self) -> int | None:
+        """The samples of the files, from their headers alone (None: a header is unreadable).
+
+        A file holds one sample, or as many as its leading axis where it has one axis more than
+        the input.
+        """
+        specs = {s.name: s for s in self.inputs or []}
+        total = 0
+        for f in self.files:
+            try:
+                if f.suffix == ".npy":
+                    with open(f, "rb") as handle:
+                        shapes = {"": _check_header(handle, f, None, None)[1]}
+                else:
+                    shapes = {k: m.shape for k, m in npz_headers(f).items()}
+            except DataError:
+                return None
+            ranks = {k: len(spec.shape) for k, spec in specs.items() if spec.shape is not None}
+            if "" in shapes and len(specs) == 1:  # an .npy holds the one input
+                shapes = {next(iter(specs)): shapes[""]}
+            counts = [
+                shape[0] if ranks.get(k) == len(shape) else 1
+                for k, shape in shapes.items()
+                if shape
+            ]
+            total += max(counts, default=1)
+            if self.limit is not None and total >= self.limit:
+                return self.limit
+        return total
 
     def _raw(self) -> Iterator[Mapping[str, Any]]:
         specs = self.inputs or []

@@ -18,6 +18,7 @@ calibration data), and the Hessians of one model hold at most :data:`MEMORY_BUDG
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -139,10 +140,18 @@ def taps(state: State) -> dict[str, list[HessianObserver]]:
     state.rounding = {n: {"skipped": why} for n, why in skipped.items()}
     out: dict[str, list[HessianObserver]] = {}
     held = 0
+    samples = state.dataset.most_samples() if state.dataset is not None else None
     for layer in layers:
         w = state.quantizer.float_value(layer.weight)
         groups = layer.conv.group if layer.conv is not None else 1
         k = w[0].size if layer.conv is not None else w.shape[1 if layer.transposed else 0]
+        bound = _most_rows(state, layer, samples)
+        if bound is not None and bound < k:  # its Hessian would be gathered, then dropped
+            state.rounding[layer.node] = {
+                "skipped": f"at most {bound} calibration rows for {k} weight inputs (needs "
+                "at least as many: fewer over-fit the calibration data)"
+            }
+            continue
         size = groups * k * k * 8
         if held + size > MEMORY_BUDGET:
             state.rounding[layer.node] = {
@@ -155,6 +164,27 @@ def taps(state: State) -> dict[str, list[HessianObserver]]:
         state.hessians[layer.node] = (layer, obs)
         out.setdefault(layer.input, []).append(obs)
     return out
+
+
+def _most_rows(state: State, layer: _Layer, samples: int | None) -> int | None:
+    """An upper bound on the Hessian rows ``layer`` can get from ``samples`` samples.
+
+    A sample gives a dense layer one row per position of its input's middle axes and a
+    convolution one per output position; None where a shape or the sample count is unknown.
+    Only a bound below the layer's inputs is acted on: those layers kept nearest rounding
+    anyway, after the pass had accumulated a K × K Hessian (8,192 inputs: 512 MB) for nothing.
+    """
+    if samples is None:
+        return None
+    tensors = state.quantizer.float_graph.tensors()
+    node = next((n for n in state.quantizer.float_graph.nodes if n.name == layer.node), None)
+    if node is None:
+        return None
+    shape = node.outputs[0].shape if layer.conv is not None else tensors[layer.input].shape
+    middle = (shape[2:] if layer.conv is not None else shape[1:-1]) if shape else None
+    if middle is None or not all(isinstance(d, int) and d > 0 for d in middle):
+        return None
+    return samples * math.prod(middle)
 
 
 def _as_rows(w: np.ndarray, layer: _Layer) -> np.ndarray:
