@@ -42,6 +42,7 @@ from onnxq.calibrate.streaming import (
 from onnxq.calibrators import MinMaxCallback
 from onnxq.errors import CalibrationError
 from onnxq.io.graph import graphs_of, tensor_array
+from onnxq.io.progress import progress
 from onnxq.io.session import make_session
 from onnxq.io.text import shown
 
@@ -397,7 +398,7 @@ class Calibrator:
         refs = _float_outputs(self.quantizer.float_model) if self.reference_batches else []
         keep = max((getattr(self.callback_for(r), "feeds_needed", 0) for r in records), default=0)
         batches = self.dataset_manager.batches()
-        bar = _progress(batches, self.dataset_manager.num_batches(), self.progress)
+        bar = progress(batches, self.dataset_manager.num_batches(), "calibrating", self.progress)
         if self.ray_data is not None:
             self._observe_ray(stats, names)
         elif self.workers > 1:
@@ -637,11 +638,3 @@ def _float_outputs(model: onnx.ModelProto) -> list[str]:
     return [
         o.name for o in model.graph.output if o.type.tensor_type.elem_type == onnx.TensorProto.FLOAT
     ]
-
-
-def _progress(it: Iterable[Any], total: int | None, enabled: bool) -> Iterable[Any]:
-    if not enabled:
-        return it
-    from tqdm import tqdm
-
-    return tqdm(it, total=total, desc="calibrating", unit="batch", leave=False)

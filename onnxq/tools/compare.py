@@ -26,6 +26,7 @@ import onnx
 from onnxq.calibrate.dataset import DatasetManager
 from onnxq.calibrate.streaming import run_checked
 from onnxq.io.graph import tensor_array
+from onnxq.io.progress import progress
 from onnxq.io.session import make_session, output_types
 
 FLOAT_TYPES = {onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.DOUBLE}
@@ -52,6 +53,25 @@ def short(name: str, width: int = 40) -> str:
     return name if len(name) <= width else "…" + name[-(width - 1) :]
 
 
+#: values summed in float32 before their sum joins the float64 total (relative error of a
+#: partial sum about 1e-7 · sqrt(ROW), far below what an SQNR in dB or a cosine shows)
+ROW = 4096
+
+
+def _rows(x: np.ndarray) -> np.ndarray:
+    """``x`` as float32 rows of :data:`ROW` values (zero-padded): no float64 copy of a batch."""
+    flat = np.asarray(x, np.float32).ravel()
+    pad = -flat.size % ROW
+    if pad:
+        flat = np.concatenate([flat, np.zeros(pad, np.float32)])
+    return flat.reshape(-1, ROW)
+
+
+def _dot(a: np.ndarray, b: np.ndarray) -> float:
+    """Σ a·b: each row summed in float32, the rows in float64."""
+    return float(np.einsum("ij,ij->i", a, b).sum(dtype=np.float64))
+
+
 @dataclass
 class TensorStats:
     """Streaming agreement statistics of one tensor."""
@@ -71,14 +91,14 @@ class TensorStats:
     input_sqnr_db: float = math.inf
 
     def add(self, f: np.ndarray, q: np.ndarray) -> None:
-        """Fold one batch in."""
-        f64, q64 = f.astype(np.float64).ravel(), q.astype(np.float64).ravel()
-        self.ff += float(f64 @ f64)
-        self.qq += float(q64 @ q64)
-        self.fq += float(f64 @ q64)
-        d = f64 - q64
-        self.ee += float(d @ d)
-        self.count += f64.size
+        """Fold one batch in: the sums of f·f, q·q, f·q and (f−q)·(f−q)."""
+        f32, q32 = _rows(f), _rows(q)
+        self.ff += _dot(f32, f32)
+        self.qq += _dot(q32, q32)
+        self.fq += _dot(f32, q32)
+        d = f32 - q32
+        self.ee += _dot(d, d)
+        self.count += f.size
 
     @property
     def sqnr_db(self) -> float:
@@ -176,7 +196,8 @@ def compare(
     q_fetch = sorted({v[0] for v in plan.values()})
     q_sess = make_session(quant_model, expose=q_fetch)
     samples = 0
-    for index, feeds in enumerate(dataset.batches()):
+    batches = progress(dataset.batches(), dataset.num_batches(), "comparing")
+    for index, feeds in enumerate(batches):
         f_vals = dict(zip(plan, run_checked(f_sess, list(plan), feeds, index)))
         q_vals = dict(zip(q_fetch, run_checked(q_sess, q_fetch, feeds, index)))
         samples += int(next(iter(feeds.values())).shape[0]) if feeds else 0
