@@ -1,7 +1,7 @@
 """No abort, ever: a bad sample or Ctrl-C mid-calibration ends with one line and exit 2 / 130.
 
-(A Ctrl-C before the interpreter runs onnxq's first line ends the process by the signal the
-user sent, as any program; never by another.)
+(A Ctrl-C before the interpreter runs onnxq's first line, or after the model is written, ends
+the process by the signal the user sent, as any program; never by another.)
 
 onnxruntime still running on a run-ahead thread while the interpreter exits aborted the process
 (``terminate called without an active exception``, exit 134) in 15-100% of runs. Each trigger is
@@ -98,8 +98,11 @@ def _repeat(root, data, workers, times, interrupt):
             assert interrupt and out.exists(), where
             out.unlink()
             continue
-        if rc == -2:  # Ctrl-C while the interpreter itself started: ended by the signal sent
-            assert interrupt and not err.strip() and not out.exists(), f"{where}: {err}"
+        if rc == -2:  # ended by the signal sent, before onnxq's first line or after its last
+            assert interrupt and not err.strip(), f"{where}: {err}"
+            if out.exists():  # written whole (atomically) before the signal came
+                onnx.checker.check_model(onnx.load(out))
+                out.unlink()
             continue
         assert len(lines) == 1 and lines[0].startswith("onnxq: "), f"{where}: {err}"
         assert rc == (130 if interrupt else 2), f"{where}: {err}"

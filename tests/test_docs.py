@@ -123,10 +123,29 @@ def sandbox(tmp_path, monkeypatch):
     return tmp_path
 
 
+def _zoo_models_named(steps: list[tuple[str, str]]) -> set[str]:
+    """The zoo models the examples name (``models/.cache/NAME__file``, ``zoo_eval:NAME``)."""
+    text = "\n".join(code for _, code in steps)
+    found = re.findall(
+        r"models/\.cache/([a-z0-9_]+?)__|models\.zoo_eval:([a-z0-9_]+?)(?:_data)?\b", text
+    )
+    return {a or b for a, b in found}
+
+
 @pytest.mark.parametrize(("page", "steps"), list(_examples()))
 def test_every_example_of_the_docs_runs(sandbox, page, steps):
     """A page's Python blocks run as one script (they build on each other), its shell commands
-    one by one, in the page's folder of sample files."""
+    one by one, in the page's folder of sample files. The zoo's examples are written for the
+    repository's root: the sandbox links its ``models`` folder, and the models they name are
+    fetched first."""
+    zoo = _zoo_models_named(steps)
+    if zoo:
+        from onnxq.tools.zoo import fetch, load_manifest
+
+        manifest = load_manifest(ROOT / "models" / "manifest.toml")
+        for name in sorted(zoo):
+            fetch(manifest, manifest.models[name], lambda _: None)
+        (sandbox / "models").symlink_to(ROOT / "models")
     paths = [sandbox, ROOT, ROOT / "tests", ROOT / "tests" / "rules"]  # the test helpers too
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(str(p) for p in paths)}
     script = "\n".join(code for kind, code in steps if kind == "python")

@@ -23,8 +23,8 @@ from typing import Any
 import numpy as np
 import onnx
 
-from onnxq.calibrate.dataset import DatasetManager
-from onnxq.calibrate.streaming import run_checked
+from onnxq.calibrate.dataset import DatasetManager, feed_samples, shared_batch
+from onnxq.calibrate.streaming import outputs_bytes, run_checked
 from onnxq.io.graph import tensor_array
 from onnxq.io.progress import progress
 from onnxq.io.session import make_session, output_types
@@ -196,13 +196,25 @@ def compare(
     q_fetch = sorted({v[0] for v in plan.values()})
     q_sess = make_session(quant_model, expose=q_fetch)
     samples = 0
+    per_run: int | None = None  # samples per run, once the first sample's outputs are measured
     batches = progress(dataset.batches(), dataset.num_batches(), "comparing")
-    for index, feeds in enumerate(batches):
-        f_vals = dict(zip(plan, run_checked(f_sess, list(plan), feeds, index)))
-        q_vals = dict(zip(q_fetch, run_checked(q_sess, q_fetch, feeds, index)))
-        samples += int(next(iter(feeds.values())).shape[0]) if feeds else 0
-        for name, q in dequantized(plan, q_inits, q_vals).items():
-            stats[name].add(np.asarray(f_vals[name]), q)
+    for index, batch in enumerate(batches):
+        # a batch whose exposed tensors would pass RUN_BYTES runs in parts along its batch axis
+        whole = not shared_batch(batch) or feed_samples(batch) <= 1
+        n = 1 if whole else feed_samples(batch)
+        start = 0
+        while start < n:
+            step = n if whole else (per_run or 1)
+            feeds = batch if whole else {k: v[start : start + step] for k, v in batch.items()}
+            f_vals = dict(zip(plan, run_checked(f_sess, list(plan), feeds, index)))
+            q_vals = dict(zip(q_fetch, run_checked(q_sess, q_fetch, feeds, index)))
+            samples += feed_samples(feeds) if feeds else 0
+            for name, q in dequantized(plan, q_inits, q_vals).items():
+                stats[name].add(np.asarray(f_vals[name]), q)
+            if per_run is None and not whole:
+                made = outputs_bytes(f_vals.values()) + outputs_bytes(q_vals.values())
+                per_run = max(1, RUN_BYTES // max(made // step, 1))
+            start += step
     link_inputs(float_model, stats)
     producers = {o: n for n in float_model.graph.node for o in n.output}
     for name, st in stats.items():
@@ -216,6 +228,11 @@ def compare(
         key=lambda s: (-s.drop_db, s.order),
     )
     return Comparison(outs, layers, samples)
+
+
+#: bytes of exposed tensors (both models) one run may hand out: a batch above it is compared in
+#: parts (every tensor of magika for 128 files was 3 GB at once)
+RUN_BYTES = 256 << 20
 
 
 def tensor_plan(
