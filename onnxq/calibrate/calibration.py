@@ -15,7 +15,6 @@
 from __future__ import annotations
 
 import itertools
-import sys
 import time
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -228,7 +227,7 @@ class Calibrator:
         self.dataset_manager = dataset_manager
         self.default_callback = callback or MinMaxCallback()
         self.node_callbacks = dict(node_callbacks or {})
-        self.progress = sys.stderr.isatty() if progress is None else progress
+        self.progress = progress  # None: a bar on a terminal once the pass runs 2 s
         self.values: dict[str, np.ndarray] = {}
         #: batches whose feeds and float graph outputs the calibration pass keeps (set before
         #: calibrate) for the accuracy check, which then needs no float session of its own

@@ -15,12 +15,16 @@ DELAY_S = 2.0
 def progress(
     it: Iterable[T], total: int | None, desc: str, enabled: bool | None = None
 ) -> Iterable[T]:
-    """``it`` with a bar on stderr; ``enabled`` None: when stderr is a terminal."""
+    """``it`` with a bar on stderr.
+
+    ``enabled`` None: on a terminal, once the step has run :data:`DELAY_S`; True: at once.
+    """
+    delay = DELAY_S if enabled is None else 0.0
     if enabled is None:
         enabled = sys.stderr.isatty()
     if not enabled:
         return it
     from tqdm import tqdm
 
-    bar: Any = tqdm(it, total=total, desc=desc, unit="batch", leave=False, delay=DELAY_S)
+    bar: Any = tqdm(it, total=total, desc=desc, unit="batch", leave=False, delay=delay)
     return bar
