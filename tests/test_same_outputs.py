@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import needs_debian
 
 from scripts import same_outputs
 from scripts.same_outputs import REFERENCE
@@ -22,6 +23,7 @@ def _has_history() -> bool:
 @pytest.mark.slow
 @pytest.mark.skipif(not _has_history(), reason="needs the git history (git fetch --unshallow)")
 def test_committed_models_give_the_reference_values_and_outputs():
+    needs_debian("dataset-fashion-mnist")  # fashion_cnn's calibration and evaluation data
     done = subprocess.run(
         [sys.executable, str(SCRIPT), "--strict-bytes"], capture_output=True, text=True
     )

@@ -17,7 +17,17 @@ from helpers import needs_debian
 
 TESTS = Path(__file__).resolve().parent
 #: what reaches a Debian package, as it is written in a test
-USES = ("fashion()", "CHROMIUM", "chromium", "espeak", "DejaVu", "run_model(", '"zoo", "run"')
+USES = (
+    "fashion()",
+    "CHROMIUM",
+    "chromium",
+    "espeak",
+    "DejaVu",
+    "run_model(",
+    '"zoo", "run"',
+    "same_outputs.py",  # quantizes the committed models, fashion_cnn among them
+    "SCRIPT",
+)
 #: the calls that skip (or, under CI=true, fail) without it
 GUARDS = ("needs_debian(", "skip_without_packages(")
 
