@@ -91,7 +91,7 @@ def _adopt_external(proto: onnx.ModelProto, base_dir: str | os.PathLike[str] | N
     tensor needs ``base_dir``.
     """
     where = "the given ModelProto"
-    for g in _all_graphs(proto.graph):
+    for g in all_graphs(proto.graph):
         for t in g.initializer:
             if t.data_location != onnx.TensorProto.EXTERNAL or is_file_weight(t):
                 continue
@@ -113,7 +113,7 @@ def _adopt_external(proto: onnx.ModelProto, base_dir: str | os.PathLike[str] | N
 
 def _refuse_private_keys(proto: onnx.ModelProto, where: str) -> None:
     """A model file never carries onnxq's key (onnxq never writes it out)."""
-    for g in _all_graphs(proto.graph):
+    for g in all_graphs(proto.graph):
         for t in g.initializer:
             if any(e.key == FOLDER_KEY for e in t.external_data):
                 raise ModelError(
@@ -125,7 +125,7 @@ def _refuse_private_keys(proto: onnx.ModelProto, where: str) -> None:
 
 def check_sizes(proto: onnx.ModelProto, where: str) -> None:
     """Every in-memory initializer holds as many values as its dims say (the checker does not)."""
-    for g in _all_graphs(proto.graph):
+    for g in all_graphs(proto.graph):
         for t in g.initializer:
             if t.data_location == onnx.TensorProto.EXTERNAL:
                 continue  # checked against its file by _leave_in_file
@@ -178,7 +178,7 @@ def _leave_in_file(proto: onnx.ModelProto, folder: Path, where: str) -> bool:
     """
     folder = folder.resolve()
     marked = False
-    for g in _all_graphs(proto.graph):
+    for g in all_graphs(proto.graph):
         for t in g.initializer:
             if t.data_location != onnx.TensorProto.EXTERNAL or is_file_weight(t):
                 continue
@@ -249,7 +249,7 @@ def _missing_data_message(proto: onnx.ModelProto, folder: Path, where: str) -> s
     """The error for external-data files not in the folder, naming every one (bodies too)."""
     wanted = {
         info["location"]
-        for g in _all_graphs(proto.graph)
+        for g in all_graphs(proto.graph)
         for init in g.initializer
         if init.data_location == onnx.TensorProto.EXTERNAL
         and "location" in (info := _external_info(init))
@@ -303,7 +303,7 @@ def _weights_as_inputs(model: onnx.ModelProto, limit: int = 4096) -> onnx.ModelP
     copy_fields(model.graph, out.graph, skip="initializer")
     out.graph.initializer.extend(t for t in model.graph.initializer if small(t))
     out.graph.input.extend(as_input(t) for t in model.graph.initializer if not small(t))
-    for body in _all_graphs(out.graph)[1:]:  # the copy's bodies: their weights move up
+    for body in all_graphs(out.graph)[1:]:  # the copy's bodies: their weights move up
         moved = [t for t in body.initializer if not small(t)]
         if moved:
             keep = [t for t in body.initializer if small(t)]
@@ -325,7 +325,7 @@ def proto_size(proto: Any) -> int:
     except Exception:  # google.protobuf.message.EncodeError: past 2 GB
         return TWO_GIB
     if isinstance(proto, onnx.ModelProto):
-        size += sum(_nbytes(t) for g in _all_graphs(proto.graph) for t in _file_weights(g))
+        size += sum(_nbytes(t) for g in all_graphs(proto.graph) for t in _file_weights(g))
     return min(size, TWO_GIB)
 
 
@@ -472,7 +472,7 @@ def _file_weights(g: onnx.GraphProto) -> list[onnx.TensorProto]:
 
 def has_file_weights(model: onnx.ModelProto) -> bool:
     """Whether any initializer of ``model`` (subgraphs included) is left in its file."""
-    return any(_file_weights(g) for g in _all_graphs(model.graph))
+    return any(_file_weights(g) for g in all_graphs(model.graph))
 
 
 def raw_bytes(t: onnx.TensorProto) -> bytes:
@@ -517,17 +517,17 @@ def with_file_weights(model: onnx.ModelProto) -> onnx.ModelProto:
         return model
     out = onnx.ModelProto()
     out.CopyFrom(model)  # cheap: the weights are not in it
-    for g in _all_graphs(out.graph):
+    for g in all_graphs(out.graph):
         for t in _file_weights(g):
             t.CopyFrom(read_in(t))
     return out
 
 
-def _all_graphs(g: onnx.GraphProto) -> list[onnx.GraphProto]:
+def all_graphs(g: onnx.GraphProto) -> list[onnx.GraphProto]:
     """``g`` and every graph nested in its nodes' attributes, outermost first."""
     out = [g]
     for body in _subgraphs(g):
-        out += _all_graphs(body)
+        out += all_graphs(body)
     return out
 
 

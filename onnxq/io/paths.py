@@ -17,6 +17,7 @@ from pathlib import Path
 import onnx
 
 from onnxq.errors import ConfigError
+from onnxq.io.graph import all_graphs
 from onnxq.io.text import shown
 
 
@@ -29,6 +30,9 @@ class Use:
     folder: bool = False
     #: what of the option's file this is ("external data"), or "" for the file itself
     part: str = ""
+    #: a model file whose external data files are reads too (listed only where a write could
+    #: land on one: inside the model's folder, where they must be)
+    model: bool = False
 
     @property
     def real(self) -> Path:
@@ -54,10 +58,7 @@ def reads_of(option: str, value: object) -> list[Use]:
         return [Use(option, path, folder=True)]
     if not path.exists():  # module:function, or a file whose absence is refused later
         return []
-    uses = [Use(option, path)]
-    if path.suffix.lower() == ".onnx":
-        uses += [Use(option, f, part="external data") for f in external_files(path)]
-    return uses
+    return [Use(option, path, model=path.suffix.lower() == ".onnx")]
 
 
 def external_files(model: Path) -> list[Path]:
@@ -66,20 +67,26 @@ def external_files(model: Path) -> list[Path]:
         proto = onnx.load(str(model), load_external_data=False)
     except Exception:  # not a model: refused with its own message when it is loaded
         return []
-    found: set[Path] = set()
-    stack = [proto.graph]
-    while stack:
-        g = stack.pop()
-        for t in g.initializer:
-            if t.data_location == onnx.TensorProto.EXTERNAL:
-                location = next((e.value for e in t.external_data if e.key == "location"), "")
-                if location and "\0" not in location:
-                    found.add(model.parent / location)
-        for node in g.node:
-            for a in node.attribute:
-                stack += [a.g] if a.HasField("g") else []
-                stack += list(a.graphs)
+    found = {
+        model.parent / location
+        for g in all_graphs(proto.graph)
+        for t in g.initializer
+        if t.data_location == onnx.TensorProto.EXTERNAL
+        for location in [next((e.value for e in t.external_data if e.key == "location"), "")]
+        if location and "\0" not in location
+    }
     return sorted(found)
+
+
+def _with_external(reads: list[Use], writes: list[Use]) -> list[Use]:
+    """``reads`` with the external data files of each model a write could land beside."""
+    out = []
+    for r in reads:
+        out.append(r)
+        folder = r.real.parent
+        if r.model and any(folder in w.real.parents for w in writes):
+            out += [Use(r.option, f, part="external data") for f in external_files(r.path)]
+    return out
 
 
 def writes_of(option: str, value: object, model: bool = False) -> list[Use]:
@@ -99,7 +106,8 @@ def writes_of(option: str, value: object, model: bool = False) -> list[Use]:
 
 def refuse_collisions(reads: Iterable[Use], writes: Iterable[Use]) -> None:
     """Raise ConfigError when a write lands on a read (or inside a read folder) or another write."""
-    reads, writes = list(reads), list(writes)
+    writes = list(writes)
+    reads = _with_external(list(reads), writes)
     for i, w in enumerate(writes):
         for r in reads:
             if _same(w, r) or (r.folder and r.real in w.real.parents):
