@@ -2,36 +2,20 @@
 
 The command-line module imports numpy, onnx and onnxruntime (about a second); a Ctrl-C then
 printed a traceback. This module imports nothing heavy until it is inside the guard, and it
-records that SIGINT arrived: a Ctrl-C inside a C extension's import surfaces as an ImportError
-("initialization failed"), which the command line then reports as the interruption it is.
+records that SIGINT arrived (onnxq.io.interrupt).
 """
 
 from __future__ import annotations
 
 import os
-import signal
 import sys
-from typing import Any
 
-INTERRUPTED = "onnxq: interrupted; no output written"
-
-_received: list[int] = []
-
-
-def _on_sigint(signum: int, frame: Any) -> None:
-    _received.append(signum)
-    raise KeyboardInterrupt
-
-
-def interrupted() -> bool:
-    """Whether Ctrl-C reached this process (whatever exception it then surfaced as)."""
-    return bool(_received)
+from onnxq.io.interrupt import INTERRUPTED, install, interrupted
 
 
 def run(argv: list[str] | None = None) -> None:
     """Run the command line on ``argv`` (default: the process's); exit with its code."""
-    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
-        signal.signal(signal.SIGINT, _on_sigint)
+    install()
     try:
         from onnxq.cli import main
     except BaseException as exc:

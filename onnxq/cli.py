@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from onnxq import __version__
-from onnxq._entry import INTERRUPTED, interrupted
 from onnxq.annotate.quantizer import Quantizer
 from onnxq.annotate.targets import load_targets, targets
 from onnxq.api import quantize_with, resolve_call
@@ -27,6 +26,7 @@ from onnxq.calibrators import DEFAULT_METHOD, METHODS
 from onnxq.demo import run_demo
 from onnxq.errors import ConfigError, OnnxqError
 from onnxq.io.graph import load_model, save_model, write_text_atomic
+from onnxq.io.interrupt import INTERRUPTED, interrupted
 from onnxq.io.loader import load_object
 from onnxq.io.paths import reads_of, refuse_collisions, writes_of
 from onnxq.io.text import TerminalWriter, one_line, shown

@@ -1,0 +1,32 @@
+"""Ctrl-C, however it surfaces: the one line onnxq prints, and whether SIGINT arrived.
+
+A Ctrl-C inside a C extension's import surfaces as an ImportError ("initialization failed"),
+inside a run as another error: the console script records the signal itself
+(:func:`install`), and the command line reports what follows as the interruption it is.
+Imports nothing heavy: the console script installs it before numpy and onnxruntime load.
+"""
+
+from __future__ import annotations
+
+import signal
+from typing import Any
+
+INTERRUPTED = "onnxq: interrupted; no output written"
+
+_received: list[int] = []
+
+
+def _on_sigint(signum: int, frame: Any) -> None:
+    _received.append(signum)
+    raise KeyboardInterrupt
+
+
+def install() -> None:
+    """Record SIGINT before raising KeyboardInterrupt (where Python's own handler is set)."""
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+        signal.signal(signal.SIGINT, _on_sigint)
+
+
+def interrupted() -> bool:
+    """Whether Ctrl-C reached this process (whatever exception it then surfaced as)."""
+    return bool(_received)
