@@ -407,3 +407,18 @@ def test_debug_s_config_holds_any_node_name_as_data(name):
     assert doc == {"node": {name: {"keep_float": True}, name + "/relu": {"keep_float": True}}}
     assert set(UserConfig.from_dict(doc).node) == {name, name + "/relu"}
     assert all(line.startswith("#") or not line or line[0] in "[k" for line in text.split("\n"))
+
+
+def test_the_terminal_writer_follows_its_stream_when_it_closes():
+    """Ray's colorama keeps the stdout it found (onnxq's escaping writer) and asks it isatty()
+    at exit: after the real stream closed that raised 'I/O operation on closed file'."""
+    import io
+
+    from onnxq.io.text import TerminalWriter
+
+    stream = io.StringIO()
+    writer = TerminalWriter(stream)
+    writer.write("node\x1b[31m\n")
+    assert stream.getvalue() == "node\\x1b[31m\n"
+    stream.close()
+    assert writer.closed and not writer.isatty()

@@ -82,5 +82,10 @@ class TerminalWriter(io.TextIOBase):
         self._stream.flush()
 
     def isatty(self) -> bool:
-        """Whether the stream written to is a terminal."""
-        return self._stream.isatty()
+        """Whether the stream written to is an open terminal."""
+        return not self.closed and self._stream.isatty()
+
+    @property
+    def closed(self) -> bool:
+        """Whether the stream written to is closed (a library may keep this writer past it)."""
+        return bool(getattr(self._stream, "closed", False))
