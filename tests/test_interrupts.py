@@ -1,0 +1,167 @@
+"""The pieces behind "no abort": run-ahead threads, Ctrl-C's record, workers started deaf to it.
+
+tests/test_abort.py checks the whole process from outside; these check each piece in-process.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+
+import numpy as np
+import onnx
+import pytest
+
+from onnxq.calibrate import streaming
+from onnxq.calibrate.shards import _ignoring_ctrl_c
+from onnxq.errors import ModelError
+from onnxq.io import interrupt
+from onnxq.io.graph import check_sizes
+
+
+class _SlowSession:
+    """A session whose run takes a while, or raises what it is told to."""
+
+    def __init__(self, seconds: float = 0.05, raises: BaseException | None = None):
+        self.seconds, self.raises = seconds, raises
+
+    def run(self, names, feeds):
+        time.sleep(self.seconds)
+        if self.raises is not None:
+            raise self.raises
+        return [np.zeros(2, np.float32) for _ in names]
+
+
+def _feeds(n):
+    return ({"x": np.full(2, i, np.float32)} for i in range(n))
+
+
+def test_the_runners_are_joined_when_the_consumer_fails():
+    before = threading.active_count()
+    with pytest.raises(RuntimeError, match="the consumer"):
+        for i, _ in enumerate(streaming.run_ahead(_SlowSession(), ["y"], _feeds(10), depth=2)):
+            if i == 2:
+                raise RuntimeError("the consumer failed")
+    assert threading.active_count() == before  # no thread left inside a run
+    assert not streaming.runs_in_flight()
+
+
+def test_after_ctrl_c_the_runs_in_flight_are_left_to_end_and_joined_at_exit():
+    session = _SlowSession(raises=KeyboardInterrupt())
+    with pytest.raises(KeyboardInterrupt):
+        for _ in streaming.run_ahead(session, ["y"], _feeds(4)):
+            pass
+    streaming._join_all()  # what the interpreter runs at exit
+    assert not streaming.runs_in_flight()
+
+
+def test_a_ctrl_c_while_joining_waits_for_the_run_then_is_raised(monkeypatch):
+    runner = streaming._Runner(_SlowSession(seconds=0.2), ["y"])
+    runner.submit({"x": np.zeros(2, np.float32)}, 0)
+    runner.stop()
+    real = runner._thread.join
+    calls = []
+
+    def interrupted_once(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(runner._thread, "join", interrupted_once)
+    with pytest.raises(KeyboardInterrupt):
+        runner.join()
+    assert not runner.alive() and len(calls) == 2
+
+
+def test_a_ctrl_c_is_recorded_whatever_it_surfaces_as(monkeypatch):
+    monkeypatch.setattr(interrupt, "_received", [])
+    assert not interrupt.interrupted()
+    with pytest.raises(KeyboardInterrupt):
+        interrupt._on_sigint(signal.SIGINT, None)
+    assert interrupt.interrupted()
+    saved = signal.getsignal(signal.SIGINT)
+    try:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        interrupt.install()
+        assert signal.getsignal(signal.SIGINT) is interrupt._on_sigint
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a background job: left as it is
+        interrupt.install()
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGINT, saved)
+
+
+def test_the_console_script_exits_with_the_command_s_code(capsys):
+    from onnxq._entry import run
+
+    with pytest.raises(SystemExit) as done:
+        run(["--version"])
+    assert done.value.code == 0 and capsys.readouterr().out.startswith("onnxq ")
+
+
+def test_a_ctrl_c_while_workers_start_is_raised_once_they_run():
+    saved = signal.getsignal(signal.SIGINT)
+    try:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        with pytest.raises(KeyboardInterrupt):
+            with _ignoring_ctrl_c():
+                signal.raise_signal(signal.SIGINT)  # recorded, not raised, while they start
+                started = True
+        assert started
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        assert signal.SIGINT not in signal.pthread_sigmask(signal.SIG_BLOCK, set())
+    finally:
+        signal.signal(signal.SIGINT, saved)
+
+
+@pytest.mark.parametrize(
+    ("make", "dims", "message"),
+    [
+        (
+            lambda: onnx.helper.make_tensor("t", onnx.TensorProto.FLOAT, [2], [1.0, 2.0]),
+            [3],
+            "holds 2 values",
+        ),
+        (
+            lambda: onnx.helper.make_tensor("t", onnx.TensorProto.FLOAT16, [3], [1, 2, 3]),
+            [2],
+            "holds 3 values",
+        ),
+        (
+            lambda: onnx.helper.make_tensor("t", onnx.TensorProto.INT4, [2], [1, 2]),
+            [5],
+            "holds 2 values",
+        ),
+        (
+            lambda: onnx.TensorProto(
+                name="t", data_type=onnx.TensorProto.FLOAT, dims=[2], raw_data=b"\0" * 7
+            ),
+            [2],
+            "not a whole number of values",
+        ),
+    ],
+)
+def test_dims_that_disagree_with_any_kind_of_data_are_named(make, dims, message):
+    t = make()
+    del t.dims[:]
+    t.dims.extend(dims)
+    graph = onnx.helper.make_graph([], "g", [], [], [t])
+    with pytest.raises(ModelError, match=message):
+        check_sizes(onnx.helper.make_model(graph), "'m.onnx'")
+
+
+@pytest.mark.parametrize(
+    "tensor",
+    [
+        onnx.helper.make_tensor("t", onnx.TensorProto.INT4, [3], [1, -2, 3]),
+        onnx.helper.make_tensor("t", onnx.TensorProto.INT4, [3], b"\x12\x03", raw=True),
+        onnx.helper.make_tensor("t", onnx.TensorProto.COMPLEX64, [2], [1 + 2j, 3 - 1j]),
+        onnx.helper.make_tensor("t", onnx.TensorProto.STRING, [2], [b"a", b"b"]),
+        onnx.helper.make_tensor("t", onnx.TensorProto.BOOL, [2], [True, False]),
+    ],
+)
+def test_well_formed_tensors_of_every_kind_pass(tensor):
+    graph = onnx.helper.make_graph([], "g", [], [], [tensor])
+    check_sizes(onnx.helper.make_model(graph), "'m.onnx'")
