@@ -734,3 +734,17 @@ def test_one_run_at_a_time_keeps_every_core_only_while_folding_is_not_slower(
     monkeypatch.undo()
     reference, _ = onnxq.quantize(float_model, batches, **kwargs)
     assert model.SerializeToString() == reference.SerializeToString()
+
+
+def test_a_folder_counts_its_samples_from_the_headers(tmp_path):
+    from onnxq.calibrate.dataset import FolderDataset, InputSpec
+
+    spec = InputSpec("x", np.dtype(np.float32), (None, 3))
+    for i in range(3):  # 2, 1 (no batch axis) and 2 samples
+        arr = np.zeros((2, 3) if i != 1 else (3,), np.float32)
+        np.savez(tmp_path / f"{i}.npz", x=arr)
+    folder = FolderDataset(tmp_path).bind([spec])
+    assert folder.most_samples() == 5
+    assert FolderDataset(tmp_path, limit=3).bind([spec]).most_samples() == 3
+    (tmp_path / "3.npz").write_bytes(b"not a zip")
+    assert FolderDataset(tmp_path).bind([spec]).most_samples() is None

@@ -165,3 +165,50 @@ def test_dims_that_disagree_with_any_kind_of_data_are_named(make, dims, message)
 def test_well_formed_tensors_of_every_kind_pass(tensor):
     graph = onnx.helper.make_graph([], "g", [], [], [tensor])
     check_sizes(onnx.helper.make_model(graph), "'m.onnx'")
+
+
+def test_a_ctrl_c_while_the_command_line_imports_is_one_line(monkeypatch, capsys):
+    import sys
+    import types
+
+    from onnxq import _entry
+
+    class Interrupting(types.ModuleType):
+        def __getattr__(self, name):
+            raise KeyboardInterrupt
+
+    monkeypatch.setitem(sys.modules, "onnxq.cli", Interrupting("onnxq.cli"))
+    with pytest.raises(SystemExit) as done:
+        _entry.run(["--version"])
+    assert done.value.code == 130 and capsys.readouterr().err.strip() == interrupt.INTERRUPTED
+
+
+def test_after_ctrl_c_with_a_run_in_flight_the_script_leaves_at_once(monkeypatch):
+    import sys
+    import types
+
+    from onnxq import _entry
+
+    cli = types.ModuleType("onnxq.cli")
+    cli.main = lambda argv: 130
+    monkeypatch.setitem(sys.modules, "onnxq.cli", cli)
+    monkeypatch.setattr(streaming, "runs_in_flight", lambda: True)
+    left = []
+    monkeypatch.setattr(_entry.os, "_exit", lambda code: left.append(code))
+    with pytest.raises(SystemExit):  # the real os._exit would not return
+        _entry.run([])
+    assert left == [130]
+
+
+def test_free_memory_collects_for_a_large_model_and_skips_a_small_one(monkeypatch):
+    import gc
+
+    from onnxq.io import session
+
+    collected = []
+    monkeypatch.setattr(gc, "collect", lambda *a: collected.append(1) or 0)
+    small = onnx.helper.make_model(onnx.helper.make_graph([], "g", [], []))
+    session.free_memory(small)
+    assert not collected
+    session.free_memory()  # no model: always
+    assert collected

@@ -388,3 +388,14 @@ def test_a_hessian_too_few_rows_could_fill_is_never_gathered(tmp_path, monkeypat
     assert report.rounding["fc"]["skipped"].startswith("at most 3 calibration rows for 8")
     assert 8 not in made and made  # the convolutions' Hessians, not the Gemm's
     assert "sqnr_db" in report.rounding["dw"]
+
+
+def test_a_layer_whose_hessian_overflows_keeps_nearest_rounding():
+    """One calibration value of 3e38: the products of a layer's inputs overflow float64's
+    float32 products; that layer keeps nearest rounding, with why, and nothing else fails."""
+    model, calib, _ = _small_cnn()
+    x = calib["x"][:8].copy()
+    x[3, 0, 0, 0] = 3e38
+    _, report = onnxq.quantize(model, {"x": x}, progress=False, rounding="optimized")
+    skipped = [v["skipped"] for v in report.rounding.values() if "skipped" in v]
+    assert any("too large for their products" in why for why in skipped), report.rounding
