@@ -40,7 +40,11 @@ def _sibling(name: str) -> Any:
     module = sys.modules.get(spec.name) or importlib.util.module_from_spec(spec)
     if spec.name not in sys.modules:
         sys.modules[spec.name] = module
-        spec.loader.exec_module(module)
+        try:
+            spec.loader.exec_module(module)
+        except BaseException:
+            del sys.modules[spec.name]  # a failed load is not cached for the next caller
+            raise
     return module
 
 

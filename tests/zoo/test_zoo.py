@@ -252,8 +252,8 @@ def test_missing_system_package_is_named_and_the_run_goes_on(tmp_path, monkeypat
     )
     path = tmp_path / "manifest.toml"
     path.write_text(body)
-    for name in ("recipes.py", "datasets.py"):
-        (tmp_path / name).write_bytes((MANIFEST.path.parent / name).read_bytes())
+    for module in MANIFEST.path.parent.glob("*.py"):  # recipes.py loads its siblings by path
+        (tmp_path / module.name).write_bytes(module.read_bytes())
     demo = tmp_path / "demo"
     demo.mkdir()
     (demo / "digits_cnn.onnx").write_bytes((MANIFEST.path.parent / DIGITS_CNN_FILE).read_bytes())
