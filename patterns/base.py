@@ -257,11 +257,10 @@ class ActivationPattern(QuantizerPattern):
 
 
 def _const(t: gs.Tensor) -> np.ndarray:
-    if isinstance(t, gs.Constant):
-        return np.asarray(t.values)
-    node = t.inputs[0]
-    value = node.attrs["value"]
-    return np.asarray(value.values if isinstance(value, gs.Constant) else value)
+    """The weight's values, read afresh (not kept in the graph: the model holds them)."""
+    value = constant_value(t)
+    assert value is not None, t.name  # the pattern matched a constant here
+    return value
 
 
 def attrs_without(node: gs.Node, *names: str) -> dict[str, Any]:

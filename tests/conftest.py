@@ -23,9 +23,6 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    config.addinivalue_line(
-        "markers", "memory_mib(n): this test may use n MiB (it says why), over the tier's bound"
-    )
     if config.getoption("--slow"):
         os.environ["ONNXQ_TEST_TIER"] = "slow"
 
@@ -77,9 +74,6 @@ def _memory_bound(request: pytest.FixtureRequest):
 
     tier = "slow" if request.config.getoption("--slow") else "fast"
     bound = int(os.environ.get("ONNXQ_TEST_MEMORY_MIB", MEMORY_BOUND_MIB[tier]))
-    allowance = request.node.get_closest_marker("memory_mib")
-    if allowance is not None:  # a test that states why it needs more (the largest CNNs)
-        bound = max(bound, int(allowance.args[0]))
     children_before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss // 1024
     _reset_peak()
     yield

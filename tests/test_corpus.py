@@ -214,22 +214,8 @@ def test_small_corpus_model_within_the_floor_or_refused_clearly(key, path, setti
     _assert_case(key, setting, result)
 
 
-#: the light graphs whose quantization needs more than the slow tier's 3 GiB (MiB, measured:
-#: VGG19 with 548 MB of weights peaks at 5.0 GB with the default sequential bias correction,
-#: which runs the int8 model in pieces; docs/limitations.md)
-LARGE = {"light/light_vgg19": 6144, "light/light_zfnet512": 5120, "light/light_bvlc_alexnet": 4096}
-
-
 def _light_params() -> list:
-    return [
-        pytest.param(
-            key,
-            path,
-            id=key,
-            marks=[pytest.mark.memory_mib(LARGE[key])] if key in LARGE else [],
-        )
-        for key, path in LIGHT
-    ]
+    return [pytest.param(key, path, id=key) for key, path in LIGHT]
 
 
 @pytest.mark.slow

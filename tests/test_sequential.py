@@ -2,6 +2,7 @@
 
 import numpy as np
 import onnx
+import pytest
 from helpers import make_model, rng, run
 from onnx import helper as h
 from test_bias_correction import CHAIN_KW, _chain_errors, _depthwise_chain
@@ -9,8 +10,10 @@ from test_bias_correction import CHAIN_KW, _chain_errors, _depthwise_chain
 import onnxq
 from onnxq.api import quantize_state
 from onnxq.calibrate.sequential import run_in_order
+from onnxq.io.graph import in_memory_names, values_apart
 from onnxq.io.session import make_session
 from onnxq.solve.bias_correction import channel_means
+from onnxq.tools import emulate as emulate_module
 from onnxq.tools.emulate import emulate
 
 
@@ -128,6 +131,62 @@ def test_the_resolved_emulation_is_the_fixed_one():
     flat = emu.resolved()
     assert not any(n.op_type in ("If", "Where", "Gather") for n in flat.graph.node)
     assert all(i.name != "onnxq_debug_flags" for i in flat.graph.input)
+
+
+def test_weights_apart_measure_the_same_and_are_let_go_after_their_last_piece():
+    model, batches = _residual_qdq()
+    inline, apart = {}, {}
+
+    def record(into):
+        def correct(k, sums, count, used):
+            into[TARGETS[k][0]] = sums / count
+            return np.ones(6) if TARGETS[k][0] == "y1" else None
+
+        return correct
+
+    run_in_order(model, TARGETS, batches, record(inline))
+    stubs, values = values_apart(model.graph.initializer, limit=16)
+    assert {"W1", "W2", "W3"} <= set(values) and "s" not in values  # scalars stay inline
+    assert all(v.flags.owndata for v in values.values())  # copies: the model can be let go of
+    stubbed = onnx.ModelProto()
+    stubbed.CopyFrom(model)
+    del stubbed.graph.initializer[:]
+    stubbed.graph.initializer.extend(stubs)
+    held = dict(values)
+    run_in_order(stubbed, TARGETS, batches, record(apart), weights=held)
+    assert held == {}  # each weight dropped once no later piece reads it
+    for name in inline:
+        np.testing.assert_array_equal(apart[name], inline[name])
+
+
+def test_the_emulation_without_float_branches_resolves_apart_to_the_same_model(monkeypatch):
+    monkeypatch.setattr(emulate_module, "APART_BYTES", 0)  # every weight apart, however small
+    model, data = _depthwise_chain()
+    state = quantize_state(model, data, **CHAIN_KW)
+    whole = emulate(state, int32_biases=False)
+    lean = emulate(state, int32_biases=False, float_branches=False)
+    assert lean.held and all(v.flags.owndata for v in lean.held.values())
+    with pytest.raises(ValueError, match="resolves apart only"):
+        lean.resolved()
+    stub_model, values = lean.resolved_apart()
+    assert set(in_memory_names(stub_model)) == set(values)
+    feed = {"x": data["x"][:8]}
+    got = make_session(stub_model, as_written=True, weights=values).run(None, feed)[0]
+    ref = make_session(whole.resolved(), as_written=True).run(None, feed)[0]
+    np.testing.assert_array_equal(got, ref)
+
+
+def test_a_large_weight_is_fake_quantized_in_slices_to_the_same_values(monkeypatch):
+    r = rng(3)
+    cases = [((40, 7, 3, 3), (40, 1, 1, 1)), ((40, 7, 3, 3), ()), ((64, 30), (1, 30))]
+    for shape, bound in cases:
+        x = r.normal(0, 1, shape).astype(np.float32)
+        lo = -np.abs(r.normal(0, 1, bound)).astype(np.float32)
+        hi = np.abs(r.normal(0, 1, bound)).astype(np.float32)
+        whole = emulate_module._fq(x, lo, hi, 255)
+        monkeypatch.setattr(emulate_module, "FQ_SLICE", 50)
+        np.testing.assert_array_equal(emulate_module._fq(x, lo, hi, 255), whole)
+        monkeypatch.undo()
 
 
 def test_sequential_correction_removes_the_mean_shift_and_falls_back_on_one_shot_data():

@@ -29,7 +29,7 @@ import onnx
 from onnx import helper, numpy_helper
 
 from onnxq.calibrate.streaming import run_ahead
-from onnxq.io.graph import copy_fields, names_read
+from onnxq.io.graph import copy_fields, in_memory_names, names_read
 from onnxq.io.session import inferred_types, make_session, output_types
 from onnxq.solve.bias_correction import channel_means
 
@@ -47,12 +47,18 @@ def run_in_order(
     batches: Sequence[Mapping[str, Any]],
     correct: Correct,
     limit: int = HELD_LIMIT,
+    weights: dict[str, np.ndarray] | None = None,
 ) -> int:
     """Run ``model`` piece by piece over ``batches``, calling ``correct`` at every target.
 
     ``targets``: (output tensor of a node, its channel axis), in any order; they are measured
     in graph order. Returns the number of batches the last measurement covered.
+
+    ``weights``: the values of the initializers ``model`` holds as in-memory stubs
+    (onnxq.io.graph.values_apart). Each is let go of (removed from the dict) once the last
+    piece that reads it holds it: VGG19's first dense layer is then held once at a time.
     """
+    weights = weights if weights is not None else {}
     types = {**inferred_types(model), **output_types(model)}
     inits = {i.name: i for i in model.graph.initializer}
     model, shifts = _with_shifts(model, [name for name, _ in targets])
@@ -70,6 +76,12 @@ def run_in_order(
         nodes, producer, reads, lazy, [producer[f"{targets[k][0]}/unshifted"] for k in order]
     )
     external = [_external(piece, nodes, reads, inits) for piece in pieces]
+    # the constants each piece's successors read (a weight is let go of after its last piece)
+    later_reads: list[set[str]] = [set() for _ in pieces]
+    for p in range(len(pieces) - 2, -1, -1):
+        later_reads[p] = later_reads[p + 1] | {
+            x for i in pieces[p + 1] for x in reads[i] if x in weights
+        }
     live: dict[str, list[np.ndarray]] = {
         name: [np.asarray(b[name]) for b in batches] for name in {i.name for i in model.graph.input}
     }
@@ -82,8 +94,13 @@ def run_in_order(
         measured = f"{name}/unshifted"
         fetch = [*keep, measured]
         sub = _submodel(model, [nodes[i] for i in piece], external[p], fetch, inits, types, live)
-        session = make_session(sub, as_written=True)
+        stubs = set(in_memory_names(sub))
+        session = make_session(
+            sub, as_written=True, weights={n: weights[n] for n in stubs} if stubs else None
+        )
         del sub  # the session holds its own copy of the piece's weights
+        for done in stubs - later_reads[p]:
+            del weights[done]
         feeds = ({x: live[x][b] for x in external[p]} for b in range(used))
         stored: dict[str, list[np.ndarray]] = {o: [] for o in keep}
         total: np.ndarray | None = None

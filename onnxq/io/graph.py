@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
-from onnx import numpy_helper
+from onnx import helper, numpy_helper
 from onnx_graphsurgeon.ir.tensor import LazyValues
 
 from onnxq._version import __version__
@@ -506,6 +506,23 @@ def read_in(t: onnx.TensorProto) -> onnx.TensorProto:
     return out
 
 
+def add_initializer(graph: onnx.GraphProto, name: str, value: np.ndarray) -> None:
+    """Append ``value`` as an initializer of ``graph``, the same bytes as ``from_array``.
+
+    A numeric array is written into the graph's own tensor (``from_array`` then ``CopyFrom``
+    held the data three times at once: a large weight's worth more than needed).
+    """
+    value = np.asarray(value)
+    if value.dtype.kind not in "fiub" or value.dtype.byteorder == ">" or value.dtype == np.bool_:
+        graph.initializer.add().CopyFrom(numpy_helper.from_array(value, name))
+        return
+    t = graph.initializer.add()
+    t.dims.extend(value.shape)
+    t.data_type = helper.np_dtype_to_tensor_dtype(value.dtype)
+    t.name = name
+    t.raw_data = value.tobytes()
+
+
 def tensor_array(t: onnx.TensorProto) -> np.ndarray:
     """``numpy_helper.to_array`` for any initializer, file weights included."""
     return numpy_helper.to_array(read_in(t))
@@ -735,6 +752,30 @@ def split_weights(
     return out, held
 
 
+def values_apart(
+    tensors: Iterable[onnx.TensorProto], limit: int = 4096
+) -> tuple[list[onnx.TensorProto], dict[str, np.ndarray]]:
+    """Each tensor as it is, or past ``limit`` bytes as an in-memory stub and its value.
+
+    The values (name -> array) are copies: an array read from a tensor (``to_array``) is a
+    view that keeps the whole protobuf message it came from alive.
+    """
+    kept: list[onnx.TensorProto] = []
+    values: dict[str, np.ndarray] = {}
+    for t in tensors:
+        if _nbytes(t) <= limit and not is_file_weight(t):
+            kept.append(t)
+            continue
+        values[t.name] = np.array(tensor_array(t))
+        kept.append(_in_memory_stub(t.name, t.data_type, t.dims))
+    return kept, values
+
+
+def in_memory_names(model: onnx.ModelProto) -> list[str]:
+    """The main-graph initializers whose data lives elsewhere (:func:`split_weights`)."""
+    return [t.name for t in model.graph.initializer if _in_memory(t)]
+
+
 def _in_memory_stub(name: str, data_type: int, dims: Sequence[int]) -> onnx.TensorProto:
     """A tensor of that type and shape whose data lives elsewhere (location :data:`IN_MEMORY`)."""
     t = onnx.TensorProto(name=name, data_type=data_type, dims=list(dims))
@@ -788,10 +829,23 @@ def consumers(tensor: gs.Tensor) -> list[gs.Node]:
     return list(tensor.outputs)
 
 
-def constant_value(tensor: gs.Tensor) -> np.ndarray | None:
-    """The value of an initializer or of a Constant node's output, else None."""
+def holds_constant(tensor: gs.Tensor) -> bool:
+    """True for an initializer or a Constant node's output (its values are not read)."""
     if isinstance(tensor, gs.Constant):
-        return np.asarray(tensor.values)
+        return True
+    node = producer(tensor)
+    return node is not None and node.op == "Constant" and "value" in node.attrs
+
+
+def constant_value(tensor: gs.Tensor) -> np.ndarray | None:
+    """The value of an initializer or of a Constant node's output, else None.
+
+    A lazily imported initializer is read afresh and not kept in the graph: the ModelProto it
+    came from holds it already (VGG19's first dense layer would otherwise be held twice, 411 MB).
+    """
+    if isinstance(tensor, gs.Constant):
+        values = tensor._values
+        return np.asarray(values.load() if isinstance(values, LazyValues) else tensor.values)
     node = producer(tensor)
     if node is not None and node.op == "Constant" and "value" in node.attrs:
         value = node.attrs["value"]

@@ -5,10 +5,11 @@ from __future__ import annotations
 import ctypes
 import sys
 import tempfile
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import onnx
 
 from onnxq.errors import ModelError
@@ -25,8 +26,12 @@ def make_session(
     expose: Iterable[str] = (),
     as_written: bool = False,
     spin: bool = True,
+    weights: Mapping[str, np.ndarray] | None = None,
 ) -> Any:
     """An onnxruntime CPU InferenceSession for ``model`` (``threads`` 0 = onnxruntime's choice).
+
+    ``weights``: the values of the initializers ``model`` holds as in-memory stubs
+    (onnxq.io.graph.split_weights), handed to onnxruntime as arrays.
 
     ``expose`` names inner tensors to add as outputs of the session. They are appended to the
     model only while the session is built, then removed: no second copy of the weights is made.
@@ -68,11 +73,11 @@ def make_session(
     precise = exact and u8s8_saturates()
     added = _append_outputs(model, expose)
     try:
-        return _session(ort, model, options(precise))
+        return _session(ort, model, options(precise), weights)
     except Exception as exc:  # onnxruntime raises its own exception types
         if precise:  # the exact path has no int8-activation QLinearConv; those kernels are exact
             try:
-                return _session(ort, model, options(False))
+                return _session(ort, model, options(False), weights)
             except Exception:  # report the first failure below
                 pass
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
@@ -112,8 +117,15 @@ SHARED_WEIGHTS_BYTES = 32 * 2**20
 FILE_WEIGHTS_BYTES = 256 * 2**20
 
 
-def _session(ort: Any, model: onnx.ModelProto, opts: Any) -> Any:
+def _session(
+    ort: Any, model: onnx.ModelProto, opts: Any, weights: Mapping[str, np.ndarray] | None
+) -> Any:
     providers = ["CPUExecutionProvider"]
+    if weights is not None:  # the caller holds the weights as arrays: onnxruntime copies them
+        names = graph.in_memory_names(model)
+        values = [ort.OrtValue.ortvalue_from_numpy(weights[n]) for n in names]
+        opts.add_external_initializers(names, values)
+        return ort.InferenceSession(serialize(model), opts, providers=providers)
     if graph.proto_size(model) < SHARED_WEIGHTS_BYTES:
         return ort.InferenceSession(serialize(model), opts, providers=providers)
     # serialized bytes, onnxruntime's parsed copy and its tensors were three copies of the

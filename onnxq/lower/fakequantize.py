@@ -258,9 +258,9 @@ def _fq_weight(
 ) -> None:
     lo_q, hi_q = weight_qrange or qrange(qt.dtype, narrow=False)
     low, high, levels = fq_bounds(values[qt.scale], values[qt.zero_point], qt.dtype, lo_q, hi_q)
-    w = np.asarray(t.values if isinstance(t, gs.Constant) else 0)
+    ndim = len(t.shape) if isinstance(t, gs.Constant) else 0  # not read: the model holds it
     if qt.axis is not None and low.ndim == 1:
-        shape = [1] * w.ndim
+        shape = [1] * ndim
         shape[qt.axis] = -1
         low, high = low.reshape(shape), high.reshape(shape)
     out = _fq_node(editor, t, low, high, levels, t.name)

@@ -19,7 +19,14 @@ import onnx
 import onnx_graphsurgeon as gs
 
 from onnxq.errors import PatternError
-from onnxq.io.graph import constant_value, is_absent, node_label, present_inputs, producer
+from onnxq.io.graph import (
+    constant_value,
+    holds_constant,
+    is_absent,
+    node_label,
+    present_inputs,
+    producer,
+)
 
 COMMUTATIVE_OPS = frozenset({"Add", "Mul", "Max", "Min", "Sum", "And", "Or", "Xor", "Equal"})
 
@@ -361,7 +368,8 @@ def has_rank(rank: int, pattern: DFPattern | None = None) -> RankPattern:
 def tensor_dtype(tensor: gs.Tensor) -> np.dtype | None:
     """The tensor's numpy dtype, or None when unknown."""
     if isinstance(tensor, gs.Constant):
-        return np.asarray(tensor.values).dtype
+        known = tensor.dtype  # a lazy initializer's dtype without reading it
+        return known if isinstance(known, np.dtype) else np.asarray(tensor.values).dtype
     value = constant_value(tensor)
     if value is not None:
         return value.dtype
@@ -555,7 +563,7 @@ class _Matcher:
         if isinstance(p, WildcardPattern):
             return s.bind(p, t)
         if isinstance(p, ConstantPattern):
-            if constant_value(t) is None:
+            if not holds_constant(t):
                 return self.fail(
                     s, f"'{t.name}' is not a constant (initializer or Constant node)", producer(t)
                 )

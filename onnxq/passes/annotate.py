@@ -10,8 +10,7 @@ import onnx
 
 from onnxq.annotate.quantizer import Quantizer
 from onnxq.io.graph import skeleton
-from onnxq.io.session import free_memory
-from onnxq.passes.manager import PassResult, State
+from onnxq.passes.manager import PassResult, State, release
 
 
 def _hand_over(state: State) -> onnx.ModelProto:
@@ -38,7 +37,7 @@ class Annotate:
         )
         # graphsurgeon graphs are reference cycles: free the stages' copies now, and hand the
         # pages back (the 2 GB transformer held 1.2x its weights in freed heap otherwise)
-        free_memory(state.float_model)
+        release(state)
         state.quantizer = q
         matched = len({n for rec in q.records for n in rec.nodes})
         return PassResult(

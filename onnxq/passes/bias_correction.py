@@ -31,7 +31,7 @@ from onnxq.calibrate.streaming import run_ahead, run_checked
 from onnxq.errors import CalibrationError
 from onnxq.io.session import make_session
 from onnxq.match.dfpattern import node_attr
-from onnxq.passes.manager import PassResult, State
+from onnxq.passes.manager import PassResult, State, release
 from onnxq.solve.bias_correction import (
     Layer,
     channel_means,
@@ -185,12 +185,6 @@ def _sequential(
     from onnxq.tools.emulate import emulate
 
     q = state.quantizer
-    # every switch on: no float branches (materialize sets the biases' grids)
-    emulation = emulate(state, int32_biases=False, float_branches=False)
-    written = {n.name: n.output[0] for n in emulation.model.graph.node if n.output}
-    for n in emulation.model.graph.node:
-        if n.op_type == "If" and n.name.endswith("/If"):
-            written[n.name[: -len("/If")]] = n.output[0]
     float_nodes = {n.name: n for n in q.float_graph.nodes}
     # (bias name, its float value, quantized record or None, node name, kind)
     jobs: list[tuple[str, np.ndarray, Any, str, str]] = []
@@ -200,14 +194,15 @@ def _sequential(
     for node, kind, _, bias_name, _ in floats:
         value = state.constants.get(bias_name, node.inputs[2].values)
         jobs.append((bias_name, np.asarray(value, np.float64).reshape(-1), None, node.name, kind))
-    jobs = [j for j in jobs if j[3] in written and j[3] in float_nodes]
+    jobs = [j for j in jobs if j[3] in float_nodes]
     if not jobs:
         return PassResult("nothing to correct")
-    targets = [(written[j[3]], input_axis(j[4])) for j in jobs]
     float_names = [float_nodes[j[3]].outputs[0].name for j in jobs]
     batches = _first_samples(state, SEQUENTIAL_SAMPLES)
     # the float layers' output sums for each batch as the data gives it (every layer's output
-    # exposed for joined batches of 16 held 1.5 GB more on EfficientNet-Lite1), then per run
+    # exposed for joined batches of 16 held 1.5 GB more on EfficientNet-Lite1), then per run;
+    # before the emulation is built, so that the float session's weights and the emulation's
+    # are never held at once
     axes = [input_axis(j[4]) for j in jobs]
     session = make_session(q.float_model, expose=float_names)
     per_batch = _output_sums(session, float_names, batches, axes)
@@ -218,6 +213,20 @@ def _sequential(
         except CalibrationError:
             runs, sizes = batches, [1] * len(batches)
     del session
+    release(state)
+    # every switch on: no float branches (materialize sets the biases' grids)
+    emulation = emulate(state, int32_biases=False, float_branches=False)
+    written = _written(emulation.model)
+    kept = [k for k, j in enumerate(jobs) if j[3] in written]
+    jobs, per_batch = [jobs[k] for k in kept], [per_batch[k] for k in kept]
+    if not jobs:
+        return PassResult("nothing to correct")
+    targets = [(written[j[3]], input_axis(j[4])) for j in jobs]
+    # the weights as arrays beside a weightless graph, each let go of after its last piece
+    # (a protobuf message holds every tensor it ever held until it is freed whole)
+    graph, weights = emulation.resolved_apart()
+    del emulation  # its graph still holds the weights it replaced while building
+    release(state)
     float_sums = [_grouped(sums, sizes) for sums in per_batch]
     skipped: list[str] = []
 
@@ -236,10 +245,8 @@ def _sequential(
             state.bias_corrections[bias_name] = float(np.max(np.abs(shift))) / out_scale
         return shift
 
-    resolved = emulation.resolved()
-    del emulation  # its switched form holds the float and the quantized weights both
-    used = run_in_order(resolved, targets, runs, correct)
-    del resolved
+    used = run_in_order(graph, targets, runs, correct, weights=weights)
+    del graph, weights
     samples = sum(feed_samples(b) for b in runs[:used])
     steps = list(state.bias_corrections.values())
     floats_done = sum(1 for j in jobs if j[2] is None and j[3] not in skipped)
@@ -258,6 +265,19 @@ def _sequential(
         )
     )
     return PassResult(text)
+
+
+def _written(model: Any) -> dict[str, str]:
+    """Node name -> the tensor it writes in the emulation (a switched node's If's output).
+
+    A function of its own: a node left bound to a loop variable would keep the whole model
+    alive (a protobuf message lives as long as any part of it is referenced).
+    """
+    written = {n.name: n.output[0] for n in model.graph.node if n.output}
+    for n in model.graph.node:
+        if n.op_type == "If" and n.name.endswith("/If"):
+            written[n.name[: -len("/If")]] = n.output[0]
+    return written
 
 
 def _output_sums(

@@ -16,8 +16,7 @@ from onnxq.calibrate.dataset import model_inputs
 from onnxq.calibrate.ranges import read_channel_means, read_ranges
 from onnxq.calibrate.sources import as_dataset
 from onnxq.calibrators import method_callback
-from onnxq.io.session import free_memory
-from onnxq.passes.manager import PassResult, State
+from onnxq.passes.manager import PassResult, State, release
 
 #: calibration batches the accuracy check after quantizing runs (their fp32 outputs are kept)
 CHECK_BATCHES = 4
@@ -78,7 +77,7 @@ class Calibrate:
             calibrator.loaded_means = read_channel_means(o.load_ranges)
         state.values = calibrator.calibrate()
         calibrator.release()
-        free_memory(state.float_model)
+        release(state)
         state.calibrator = calibrator
         rep = calibrator.report
         return PassResult(f"{len(state.values)} values from {rep.samples} samples")

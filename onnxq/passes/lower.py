@@ -12,8 +12,7 @@ Cast/Sub/Mul instead, or onnxruntime would quantize their weights per tensor on 
 
 from __future__ import annotations
 
-from onnxq.io.session import free_memory
-from onnxq.passes.manager import PassResult, State, op_changes, op_histogram
+from onnxq.passes.manager import PassResult, State, op_changes, op_histogram, release
 from onnxq.post.float_guard import guard_float_layers
 
 
@@ -32,7 +31,7 @@ class Lower:
         guarded: list[str] = []
         if fmt.runtime == "onnxruntime":
             state.model, guarded = guard_float_layers(state.model)
-        free_memory(state.float_model)
+        release(state)
         changed = op_changes(before, op_histogram(state.model))
         note = (
             f"; {len(guarded)} float layer(s) guarded from runtime quantization" if guarded else ""

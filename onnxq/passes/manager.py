@@ -16,6 +16,7 @@ from typing import Any, Protocol
 
 import onnx
 
+from onnxq.io.session import free_memory
 from onnxq.options import QuantizeOptions
 
 
@@ -131,6 +132,17 @@ def op_changes(before: dict[str, int], after: dict[str, int]) -> str:
         if d:
             parts.append(f"{d:+d} {op}")
     return ", ".join(parts)
+
+
+def release(state: State) -> None:
+    """Hand the memory a pass let go of back to the system, for a large model.
+
+    Measured on the model that holds the weights: the annotated float model once there is one
+    (``state.float_model`` is then a weightless skeleton, and a light graph's weights appear
+    only when preprocessing folds them).
+    """
+    q = state.quantizer
+    free_memory(q.float_model if q is not None else state.float_model)
 
 
 def run_passes(state: State, passes: Sequence[Pass]) -> State:

@@ -6,8 +6,7 @@ Needs ``state.model`` (materialized). Leaves the folded ``state.model`` and
 
 from __future__ import annotations
 
-from onnxq.io.session import free_memory
-from onnxq.passes.manager import PassResult, State
+from onnxq.passes.manager import PassResult, State, release
 from onnxq.post.requantize import Requantizer
 from onnxq.solve.constraints import share_concat_scales
 
@@ -22,7 +21,7 @@ class Requantize:
         requantizer = Requantizer()
         state.model = requantizer.requantize(state.model)
         state.requantize_stats = s = requantizer.stats
-        free_memory(state.float_model)
+        release(state)
         return PassResult(
             f"{s.folded_pairs} DQ→Q pairs folded, {s.rescaled_pairs} rescaled, "
             f"{len(s.crossed_ops)} ops carried, {len(s.relus_removed)} Relus removed"

@@ -8,8 +8,7 @@ from __future__ import annotations
 
 from onnxq.calibrate.ranges import write_ranges
 from onnxq.io.graph import save_model
-from onnxq.io.session import free_memory
-from onnxq.passes.manager import PassResult, State
+from onnxq.passes.manager import PassResult, State, release
 
 
 class Save:
@@ -24,7 +23,7 @@ class Save:
         # nothing after the checks runs the verification session: let its copy of the
         # model go before the writer serializes one (a 2 GB model's peak was here)
         state.session = None
-        free_memory(state.float_model)
+        release(state)
         if o.output is not None:
             save_model(state.model, o.output)
             wrote.append(str(o.output))

@@ -38,7 +38,14 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from onnxq.io.graph import copy_fields, names_read, tensor_array
+from onnxq.io.graph import (
+    add_initializer,
+    copy_fields,
+    names_read,
+    tensor_array,
+    unfilled,
+    values_apart,
+)
 from onnxq.lower.fakequantize import OV_DOMAIN, to_fakequantize
 from onnxq.passes.manager import user_nodes
 
@@ -88,6 +95,9 @@ class Emulation:
     model: onnx.ModelProto
     switches: list[Switch]
     groups: list[Group]
+    #: weights the model holds as in-memory stubs, by name (built without float branches:
+    #: only :meth:`resolved_apart` reads them)
+    held: dict[str, np.ndarray] = field(default_factory=dict)
 
     def steps(self) -> dict[str, float]:
         """Every quantized activation tensor and the step of its grid."""
@@ -157,6 +167,10 @@ class Emulation:
         otherwise put the float weights of a Conv that reads a DequantizeLinear on a grid of
         their own (in :meth:`fixed` the If branches keep them apart).
         """
+        return self._resolved(on, apart=False)
+
+    def _resolved(self, on: Any, apart: bool) -> Any:
+        """:meth:`resolved`; with ``apart``, as :meth:`resolved_apart` gives it."""
         flags = self.flags(on)
         graph = self.model.graph
         inits = {i.name: i for i in graph.initializer}
@@ -196,17 +210,64 @@ class Emulation:
         read = names_read(nodes)
         del model.graph.node[:]
         model.graph.node.extend(nodes)
-        model.graph.initializer.extend(i for i in graph.initializer if i.name in read)
         inputs = [i for i in model.graph.input if i.name != FLAGS]
         del model.graph.input[:]
         model.graph.input.extend(inputs)
-        return model
+        used = [i for i in graph.initializer if i.name in read]
+        if not apart:
+            if self.held:
+                raise ValueError("an emulation without float branches resolves apart only")
+            model.graph.initializer.extend(used)
+            return model
+        stubs, values = values_apart(i for i in used if i.name not in self.held)
+        model.graph.initializer.extend(stubs)
+        model.graph.initializer.extend(i for i in used if i.name in self.held)
+        values.update((i.name, self.held[i.name]) for i in used if i.name in self.held)
+        return model, values
+
+    def resolved_apart(self) -> tuple[onnx.ModelProto, dict[str, np.ndarray]]:
+        """:meth:`resolved` with every switch on and its weights apart.
+
+        The model holds in-memory stubs and the weights are arrays of their own
+        (onnxq.io.graph.values_apart): once the emulation is let go of, each weight is held
+        once, and the caller can drop each when done with it (a weight inside a protobuf
+        message is freed only with the whole message).
+        """
+        return self._resolved(None, apart=True)
+
+
+#: bytes above which a weight of an emulation without float branches is held as an array
+APART_BYTES = 4096
+
+#: elements of a weight FakeQuantized at once (the rest in further slices of its first axis):
+#: numpy's temporaries of VGG19's first dense layer were 1.6 GB at once
+FQ_SLICE = 1 << 22
 
 
 def _fq(x: np.ndarray, lo: np.ndarray, hi: np.ndarray, levels: int) -> np.ndarray:
-    """FakeQuantize in numpy, as the emulation computes it."""
+    """FakeQuantize in numpy, as the emulation computes it.
+
+    Elementwise, so a large ``x`` is done in slices of its first axis (the same values).
+    """
     step = _step(lo, hi, levels)
-    return (np.round((np.clip(x, lo, hi) - lo) / step) * step + lo).astype(np.float32)
+    x = np.asarray(x)
+    if x.ndim == 0 or x.size <= FQ_SLICE:
+        return (np.round((np.clip(x, lo, hi) - lo) / step) * step + lo).astype(np.float32)
+    rows = max(1, FQ_SLICE // max(1, x.size // x.shape[0]))
+    lo, hi, step = (np.asarray(v) for v in (lo, hi, step))
+    out = np.empty(np.broadcast_shapes(x.shape, lo.shape, hi.shape), np.float32)
+    for start in range(0, x.shape[0], rows):
+        part = slice(start, start + rows)
+        lo_p, hi_p, step_p = (_rows(v, part, x.ndim) for v in (lo, hi, step))
+        out[part] = np.round((np.clip(x[part], lo_p, hi_p) - lo_p) / step_p) * step_p + lo_p
+    return out
+
+
+def _rows(v: np.ndarray, part: slice, ndim: int) -> np.ndarray:
+    """``v``'s slice matching rows ``part`` of an ``ndim``-dimensional array it broadcasts to."""
+    if v.ndim == ndim and v.shape[0] > 1:
+        return v[part]
+    return v
 
 
 def _step(lo: np.ndarray, hi: np.ndarray, levels: int) -> np.ndarray:
@@ -273,10 +334,17 @@ def emulate(state: Any, int32_biases: bool = True, float_branches: bool = True) 
             gates[k] = f"{index}/on"
         return gates[k]
 
-    def constant(name: str, value: np.ndarray, dtype: Any = np.float32) -> str:
+    held: dict[str, np.ndarray] = {}
+
+    def constant(name: str, value: np.ndarray, dtype: Any = np.float32, apart: bool = False) -> str:
         # straight into the graph: a list of new tensors extended in at the end was a second
         # copy of every quantized weight while the first was alive
-        graph.initializer.add().CopyFrom(numpy_helper.from_array(np.asarray(value, dtype), name))
+        value = np.asarray(value, dtype)
+        if apart and value.nbytes > APART_BYTES:  # a stub, the value beside the model
+            held[name] = value
+            graph.initializer.append(unfilled(name, value.dtype, value.shape))
+        else:
+            add_initializer(graph, name, value)
         return name
 
     # weights: FakeQuantize of a constant -> (switch, rounded and quantized, float)
@@ -298,7 +366,9 @@ def emulate(state: Any, int32_biases: bool = True, float_branches: bool = True) 
         if x not in inits:
             continue
         k = switch(x, "weight", readers.get(x, []))
-        on = constant(f"{y}/on", _fq(tensor_array(inits[x]), lo, hi, levels))
+        on = constant(
+            f"{y}/on", _fq(tensor_array(inits[x]), lo, hi, levels), apart=not float_branches
+        )
         off = f"{y}/off"
         if float_branches:
             constant(off, tensor_array(originals[x]) if x in originals else tensor_array(inits[x]))
@@ -369,7 +439,7 @@ def emulate(state: Any, int32_biases: bool = True, float_branches: bool = True) 
     opsets = [d for d in fq_model.opset_import if d.domain != OV_DOMAIN]
     del fq_model.opset_import[:]
     fq_model.opset_import.extend(opsets)
-    return Emulation(fq_model, switches, groups)
+    return Emulation(fq_model, switches, groups, held)
 
 
 def held_float(model: onnx.ModelProto) -> set[str]:
