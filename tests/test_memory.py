@@ -27,14 +27,14 @@ from onnxq.io.graph import (
     serialize,
     skeleton,
 )
-from onnxq.solve.qparams import QParams, quantize
+from onnxq.solve.qparams import QParams, dequantize, quantize
 
 
 @pytest.mark.parametrize(
     ("shape", "axis"),
     [((300, 50, 3, 3), 0), ((300, 50, 3, 3), 1), ((5000, 3000), 0), ((5000, 3000), None)],
 )
-def test_chunked_weight_quantization_equals_the_whole_array_at_once(monkeypatch, shape, axis):
+def test_weights_quantized_and_back_in_slices_equal_the_whole_array(monkeypatch, shape, axis):
     r = rng(1)
     x = (r.standard_normal(shape) * 3).astype(np.float32)
     n = shape[axis] if axis is not None else None
@@ -43,9 +43,12 @@ def test_chunked_weight_quantization_equals_the_whole_array_at_once(monkeypatch,
     qp = QParams(scale, zp, axis)
     monkeypatch.setattr(qparams, "QUANTIZE_CHUNK", 1 << 40)
     whole = quantize(x, qp)
+    back = dequantize(whole, qp)
     monkeypatch.setattr(qparams, "QUANTIZE_CHUNK", 4096)
     assert np.array_equal(quantize(x, qp), whole)
     assert whole.dtype == np.int8
+    sliced = dequantize(whole, qp)
+    assert sliced.dtype == back.dtype == np.float32 and np.array_equal(sliced, back)
 
 
 def _dense_model():

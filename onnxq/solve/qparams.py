@@ -133,9 +133,19 @@ def quantize(x: np.ndarray, qp: QParams) -> np.ndarray:
 
 
 def dequantize(q: np.ndarray, qp: QParams) -> np.ndarray:
-    """Inverse map ``(q - zp) * scale`` in float32."""
+    """Inverse map ``(q - zp) * scale`` in float32 (a large ``q`` in slices, the same values)."""
     scale, zp = _broadcast(qp, q.ndim)
-    return ((q.astype(np.float64) - zp) * scale).astype(np.float32)
+    q = np.asarray(q)
+    if q.ndim == 0 or q.size <= QUANTIZE_CHUNK:
+        return ((q.astype(np.float64) - zp) * scale).astype(np.float32)
+    out = np.empty(q.shape, np.float32)
+    rows = max(1, QUANTIZE_CHUNK // max(q.size // q.shape[0], 1))
+    for start in range(0, q.shape[0], rows):
+        part = slice(start, start + rows)
+        s = scale[part] if scale.ndim and scale.shape[0] != 1 else scale
+        z = zp[part] if zp.ndim and zp.shape[0] != 1 else zp
+        out[part] = (q[part].astype(np.float64) - z) * s
+    return out
 
 
 def _broadcast(qp: QParams, ndim: int) -> tuple[np.ndarray, np.ndarray]:
