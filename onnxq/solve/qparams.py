@@ -6,6 +6,7 @@ Affine quantization: ``q = clip(round(x / scale) + zero_point, qmin, qmax)`` and
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -118,11 +119,7 @@ def quantize(x: np.ndarray, qp: QParams) -> np.ndarray:
         q = np.round(x.astype(np.float64) / scale) + zp
         return np.clip(q, lo, hi).astype(qp.dtype)
     out = np.empty(x.shape, qp.dtype)
-    rows = max(1, QUANTIZE_CHUNK // max(x.size // x.shape[0], 1))
-    for start in range(0, x.shape[0], rows):
-        part = slice(start, start + rows)
-        s = scale[part] if scale.ndim and scale.shape[0] != 1 else scale
-        z = zp[part] if zp.ndim and zp.shape[0] != 1 else zp
+    for part, (s, z) in row_slices(x, QUANTIZE_CHUNK, scale, zp):
         q = x[part].astype(np.float64)
         q /= s
         np.round(q, out=q)
@@ -139,13 +136,24 @@ def dequantize(q: np.ndarray, qp: QParams) -> np.ndarray:
     if q.ndim == 0 or q.size <= QUANTIZE_CHUNK:
         return ((q.astype(np.float64) - zp) * scale).astype(np.float32)
     out = np.empty(q.shape, np.float32)
-    rows = max(1, QUANTIZE_CHUNK // max(q.size // q.shape[0], 1))
-    for start in range(0, q.shape[0], rows):
-        part = slice(start, start + rows)
-        s = scale[part] if scale.ndim and scale.shape[0] != 1 else scale
-        z = zp[part] if zp.ndim and zp.shape[0] != 1 else zp
+    for part, (s, z) in row_slices(q, QUANTIZE_CHUNK, scale, zp):
         out[part] = (q[part].astype(np.float64) - z) * s
     return out
+
+
+def row_slices(
+    x: np.ndarray, elements: int, *per_row: np.ndarray
+) -> Iterator[tuple[slice, list[np.ndarray]]]:
+    """Slices of ``x``'s first axis of about ``elements`` values each, and ``per_row`` cut to match.
+
+    An array of ``x``'s rank with more than one row is cut with the slice; any other applies
+    whole. An elementwise computation done slice by slice gives the same values as on the whole
+    array, with temporaries of one slice.
+    """
+    rows = max(1, elements // max(x.size // x.shape[0], 1))
+    for start in range(0, x.shape[0], rows):
+        part = slice(start, start + rows)
+        yield part, [v[part] if v.ndim == x.ndim and v.shape[0] != 1 else v for v in per_row]
 
 
 def _broadcast(qp: QParams, ndim: int) -> tuple[np.ndarray, np.ndarray]:

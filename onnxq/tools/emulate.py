@@ -48,6 +48,7 @@ from onnxq.io.graph import (
 )
 from onnxq.lower.fakequantize import OV_DOMAIN, to_fakequantize
 from onnxq.passes.manager import user_nodes
+from onnxq.solve.qparams import row_slices
 
 #: the emulation model's input that holds the switches
 FLAGS = "onnxq_debug_flags"
@@ -253,21 +254,11 @@ def _fq(x: np.ndarray, lo: np.ndarray, hi: np.ndarray, levels: int) -> np.ndarra
     x = np.asarray(x)
     if x.ndim == 0 or x.size <= FQ_SLICE:
         return (np.round((np.clip(x, lo, hi) - lo) / step) * step + lo).astype(np.float32)
-    rows = max(1, FQ_SLICE // max(1, x.size // x.shape[0]))
     lo, hi, step = (np.asarray(v) for v in (lo, hi, step))
     out = np.empty(np.broadcast_shapes(x.shape, lo.shape, hi.shape), np.float32)
-    for start in range(0, x.shape[0], rows):
-        part = slice(start, start + rows)
-        lo_p, hi_p, step_p = (_rows(v, part, x.ndim) for v in (lo, hi, step))
+    for part, (lo_p, hi_p, step_p) in row_slices(x, FQ_SLICE, lo, hi, step):
         out[part] = np.round((np.clip(x[part], lo_p, hi_p) - lo_p) / step_p) * step_p + lo_p
     return out
-
-
-def _rows(v: np.ndarray, part: slice, ndim: int) -> np.ndarray:
-    """``v``'s slice matching rows ``part`` of an ``ndim``-dimensional array it broadcasts to."""
-    if v.ndim == ndim and v.shape[0] > 1:
-        return v[part]
-    return v
 
 
 def _step(lo: np.ndarray, hi: np.ndarray, levels: int) -> np.ndarray:
