@@ -13,7 +13,6 @@
 
 from __future__ import annotations
 
-from onnxq.calibrate.callbacks import CalibrationCallback, RangeTableCallback
 from onnxq.calibrators.average_max import AverageMaxCallback, AverageMaxObserver
 from onnxq.calibrators.histogram import (
     DEFAULT_BINS,
@@ -27,7 +26,8 @@ from onnxq.calibrators.histogram import (
 )
 from onnxq.calibrators.minmax import MinMaxCallback, MinMaxObserver
 from onnxq.calibrators.output_aware import OutputAwareCallback
-from onnxq.errors import ConfigError
+from onnxq.core.callbacks import CalibrationCallback, RangeTableCallback
+from onnxq.core.errors import ConfigError
 
 METHODS = ("minmax", "average-max", "percentile", "entropy", "mse", "output-aware")
 

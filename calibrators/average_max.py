@@ -6,8 +6,8 @@ from fractions import Fraction
 
 import numpy as np
 
-from onnxq.calibrate.callbacks import ObserverCallback
-from onnxq.errors import CalibrationError, ConfigError
+from onnxq.core.callbacks import ObserverCallback
+from onnxq.core.errors import CalibrationError, ConfigError
 
 
 class AverageMaxObserver:

@@ -15,9 +15,9 @@ import functools
 
 import numpy as np
 
-from onnxq.calibrate.callbacks import ObserverCallback
-from onnxq.errors import CalibrationError, ConfigError
-from onnxq.solve.qparams import params_from_range, qrange
+from onnxq.core.callbacks import ObserverCallback
+from onnxq.core.errors import CalibrationError, ConfigError
+from onnxq.core.qparams import params_from_range, qrange
 
 DEFAULT_BINS = 2048
 #: values of one sample (one row of the leading axis) a histogram takes at least; past

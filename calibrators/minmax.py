@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from onnxq.calibrate.callbacks import ObserverCallback
+from onnxq.core.callbacks import ObserverCallback
 
 
 class MinMaxObserver:

@@ -23,10 +23,10 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
-from onnxq.calibrate.callbacks import CalibrationInfo, Observer, ObserverCallback
 from onnxq.calibrators.minmax import MinMaxCallback
+from onnxq.core.callbacks import CalibrationInfo, Observer, ObserverCallback
+from onnxq.core.qparams import QParams, dequantize, params_from_range, quantize, weight_params
 from onnxq.io.session import make_session
-from onnxq.solve.qparams import QParams, dequantize, params_from_range, quantize, weight_params
 
 
 class OutputAwareCallback(ObserverCallback):

@@ -17,27 +17,27 @@ from onnxq._version import __version__
 
 if TYPE_CHECKING:
     from onnxq.annotate.quantizer import Quantizer, QuantizerConfig
-    from onnxq.annotate.rule import QuantizerPattern
     from onnxq.api import QuantizeReport, quantize
     from onnxq.calibrate.calibration import Calibrator
-    from onnxq.calibrate.callbacks import CalibrationCallback, CalibrationInfo, ObserverCallback
     from onnxq.calibrate.dataset import DatasetManager
     from onnxq.calibrate.sources import as_dataset
-    from onnxq.errors import OnnxqError
+    from onnxq.core.callbacks import CalibrationCallback, CalibrationInfo, ObserverCallback
+    from onnxq.core.errors import OnnxqError
+    from onnxq.patterns.rule import QuantizerPattern
     from onnxq.post.requantize import Requantizer
 
 #: each public name and the module that defines it
 _WHERE = {
-    "CalibrationCallback": "onnxq.calibrate.callbacks",
-    "CalibrationInfo": "onnxq.calibrate.callbacks",
+    "CalibrationCallback": "onnxq.core.callbacks",
+    "CalibrationInfo": "onnxq.core.callbacks",
     "Calibrator": "onnxq.calibrate.calibration",
     "DatasetManager": "onnxq.calibrate.dataset",
-    "ObserverCallback": "onnxq.calibrate.callbacks",
-    "OnnxqError": "onnxq.errors",
+    "ObserverCallback": "onnxq.core.callbacks",
+    "OnnxqError": "onnxq.core.errors",
     "QuantizeReport": "onnxq.api",
     "Quantizer": "onnxq.annotate.quantizer",
     "QuantizerConfig": "onnxq.annotate.quantizer",
-    "QuantizerPattern": "onnxq.annotate.rule",
+    "QuantizerPattern": "onnxq.patterns.rule",
     "Requantizer": "onnxq.post.requantize",
     "as_dataset": "onnxq.calibrate.sources",
     "quantize": "onnxq.api",

@@ -13,20 +13,20 @@ from typing import Any
 
 import onnx
 
-from onnxq.annotate.rule import QuantizerPattern
-from onnxq.annotate.specs import Decision
 from onnxq.calibrate.calibration import CalibrationReport
-from onnxq.calibrate.callbacks import CalibrationCallback
 from onnxq.calibrators import DEFAULT_METHOD
-from onnxq.errors import ConfigError, OnnxqError
+from onnxq.core.callbacks import CalibrationCallback
+from onnxq.core.errors import ConfigError, OnnxqError
+from onnxq.core.specs import Decision
+from onnxq.fallback import search
 from onnxq.io.graph import load_model, with_file_weights
 from onnxq.io.paths import reads_of, refuse_collisions, writes_of
 from onnxq.options import QuantizeOptions, pythonize, resolve, spell
 from onnxq.passes import pipeline
 from onnxq.passes.manager import State, op_histogram, run_passes
+from onnxq.patterns.rule import QuantizerPattern
 from onnxq.post.requantize import RequantizeStats
 from onnxq.report import QuantizeReport, build_report
-from onnxq.tools.fallback import search
 
 
 def quantize(
@@ -127,8 +127,8 @@ def quantize(
     required steps are reserved, is left out (onnxq.passes.budget; the estimates come from
     timing the float model on the first batch, so the choice depends on the machine);
     algorithms asked for by name always run. ``max_drop`` turns on the accuracy-driven
-    fallback (onnxq.tools.fallback): every 8th calibration batch is held back, and the fewest
-    groups, ranked by the output error each causes (onnxq.tools.sensitivity), go back to float
+    fallback (onnxq.fallback): every 8th calibration batch is held back, and the fewest
+    groups, ranked by the output error each causes (onnxq.simulate.sensitivity), go back to float
     until the metric (``metric``:
     ``"module:function"`` called with a model file's path, higher is better; by default the
     mean output cosine with fp32 in %) is at most ``max_drop`` below fp32's; ``report.fallback``
@@ -212,7 +212,7 @@ def quantize_state(
     """Run ``quantize(model, data, **kwargs)``'s passes and return their whole state.
 
     For tools that need more than the model and report: the annotation (``state.quantizer``),
-    the chosen scales (``state.values``) and replaced constants, e.g. onnxq.tools.emulate.
+    the chosen scales (``state.values``) and replaced constants, e.g. onnxq.simulate.emulate.
     The accuracy-driven fallback (``max_drop``) is not run.
     """
     import inspect

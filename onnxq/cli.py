@@ -23,8 +23,8 @@ from onnxq.api import quantize_with, resolve_call
 from onnxq.calibrate.dataset import inputs_hint, model_inputs
 from onnxq.calibrate.sources import as_dataset
 from onnxq.calibrators import DEFAULT_METHOD, METHODS
+from onnxq.core.errors import ConfigError, OnnxqError
 from onnxq.demo import run_demo
-from onnxq.errors import ConfigError, OnnxqError
 from onnxq.io.graph import load_model, save_model, write_text_atomic
 from onnxq.io.interrupt import INTERRUPTED, interrupted
 from onnxq.io.loader import load_object
@@ -46,8 +46,8 @@ from onnxq.passes.manager import op_histogram
 from onnxq.passes.verify import verify
 from onnxq.prepare.kind import KINDS
 from onnxq.report import mark_carried
+from onnxq.simulate.compare import compare
 from onnxq.tools import zoo
-from onnxq.tools.compare import compare
 
 
 class _Parser(argparse.ArgumentParser):

@@ -17,14 +17,14 @@ from typing import Any
 
 from onnxq.annotate.config import UserConfig
 from onnxq.annotate.quantizer import ACTIVATION_DTYPES, QuantizerConfig
-from onnxq.annotate.rule import QuantizerPattern
 from onnxq.annotate.targets import Target, get_target
-from onnxq.calibrate.callbacks import CalibrationCallback
 from onnxq.calibrators import DEFAULT_METHOD, METHODS, method_callback
-from onnxq.errors import ConfigError
+from onnxq.core.callbacks import CalibrationCallback
+from onnxq.core.errors import ConfigError
 from onnxq.io.hostcheck import auto_weight_bits, saturation_warning
 from onnxq.lower.formats import FORMATS, Format, get_format
 from onnxq.patterns import default_patterns
+from onnxq.patterns.rule import QuantizerPattern
 from onnxq.prepare.kind import KINDS
 
 _FLAG = object()
@@ -50,7 +50,7 @@ EQUALIZATIONS = ("auto", "on", "off")
 DEPTHWISE_SCALINGS = ("off", "on")
 #: how weights are rounded to their grid (onnxq.solve.rounding)
 ROUNDINGS = ("auto", "nearest", "optimized")
-#: what the accuracy-driven fallback and onnxq debug return a group to (onnxq.tools.fallback)
+#: what the accuracy-driven fallback and onnxq debug return a group to (onnxq.fallback)
 FALLBACKS = ("float", "int16")
 
 

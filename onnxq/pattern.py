@@ -16,6 +16,7 @@ rules need: ``constant_value``, ``producer``, ``node_attr``, ``tensor_dtype``, `
 and ``MS_DOMAIN`` (the com.microsoft domain of onnxruntime's QLinear ops).
 """
 
+from onnxq.core.optable import MS_DOMAIN
 from onnxq.io.graph import constant_value, producer
 from onnxq.match.dfpattern import (
     COMMUTATIVE_OPS,
@@ -57,7 +58,6 @@ from onnxq.match.rewrite import (
     partition,
     rewrite,
 )
-from onnxq.optable import MS_DOMAIN
 
 __all__ = [
     "MS_DOMAIN",

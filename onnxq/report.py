@@ -18,16 +18,16 @@ import numpy as np
 import onnx
 
 from onnxq.annotate.quantizer import Quantizer
-from onnxq.annotate.specs import Decision
 from onnxq.calibrate.calibration import CalibrationReport
+from onnxq.core.optable import CARRIERS
+from onnxq.core.qparams import qrange
+from onnxq.core.specs import Decision
 from onnxq.io.graph import tensor_array
 from onnxq.io.text import shown
-from onnxq.optable import CARRIERS
 from onnxq.options import pythonize, returned_label, spell
 from onnxq.passes.budget import budget_line
 from onnxq.passes.manager import PassRecord, State, op_histogram
 from onnxq.post.requantize import Requantizer, RequantizeStats, rescales
-from onnxq.solve.qparams import qrange
 
 
 @dataclass
@@ -321,7 +321,7 @@ def mark_carried(
 def qdq_int8_nodes(model: onnx.ModelProto, fused_activations: bool = False) -> list[str]:
     """Float nodes of a QDQ model that the runtime runs on int8 data.
 
-    A data-moving op (:data:`~onnxq.optable.CARRIERS`: MaxPool, Reshape, Flatten, ...) whose
+    A data-moving op (:data:`~onnxq.core.optable.CARRIERS`: MaxPool, Reshape, Flatten, ...) whose
     input comes from a DequantizeLinear and whose outputs all go to QuantizeLinear, directly
     or through more such ops: runtimes drop the Q/DQ around it and move int8 values. A Relu or
     Clip counts where the runtime folds it into the quantization: always with

@@ -8,8 +8,7 @@ Conv → HardSwish) for QDQ and OpenVINO output; GELU kept whole for QOperator o
 
 from __future__ import annotations
 
-from onnxq.annotate.rule import QuantizerPattern
-from onnxq.calibrate.callbacks import CalibrationCallback
+from onnxq.core.callbacks import CalibrationCallback
 from onnxq.patterns import activation, binary, concat, conv, dense, gather, gelu, island, pool
 from onnxq.patterns.activation import (
     LeakyReluPattern,
@@ -30,6 +29,7 @@ from onnxq.patterns.island import (
     ConvTransposePattern,
 )
 from onnxq.patterns.pool import AveragePoolPattern, GlobalAveragePoolPattern
+from onnxq.patterns.rule import QuantizerPattern
 
 __all__ = [
     "GatherPattern",

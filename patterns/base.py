@@ -13,10 +13,9 @@ from typing import Any
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from onnxq.annotate.rule import QuantizerPattern
-from onnxq.annotate.specs import Lowering, PatternRecord
-from onnxq.calibrate.callbacks import CalibrationCallback
-from onnxq.optable import BY_QOP, CARRIERS
+from onnxq.core.callbacks import CalibrationCallback
+from onnxq.core.optable import BY_QOP, CARRIERS
+from onnxq.core.specs import Lowering, PatternRecord
 from onnxq.pattern import (
     DFPattern,
     Match,
@@ -29,6 +28,7 @@ from onnxq.pattern import (
     tensor_shape,
     wildcard,
 )
+from onnxq.patterns.rule import QuantizerPattern
 
 
 def unit_range(dtype: str, symmetric: bool) -> tuple[float, int]:
@@ -76,7 +76,7 @@ class WeightedPattern(QuantizerPattern):
     """
 
     op_type = ""
-    #: the QLinear op of the op table (onnxq.optable) the group becomes
+    #: the QLinear op of the op table (onnxq.core.optable) the group becomes
     qop = ""
     has_bias = False
 

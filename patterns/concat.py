@@ -10,11 +10,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from onnxq.annotate.rule import QuantizerPattern
-from onnxq.annotate.specs import Lowering, PatternRecord
-from onnxq.optable import BY_QOP
+from onnxq.core.optable import BY_QOP
+from onnxq.core.specs import Lowering, PatternRecord
 from onnxq.pattern import Match, MatchResult, is_op
 from onnxq.patterns.base import is_constant_tensor, quantized_downstream, quantized_upstream
+from onnxq.patterns.rule import QuantizerPattern
 
 
 class ConcatPattern(QuantizerPattern):

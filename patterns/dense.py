@@ -7,7 +7,7 @@ from typing import Any
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from onnxq.optable import QOp
+from onnxq.core.optable import QOp
 from onnxq.pattern import (
     DFPattern,
     Match,

@@ -13,9 +13,9 @@ from typing import Any
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from onnxq.annotate.rule import QuantizerPattern
-from onnxq.annotate.specs import Lowering, PatternRecord
+from onnxq.core.specs import Lowering, PatternRecord
 from onnxq.pattern import Match, MatchResult, is_constant, is_op, node_attr, wildcard
+from onnxq.patterns.rule import QuantizerPattern
 
 
 class GatherPattern(QuantizerPattern):

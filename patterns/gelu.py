@@ -13,8 +13,8 @@ from typing import Any
 
 import onnx_graphsurgeon as gs
 
-from onnxq.annotate.rule import QuantizerPattern
 from onnxq.pattern import Match, MatchResult
+from onnxq.patterns.rule import QuantizerPattern
 from onnxq.prepare.fusions import GeluFusion
 
 

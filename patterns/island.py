@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from onnxq.annotate.specs import Lowering, PatternRecord
+from onnxq.core.specs import Lowering, PatternRecord
 from onnxq.pattern import DFPattern, Match, MatchResult, is_op
 from onnxq.patterns.base import WeightedPattern, _const, with_relu
 

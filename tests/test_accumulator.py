@@ -8,7 +8,7 @@ from helpers import make_model, rng, run
 from onnx import helper as h
 
 import onnxq
-from onnxq.solve.qparams import INT32_MAX, accumulation_bound
+from onnxq.core.qparams import INT32_MAX, accumulation_bound
 
 
 def _conv_bn(gamma_dead: float = 1e-6):

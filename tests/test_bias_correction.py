@@ -7,9 +7,9 @@ from helpers import make_model, rng, run
 from onnx import helper as h
 
 import onnxq
-from onnxq.errors import ConfigError
+from onnxq.core.errors import ConfigError
+from onnxq.core.qparams import QParams
 from onnxq.solve.bias_correction import Layer, expected_shift, weight_error
-from onnxq.solve.qparams import QParams
 
 
 def _conv(weight, group, pads=(0, 0, 0, 0)):
@@ -130,7 +130,7 @@ def test_layerwise_shift_is_what_onnxruntime_computes_with_the_input_on_its_grid
     x = r.normal(0, 1, (64, c, 1, 1)) * [[[[0.05]], [[1]], [[2]], [[0.4]]]] + 0.33
     x = np.ascontiguousarray(np.broadcast_to(x, (64, c, 6, 6)), np.float32)
     xq = QParams(np.float32(0.05), np.uint8(20))  # [-1, 11.75]: clips channel 2's tail
-    from onnxq.solve.qparams import dequantize, quantize
+    from onnxq.core.qparams import dequantize, quantize
 
     x_hat = dequantize(quantize(x, xq), xq)
     wq = dequantize(quantize(weight, layer.qparams), layer.qparams)

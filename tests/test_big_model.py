@@ -46,5 +46,5 @@ def test_the_checker_still_rejects_a_broken_model_past_the_limit(tmp_path, small
     path = big_model.build(tmp_path / "model", hidden=96, blocks=3)
     model = onnx.load(str(path))
     model.graph.node[0].input[1] = "no_such_weight"
-    with pytest.raises(onnxq.errors.ModelError, match="rejected by onnx.checker"):
+    with pytest.raises(onnxq.core.errors.ModelError, match="rejected by onnx.checker"):
         graph.check_model(model)

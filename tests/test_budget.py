@@ -8,8 +8,8 @@ import pytest
 from test_transformer import _encoder, _padded
 
 import onnxq
+from onnxq.core.errors import ConfigError
 from onnxq.demo import demo_files
-from onnxq.errors import ConfigError
 from onnxq.passes import budget as budget_pass
 
 

@@ -11,12 +11,12 @@ from onnx import helper as h
 import onnxq
 from onnxq.annotate.quantizer import Quantizer
 from onnxq.calibrate.calibration import Calibrator
-from onnxq.calibrate.callbacks import CalibrationCallback
 from onnxq.calibrate.dataset import ArrayDataset, FolderDataset, IterableDataset, model_inputs
 from onnxq.calibrate.sources import as_dataset
 from onnxq.calibrators import AverageMaxObserver, MinMaxCallback, MinMaxObserver
-from onnxq.errors import CalibrationError, DataError
-from onnxq.solve.qparams import QParams, dequantize, params_from_range, quantize, weight_params
+from onnxq.core.callbacks import CalibrationCallback
+from onnxq.core.errors import CalibrationError, DataError
+from onnxq.core.qparams import QParams, dequantize, params_from_range, quantize, weight_params
 
 R = rng(1)
 
@@ -206,7 +206,7 @@ def test_quantized_layer_values_track_calibration():
         quantizer, as_dataset(data, model_inputs(quantizer.float_model)), progress=False
     )
     cal.calibrate()
-    from onnxq.calibrate.callbacks import CalibrationInfo
+    from onnxq.core.callbacks import CalibrationInfo
 
     info = CalibrationInfo(cal, quantizer.records[0])
     feeds = {"x": data["x"][:1]}

@@ -10,8 +10,8 @@ from onnx import helper as h
 
 import onnxq
 from onnxq.cli import main
-from onnxq.tools import checks
-from onnxq.tools.checks import Latency
+from onnxq.simulate import checks
+from onnxq.simulate.checks import Latency
 
 CNN = DIGITS_CNN
 
@@ -94,7 +94,7 @@ def test_a_leading_axis_that_is_no_batch_is_not_cut():
     every dimension free: cutting both to one row fed the branch a [1, 1, 128] state and its
     Gather failed, so the branch stayed float (the zoo bar of 8 int8 nodes failed)."""
     from onnxq.calibrate.dataset import InputSpec, feed_samples
-    from onnxq.tools.sensitivity import rebatch
+    from onnxq.simulate.sensitivity import rebatch
 
     feed = {"input": np.zeros((1, 512), np.float32), "state": np.zeros((2, 1, 128), np.float32)}
     specs = [
@@ -130,7 +130,7 @@ def test_padded_text_batches_of_different_lengths_are_joined_only_with_their_own
     were concatenated along the batch axis ("all the input array dimensions ... must match")."""
     from onnx import TensorProto, helper
 
-    from onnxq.tools.sensitivity import rebatch
+    from onnxq.simulate.sensitivity import rebatch
 
     graph = helper.make_graph(
         [helper.make_node("Identity", ["ids"], ["out"])],

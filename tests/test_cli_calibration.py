@@ -199,7 +199,7 @@ def broken():
 
 class Fixed(onnxq.CalibrationCallback):
     def calibrate_pattern(self, info):
-        from onnxq.solve.qparams import params_from_range, weight_params
+        from onnxq.core.qparams import params_from_range, weight_params
         values = {}
         for qt in info.inputs + info.outputs:
             qp = (weight_params(info.constant(qt.tensor), qt.axis) if qt.role == "weight"

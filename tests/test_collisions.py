@@ -17,7 +17,7 @@ from helpers import DIGITS_CNN
 
 import onnxq
 from onnxq.cli import main
-from onnxq.errors import ConfigError
+from onnxq.core.errors import ConfigError
 
 X = np.random.default_rng(0).uniform(0, 1, (4, 1, 28, 28)).astype(np.float32)
 

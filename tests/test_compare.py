@@ -14,7 +14,7 @@ import onnxq
 from onnxq.calibrate.dataset import model_inputs
 from onnxq.calibrate.sources import as_dataset
 from onnxq.cli import main
-from onnxq.tools.compare import compare
+from onnxq.simulate.compare import compare
 
 X = np.random.default_rng(4).uniform(0, 1, (32, 1, 28, 28)).astype(np.float32)
 CNN = DIGITS_CNN
@@ -117,7 +117,7 @@ def test_a_peer_qdq_model_without_value_info_compares(tmp_path, capsys):
 def test_the_streamed_sums_are_the_float64_sums():
     """Rows summed in float32, then in float64: within 1e-6 of a float64 sum, on values that
     span ten orders of magnitude and a length that is no multiple of the row."""
-    from onnxq.tools.compare import TensorStats
+    from onnxq.simulate.compare import TensorStats
 
     g = np.random.default_rng(3)
     f = (g.standard_normal(123_457) * 10.0 ** g.uniform(-5, 5, 123_457)).astype(np.float32)

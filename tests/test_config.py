@@ -12,7 +12,7 @@ from helpers import DIGITS_CNN, rng
 import onnxq
 from onnxq.annotate.config import UserConfig
 from onnxq.cli import main
-from onnxq.errors import ConfigError
+from onnxq.core.errors import ConfigError
 
 CNN = str(DIGITS_CNN)
 X = np.random.default_rng(8).uniform(0, 1, (40, 1, 28, 28)).astype(np.float32)

@@ -9,7 +9,7 @@ from helpers import make_model, run
 
 import onnxq
 from onnxq.annotate.targets import Target
-from onnxq.errors import ConfigError
+from onnxq.core.errors import ConfigError
 
 H = onnx.helper
 

@@ -31,7 +31,7 @@ from helpers import run
 from onnx import numpy_helper as nh
 
 import onnxq
-from onnxq.errors import OnnxqError
+from onnxq.core.errors import OnnxqError
 from onnxq.io.graph import serialize
 from onnxq.io.session import make_session
 

@@ -14,9 +14,9 @@ from test_fallback import _fragile_mlp, three_gemms
 from onnxq.api import quantize_state
 from onnxq.io.session import make_session
 from onnxq.report import build_report
-from onnxq.tools.crosscheck import PART_STEPS, cross_check
-from onnxq.tools.emulate import FLAGS, emulate, held_float
-from onnxq.tools.sensitivity import db, rank
+from onnxq.simulate.crosscheck import PART_STEPS, cross_check
+from onnxq.simulate.emulate import FLAGS, emulate, held_float
+from onnxq.simulate.sensitivity import db, rank
 
 
 def _sqnr(ref, got):
@@ -218,7 +218,7 @@ def test_debug_names_the_culprit_and_its_config_reproduces_the_gain(tmp_path, ca
     import json
 
     from onnxq.cli import main
-    from onnxq.tools.fallback import output_cosine
+    from onnxq.fallback import output_cosine
 
     model, data = _deep_fragile_mlp()
     src, npz, fix = tmp_path / "deep.onnx", tmp_path / "calib.npz", tmp_path / "fix.toml"
@@ -365,7 +365,7 @@ def test_debug_writes_no_config_when_no_float_set_helps(tmp_path, capsys, monkey
 def test_int16_ranking_returns_activations_and_keeps_the_weights():
     """Returned to int16, a group whose noise is in its activations loses it and one whose
     noise is in its weights keeps it (its fix is then float)."""
-    from onnxq.tools.sensitivity import fix
+    from onnxq.simulate.sensitivity import fix
 
     model, data = _fragile_mlp()
     feeds = [{"x": data["x"][i : i + 16]} for i in range(0, 64, 16)]
@@ -405,7 +405,7 @@ def test_debug_with_int16_fallback_writes_activation_dtype_entries(tmp_path, cap
     import json
 
     from onnxq.cli import main
-    from onnxq.tools.fallback import output_cosine
+    from onnxq.fallback import output_cosine
 
     model, data = _deep_fragile_mlp()
     src, npz, fix = tmp_path / "deep.onnx", tmp_path / "calib.npz", tmp_path / "fix.toml"
@@ -633,7 +633,7 @@ def test_the_emulation_holds_no_initializer_it_does_not_read():
     initializer ….bias/on"): a corrected bias's switch constants stayed in the graph after the
     int32 rounding of the bias took their place, read by no node."""
     from onnxq.io.graph import names_read
-    from onnxq.tools.emulate import FLAGS
+    from onnxq.simulate.emulate import FLAGS
 
     model, calib, _ = _digits()
     state = quantize_state(model, calib, progress=False)
@@ -644,8 +644,8 @@ def test_the_emulation_holds_no_initializer_it_does_not_read():
 
 
 def _parts(model, data, **kw):
-    from onnxq.tools.fallback import output_cosine
-    from onnxq.tools.loss_parts import float_inputs, loss_parts
+    from onnxq.fallback import output_cosine
+    from onnxq.simulate.loss_parts import float_inputs, loss_parts
 
     feeds = [{"x": data["x"][i : i + 16]} for i in range(0, 128, 16)]
     state = quantize_state(model, data, **kw)
@@ -673,7 +673,7 @@ def test_loss_parts_find_a_fragile_input_in_the_inputs():
 
 
 def test_loss_parts_say_when_rounding_ties_move_the_metric():
-    from onnxq.tools.loss_parts import LossParts
+    from onnxq.simulate.loss_parts import LossParts
 
     # MobileNetV2's figures: 91.80% with onnxruntime's kernels, 90.82% computed in float
     parts = LossParts(fp32=100.0, int8=91.80, inputs=None, weights=None, exact=90.82)
@@ -692,8 +692,8 @@ def test_loss_parts_find_an_outlier_weight_in_the_weights():
 
 
 def test_loss_parts_without_a_float_input_or_an_int16_model():
-    from onnxq.errors import ConfigError
-    from onnxq.tools.loss_parts import loss_parts
+    from onnxq.core.errors import ConfigError
+    from onnxq.simulate.loss_parts import loss_parts
 
     model, data = _fragile_mlp()
     state = quantize_state(model, data, **KW)

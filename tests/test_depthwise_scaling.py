@@ -10,7 +10,7 @@ from onnx import helper as h
 from onnx import numpy_helper
 
 import onnxq
-from onnxq.errors import ConfigError
+from onnxq.core.errors import ConfigError
 from onnxq.options import resolve
 from onnxq.passes.depthwise_scaling import DepthwiseScaling
 from onnxq.passes.load import Load

@@ -10,7 +10,7 @@ from onnx import helper as h
 
 import onnxq
 from onnxq.calibrate.calibration import clamped_by_reader
-from onnxq.errors import ConfigError
+from onnxq.core.errors import ConfigError
 from onnxq.io.openvino import openvino_compile
 from onnxq.options import resolve
 from onnxq.passes.equalize import Equalize
@@ -255,7 +255,7 @@ def test_the_groups_a_tool_returns_to_float_are_named_as_in_the_callers_model():
     Min that equalization wrote for a Clip is named by that Clip, and the config applies."""
     from onnxq.annotate.config import UserConfig
     from onnxq.api import quantize_state
-    from onnxq.tools.emulate import emulate
+    from onnxq.simulate.emulate import emulate
 
     model, calib = _chain_model(relu_link=False), _data(16, 8)
     kw = dict(equalization="on", per_channel=False, rounding="nearest", progress=False)

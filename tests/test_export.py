@@ -24,7 +24,7 @@ from test_patterns import ACT_CASES, BINARY_CASES, CONV_CASES, DENSE_CASES, POOL
 
 import onnxq
 from onnxq.cli import main
-from onnxq.errors import ConfigError
+from onnxq.core.errors import ConfigError
 from onnxq.io.openvino import openvino_compile
 
 R = rng(5)

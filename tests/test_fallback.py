@@ -10,7 +10,7 @@ from helpers import QUANTIZED_OPS, make_model, ops, rng, run
 from onnx import helper as h
 
 import onnxq
-from onnxq.errors import ConfigError, DataError
+from onnxq.core.errors import ConfigError, DataError
 
 
 def three_gemms(inits):
@@ -134,7 +134,7 @@ def test_cli(tmp_path):
 
 
 def test_edges_between_int8_and_float_count_the_chains_a_fallback_cuts():
-    from onnxq.tools.fallback import breaks
+    from onnxq.fallback import breaks
 
     model, data = _fragile_mlp()
     data = {"x": data["x"][:64]}
@@ -148,7 +148,7 @@ def test_edges_between_int8_and_float_count_the_chains_a_fallback_cuts():
 
 
 def test_of_equal_fallbacks_the_one_keeping_int8_chains_whole_is_returned():
-    from onnxq.tools.fallback import Trial, _best
+    from onnxq.fallback import Trial, _best
 
     def t(groups, metric, edges, floats=None):
         floats = groups if floats is None else floats

@@ -24,7 +24,7 @@ from onnxq.annotate import targets as targets_module
 from onnxq.annotate.config import KEYS, UserConfig
 from onnxq.calibrate.dataset import InputSpec, NpzDataset
 from onnxq.cli import main
-from onnxq.errors import OnnxqError
+from onnxq.core.errors import OnnxqError
 from onnxq.io.graph import load_model
 
 SETTINGS = settings(

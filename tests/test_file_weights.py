@@ -20,7 +20,7 @@ import onnxq.lower.qoperator as qoperator
 from benchmarks import big_model
 from onnxq.api import quantize_state
 from onnxq.cli import main
-from onnxq.errors import ModelError
+from onnxq.core.errors import ModelError
 from onnxq.io.graph import (
     FOLDER_KEY,
     has_file_weights,

@@ -12,8 +12,8 @@ from onnxq.calibrators import (
     MSEObserver,
     PercentileObserver,
 )
-from onnxq.errors import ConfigError
-from onnxq.solve.qparams import dequantize, params_from_range, quantize
+from onnxq.core.errors import ConfigError
+from onnxq.core.qparams import dequantize, params_from_range, quantize
 
 R = np.random.default_rng(7)
 

@@ -23,7 +23,7 @@ import onnxq
 import onnxq.calibrate.dataset as dataset
 from onnxq.annotate import targets as targets_module
 from onnxq.cli import main
-from onnxq.errors import ModelError
+from onnxq.core.errors import ModelError
 
 CNN = str(DIGITS_CNN)
 X = np.random.default_rng(0).uniform(0, 1, (16, 1, 28, 28)).astype(np.float32)
@@ -395,8 +395,8 @@ def test_debug_s_config_holds_any_node_name_as_data(name):
     import tomllib
 
     from onnxq.annotate.config import UserConfig
+    from onnxq.simulate.sensitivity import GroupScore, Ranking
     from onnxq.tools.debug import _config_text
-    from onnxq.tools.sensitivity import GroupScore, Ranking
 
     group = GroupScore(name, "Conv", (name, name + "/relu"), 0.01, 0.005, 0.005, 0.02, 0.3, 0.4)
     ranking = Ranking(0.05, [group], 16, 40, 3.0, 120.0, 1)

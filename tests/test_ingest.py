@@ -11,7 +11,7 @@ from test_patterns import weights
 
 import onnxq
 from onnxq.cli import main
-from onnxq.errors import ModelError
+from onnxq.core.errors import ModelError
 from onnxq.io.openvino import openvino_compile
 from onnxq.lower.convert import convert, quantized_form
 

@@ -15,7 +15,7 @@ import pytest
 
 from onnxq.calibrate import streaming
 from onnxq.calibrate.shards import _ignoring_ctrl_c
-from onnxq.errors import ModelError
+from onnxq.core.errors import ModelError
 from onnxq.io import interrupt
 from onnxq.io.graph import check_sizes
 

@@ -16,9 +16,10 @@ from helpers import make_model, rng
 from onnx import helper as h
 from onnx_graphsurgeon.ir.tensor import LazyValues
 
+import onnxq.core.qparams as qparams
 import onnxq.io.session as session
-import onnxq.solve.qparams as qparams
 from onnxq.annotate.quantizer import Quantizer
+from onnxq.core.qparams import QParams, dequantize, quantize
 from onnxq.io.graph import (
     add_initializer,
     constant_value,
@@ -27,7 +28,6 @@ from onnxq.io.graph import (
     serialize,
     skeleton,
 )
-from onnxq.solve.qparams import QParams, dequantize, quantize
 
 
 @pytest.mark.parametrize(

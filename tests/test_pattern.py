@@ -8,7 +8,7 @@ import pytest
 from helpers import make_model
 from onnx import helper as h
 
-from onnxq.errors import PatternError
+from onnxq.core.errors import PatternError
 from onnxq.io.graph import import_graph
 from onnxq.pattern import (
     DFPatternCallback,

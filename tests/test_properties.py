@@ -366,7 +366,7 @@ def test_open_gap_against_onnxruntime_on_a_saturated_sigmoid_branch():
 def test_dead_channels_keep_their_bias_on_a_fine_grid():
     # Conv (zero weights in two channels) after a coarse Relu: the dead channels' weight scale
     # 1.0 put their bias on a grid of 0.79 (24.2 dB against onnxruntime's 32.5; per-tensor
-    # weights 36.8). Their scale is now chosen for the bias (onnxq.solve.qparams.fit_dead_channels)
+    # weights 36.8). Their scale is now chosen for the bias (onnxq.core.qparams.fit_dead_channels)
     _, scores = _saved("random_dead_channel_bias.onnx")
     assert_properties(scores)
     assert scores["default"] >= 35.0 and scores["tensorrt"] >= 35.0

@@ -9,7 +9,7 @@ from onnx import helper as h
 from onnx import numpy_helper as nh
 
 import onnxq
-from onnxq.errors import ConfigError
+from onnxq.core.errors import ConfigError
 from onnxq.io.openvino import openvino_compile
 from onnxq.solve.rounding import (
     ConvShape,

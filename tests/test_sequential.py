@@ -12,9 +12,9 @@ from onnxq.api import quantize_state
 from onnxq.calibrate.sequential import run_in_order
 from onnxq.io.graph import in_memory_names, values_apart
 from onnxq.io.session import make_session
+from onnxq.simulate import emulate as emulate_module
+from onnxq.simulate.emulate import emulate
 from onnxq.solve.bias_correction import channel_means
-from onnxq.tools import emulate as emulate_module
-from onnxq.tools.emulate import emulate
 
 
 def _residual_qdq():

@@ -10,7 +10,7 @@ from helpers import DIGITS_CNN, ops, run, zoo_datasets
 import onnxq
 from onnxq.annotate.targets import Target, get_target, register_target
 from onnxq.cli import main
-from onnxq.errors import ConfigError
+from onnxq.core.errors import ConfigError
 from onnxq.io.openvino import openvino_compile
 
 ds = zoo_datasets()

@@ -11,7 +11,7 @@ from onnx import numpy_helper as nh
 
 import onnxq
 from onnxq.calibrators import METHODS
-from onnxq.errors import ConfigError
+from onnxq.core.errors import ConfigError
 from onnxq.passes.smoothquant import _apply, _readers
 from onnxq.prepare.kind import detect
 from onnxq.solve.smoothquant import Smoothing, choose, smoothing_scales

@@ -10,7 +10,7 @@ from onnx import helper as h
 
 import onnxq
 from onnxq.cli import main
-from onnxq.errors import ConfigError
+from onnxq.core.errors import ConfigError
 from onnxq.post.weight_only import int4_blocks
 
 ds = zoo_datasets()

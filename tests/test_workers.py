@@ -25,7 +25,7 @@ from onnxq.calibrators import (
     PercentileObserver,
 )
 from onnxq.cli import main
-from onnxq.errors import CalibrationError
+from onnxq.core.errors import CalibrationError
 from onnxq.solve.rounding import ConvShape, HessianObserver
 from onnxq.solve.sums import PairSum
 

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from onnxq.calibrators import METHODS
-from onnxq.errors import ConfigError
+from onnxq.core.errors import ConfigError
 from onnxq.io.text import shown
 
 KEYS = {"keep_float", "method", "activation_dtype", "weight_dtype", "per_channel"}

@@ -12,11 +12,11 @@ from typing import Any
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from onnxq.annotate.specs import Decision
+from onnxq.core.optable import CARRIERS
+from onnxq.core.specs import Decision
 from onnxq.io.graph import iter_subgraph_nodes, nodes_in_order
 from onnxq.match.dfpattern import tensor_dtype
 from onnxq.match.rewrite import Partition
-from onnxq.optable import CARRIERS
 
 
 def explain(q: Any, part: Partition) -> dict[str, Decision]:

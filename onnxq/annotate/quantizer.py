@@ -1,13 +1,13 @@
 """The Quantizer: match QuantizerPatterns and annotate each group with frozen specs.
 
-The rules annotate (``onnxq.annotate.rule``): each group becomes a PatternRecord naming its
+The rules annotate (``onnxq.patterns.rule``): each group becomes a PatternRecord naming its
 quantized edges (QTensor: dtype, axis, symmetry, placeholders) and the op it becomes. Every scale
 and zero point is a placeholder with a deterministic name (``<tensor>_scale``,
 ``<tensor>_zero_point``); quantized weights and biases are *derived* placeholders
 (``<weight>_quantized``, ``<node>.bias_quantized``) computed from the float constants once the
 scales are known. The QOperator lowering (``onnxq.lower.qoperator``) writes the records into the
 *template*, a valid ONNX model holding the placeholders; :meth:`Quantizer.materialize`
-(``onnxq.solve.materialize``) turns values for them into a concrete model.
+(``onnxq.lower.materialize``) turns values for them into a concrete model.
 
 One set of parameters exists per tensor edge: a tensor read by two patterns is quantized by one
 QuantizeLinear node whose parameters both patterns share, and a pattern's output placeholder is
@@ -29,8 +29,8 @@ import onnx_graphsurgeon as gs
 from onnxq.annotate.config import most_specific
 from onnxq.annotate.explain import explain
 from onnxq.annotate.placement import attention_masks
-from onnxq.annotate.rule import QuantizerPattern
-from onnxq.annotate.specs import (
+from onnxq.core.errors import ConfigError, QuantizationError
+from onnxq.core.specs import (
     BiasDerivation,
     Decision,
     PatternRecord,
@@ -38,7 +38,6 @@ from onnxq.annotate.specs import (
     QTensor,
     WeightDerivation,
 )
-from onnxq.errors import ConfigError, QuantizationError
 from onnxq.io.graph import (
     GraphEditor,
     constant_value,
@@ -53,13 +52,14 @@ from onnxq.io.graph import (
 )
 from onnxq.io.text import shown
 from onnxq.lower.formats import Format, get_format
+from onnxq.lower.materialize import materialize
 from onnxq.lower.qoperator import TemplateWriter
 from onnxq.match.dfpattern import Match
 from onnxq.match.rewrite import Partition, partition
 from onnxq.patterns import default_patterns
+from onnxq.patterns.rule import QuantizerPattern
 from onnxq.prepare.opset import default_opset
 from onnxq.prepare.preprocess import preprocess, unique_names
-from onnxq.solve.materialize import materialize
 
 ACTIVATION_DTYPES = ("uint8", "int8", "int16")
 
@@ -479,7 +479,7 @@ class Quantizer:
         Missing placeholders keep their defaults (scale 1, zero point 0). Biases that would
         overflow int32 enlarge their weight's scale (per channel) instead of being clipped;
         ``final_values`` and ``widened_biases`` then say what the model holds
-        (onnxq.solve.materialize). ``constants``: float biases and weights to use instead
+        (onnxq.lower.materialize). ``constants``: float biases and weights to use instead
         of the model's, by name (bias correction, optimized rounding).
         """
         done = materialize(self, values, constants)

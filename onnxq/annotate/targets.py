@@ -17,7 +17,7 @@ patterns worth quantizing for one runtime. ``--target NAME`` picks one; explicit
 A target with ``int16_activations`` (QDQ format only) is one whose runtime runs a layer with
 int16 activations and int8 weights as integer code, as many NPUs do: the accuracy-driven
 fallback and ``onnxq debug`` then return a group to int16 activations rather than to float
-(onnxq.tools.fallback). onnxruntime's CPU kernels are 8-bit, so no built-in target declares it.
+(onnxq.fallback). onnxruntime's CPU kernels are 8-bit, so no built-in target declares it.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from onnxq.annotate.config import load_toml
-from onnxq.errors import ConfigError
+from onnxq.core.errors import ConfigError
 from onnxq.io.text import shown
 from onnxq.lower.formats import FORMATS
 

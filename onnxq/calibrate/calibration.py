@@ -25,8 +25,6 @@ import onnx
 
 from onnxq.annotate.config import most_specific
 from onnxq.annotate.quantizer import Quantizer
-from onnxq.annotate.specs import PatternRecord
-from onnxq.calibrate.callbacks import CalibrationCallback, CalibrationInfo, Observer
 from onnxq.calibrate.dataset import DatasetManager, Feed, feed_samples
 from onnxq.calibrate.statistics import OUTLIER_RATIO, Statistics, outlier_batches
 from onnxq.calibrate.streaming import (
@@ -39,7 +37,9 @@ from onnxq.calibrate.streaming import (
     run_checked,
 )
 from onnxq.calibrators import MinMaxCallback
-from onnxq.errors import CalibrationError
+from onnxq.core.callbacks import CalibrationCallback, CalibrationInfo, Observer
+from onnxq.core.errors import CalibrationError
+from onnxq.core.specs import PatternRecord
 from onnxq.io.graph import graphs_of, tensor_array
 from onnxq.io.progress import progress
 from onnxq.io.session import make_session

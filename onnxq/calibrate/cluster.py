@@ -40,7 +40,7 @@ from onnxq.calibrate.images import ImageFolderDataset
 from onnxq.calibrate.sources import as_dataset
 from onnxq.calibrate.statistics import Statistics, block_size
 from onnxq.calibrate.streaming import available_cores
-from onnxq.errors import CalibrationError, ConfigError, OnnxqError
+from onnxq.core.errors import CalibrationError, ConfigError, OnnxqError
 from onnxq.io.graph import TWO_GIB, proto_size, serialize
 from onnxq.io.loader import is_reference, load_object
 

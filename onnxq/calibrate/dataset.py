@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import onnx
 
-from onnxq.errors import DataError
+from onnxq.core.errors import DataError
 from onnxq.io.text import shown
 
 Feed = dict[str, np.ndarray]

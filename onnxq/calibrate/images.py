@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from onnxq.calibrate.dataset import IMAGE_SUFFIXES, DatasetManager, image_files
-from onnxq.errors import ConfigError, DataError
+from onnxq.core.errors import ConfigError, DataError
 
 KEYS = ("resize", "crop", "scale", "mean", "std", "color", "layout")
 

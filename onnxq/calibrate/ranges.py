@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from onnxq.errors import ConfigError
+from onnxq.core.errors import ConfigError
 from onnxq.io.graph import write_text_atomic
 
 FORMAT = "onnxq-ranges"

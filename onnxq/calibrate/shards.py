@@ -33,7 +33,7 @@ import onnx
 from onnxq.calibrate.dataset import Feed, feed_samples
 from onnxq.calibrate.statistics import Statistics, block_size
 from onnxq.calibrate.streaming import available_cores, one_blas_thread, run_ahead
-from onnxq.errors import CalibrationError, OnnxqError
+from onnxq.core.errors import CalibrationError, OnnxqError
 from onnxq.io.graph import save_model
 
 #: batches waiting in each worker's queue beyond a block

@@ -19,7 +19,7 @@ from onnxq.calibrate.dataset import (
     ReaderDataset,
 )
 from onnxq.calibrate.images import ImageFolderDataset
-from onnxq.errors import DataError
+from onnxq.core.errors import DataError
 from onnxq.io.loader import is_reference, load_object
 
 

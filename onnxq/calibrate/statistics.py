@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from onnxq.errors import CalibrationError
+from onnxq.core.errors import CalibrationError
 from onnxq.solve.bias_correction import channel_means
 from onnxq.solve.sums import PairSum
 

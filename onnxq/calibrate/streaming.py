@@ -29,7 +29,7 @@ import numpy as np
 import onnx
 
 from onnxq.calibrate.dataset import feed_samples
-from onnxq.errors import CalibrationError
+from onnxq.core.errors import CalibrationError
 
 
 def available_cores() -> int:

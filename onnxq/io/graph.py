@@ -23,7 +23,7 @@ from onnx import helper, numpy_helper
 from onnx_graphsurgeon.ir.tensor import LazyValues
 
 from onnxq._version import __version__
-from onnxq.errors import ModelError, OutputError
+from onnxq.core.errors import ModelError, OutputError
 from onnxq.io.text import shown
 
 MS_DOMAIN = "com.microsoft"

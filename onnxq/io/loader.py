@@ -8,7 +8,7 @@ import re
 import sys
 from typing import Any
 
-from onnxq.errors import ConfigError
+from onnxq.core.errors import ConfigError
 
 _REF = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import onnx
 
-from onnxq.errors import ConfigError
+from onnxq.core.errors import ConfigError
 from onnxq.io.graph import all_graphs
 from onnxq.io.text import shown
 

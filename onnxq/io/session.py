@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import onnx
 
-from onnxq.errors import ModelError
+from onnxq.core.errors import ModelError
 from onnxq.io import graph
 from onnxq.io.graph import serialize
 from onnxq.io.hostcheck import PRECISE_OPTION, u8s8_saturates

@@ -1,7 +1,7 @@
 """Ingest of already-quantized models: recognise Q/DQ and retarget without calibration.
 
 A QDQ model (a PyTorch QAT export, another tool's output, onnxq's own ``--format qdq``) is turned
-into QOperator form with one dataflow pattern per op of the op table (``onnxq.optable``):
+into QOperator form with one dataflow pattern per op of the op table (``onnxq.core.optable``):
 
     Q(Conv(DQ(x), DQ(W), [DQ(b)]) [→ Relu], ys, yz)   → QLinearConv(x, …, W, …, ys, yz, b')
     Q(Gemm(DQ(a), DQ(B), [DQ(C)]), ys, yz)              → com.microsoft QGemm
@@ -23,12 +23,13 @@ import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
 
-from onnxq.errors import ConfigError, ModelError
+from onnxq.core.errors import ConfigError, ModelError
+from onnxq.core.optable import CARRIERS, INTEGER_OPS, MS_DOMAIN, TABLE, QOp, qops
+from onnxq.core.qparams import qrange
 from onnxq.io.graph import GraphEditor, constant_value, export_model, import_graph
 from onnxq.lower.fakequantize import qdq_to_fakequantize
 from onnxq.lower.qdq import to_qdq
 from onnxq.lower.qoperator import slots
-from onnxq.optable import CARRIERS, INTEGER_OPS, MS_DOMAIN, TABLE, QOp, qops
 from onnxq.pattern import (
     DFPattern,
     DFPatternCallback,
@@ -43,7 +44,6 @@ from onnxq.pattern import (
 from onnxq.post.requantize import Requantizer
 from onnxq.prepare.opset import default_opset
 from onnxq.prepare.preprocess import preprocess
-from onnxq.solve.qparams import qrange
 
 QDQ_OPS = frozenset({"QuantizeLinear", "DequantizeLinear"})
 #: ops that make a model QOperator (the table's QLinear ops, and integer ops)
@@ -67,7 +67,7 @@ def _dq(x: DFPattern, scale: DFPattern, zp: DFPattern) -> DFPattern:
 class FuseRule(DFPatternCallback):
     """``Q(op(DQ(a), DQ(b), … [, DQ(bias)]) [→ Relu]) → QLinear op``, for one op of the table.
 
-    The op table (``onnxq.optable``) gives everything: the float op, how many (tensor, scale,
+    The op table (``onnxq.core.optable``) gives everything: the float op, how many (tensor, scale,
     zero point) triples it takes and which one is a constant weight, the bias slot, the
     output pair, the domain and the attributes.
     """

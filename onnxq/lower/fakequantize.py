@@ -26,13 +26,13 @@ import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
 
-from onnxq.annotate.specs import QTensor
-from onnxq.errors import ModelError
+from onnxq.core.errors import ModelError
+from onnxq.core.optable import CARRIERS
+from onnxq.core.qparams import qrange
+from onnxq.core.specs import QTensor
 from onnxq.io.graph import GraphEditor, constant_value, export_model, import_graph, producer
-from onnxq.optable import CARRIERS
 from onnxq.post.float_outputs import FLOAT_OUTPUT_QOPS, starts_at_zero
 from onnxq.post.requantize import carried_source
-from onnxq.solve.qparams import qrange
 
 OV_DOMAIN = "org.openvinotoolkit"
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import onnx
 
-from onnxq.errors import ConfigError
+from onnxq.core.errors import ConfigError
 from onnxq.lower.fakequantize import to_fakequantize
 from onnxq.lower.qdq import PER_CHANNEL_OPSET, dedicated_qdq_pairs, to_qdq
 from onnxq.prepare.fusions import fuse_gelu

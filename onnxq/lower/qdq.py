@@ -16,9 +16,9 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from onnxq.errors import QuantizationError
+from onnxq.core.errors import QuantizationError
+from onnxq.core.optable import BY_QOP, MS_DOMAIN, QOp
 from onnxq.io.graph import tensor_array
-from onnxq.optable import BY_QOP, MS_DOMAIN, QOp
 from onnxq.prepare.opset import default_opset
 
 PER_CHANNEL_OPSET = 13

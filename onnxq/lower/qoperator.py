@@ -1,8 +1,8 @@
 """The QOperator lowering: every annotated group written as Q → QLinear op → DQ.
 
-The rules only annotate (``onnxq.annotate.rule``); this module writes the groups into the
+The rules only annotate (``onnxq.patterns.rule``); this module writes the groups into the
 float graph, in the order they were annotated, from their records and the op table
-(``onnxq.optable``): which op, in which domain, and where each (tensor, scale, zero point)
+(``onnxq.core.optable``): which op, in which domain, and where each (tensor, scale, zero point)
 triple, the output pair and the bias go. The result is the *template*: a valid model whose
 scales, zero points and quantized weights are placeholder initializers that
 ``Quantizer.materialize`` fills in. Every other format starts from it (QDQ un-fuses it by the
@@ -20,9 +20,9 @@ import numpy as np
 import onnx_graphsurgeon as gs
 from onnx_graphsurgeon.ir.tensor import LazyValues
 
-from onnxq.annotate.specs import PatternRecord, Placeholder, QTensor
+from onnxq.core.optable import BY_QOP, QOp
+from onnxq.core.specs import PatternRecord, Placeholder, QTensor
 from onnxq.io.graph import GraphEditor, unfilled
-from onnxq.optable import BY_QOP, QOp
 
 #: int8 weights larger than this are left without data in the template
 UNFILLED_BYTES = 2**20

@@ -18,7 +18,7 @@ import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
 
-from onnxq.errors import PatternError
+from onnxq.core.errors import PatternError
 from onnxq.io.graph import (
     constant_value,
     holds_constant,

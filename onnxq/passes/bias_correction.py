@@ -28,7 +28,8 @@ import onnx_graphsurgeon as gs
 
 from onnxq.calibrate.dataset import feed_samples, inner_shapes
 from onnxq.calibrate.streaming import run_ahead, run_checked
-from onnxq.errors import CalibrationError
+from onnxq.core.errors import CalibrationError
+from onnxq.core.qparams import QParams, dequantize, quantize
 from onnxq.io.session import make_session
 from onnxq.match.dfpattern import node_attr
 from onnxq.passes.manager import PassResult, State, release
@@ -40,7 +41,6 @@ from onnxq.solve.bias_correction import (
     layerwise_shift,
     output_mean,
 )
-from onnxq.solve.qparams import QParams, dequantize, quantize
 
 
 def _layers(q: Any) -> list[tuple[Any, Any, str, str, Any]]:
@@ -176,13 +176,13 @@ def _sequential(
     Each layer's bias is set so that the mean of its output per channel, on the input the int8
     model with every earlier correction gives it, equals the float layer's on the float input
     (zero padding and clipping included: the means are measured, not derived from the weight).
-    The int8 model is the emulation of this quantization (onnxq.tools.emulate, every switch
+    The int8 model is the emulation of this quantization (onnxq.simulate.emulate, every switch
     on: QDQ arithmetic in float; the biases float, since materialize sets their grids), run in
     pieces by onnxq.calibrate.sequential; the float means come from one float run on the same
     batches.
     """
     from onnxq.calibrate.sequential import run_in_order
-    from onnxq.tools.emulate import emulate
+    from onnxq.simulate.emulate import emulate
 
     q = state.quantizer
     float_nodes = {n.name: n for n in q.float_graph.nodes}

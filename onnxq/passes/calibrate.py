@@ -11,11 +11,11 @@ from collections.abc import Callable
 from typing import Any
 
 from onnxq.calibrate.calibration import Calibrator
-from onnxq.calibrate.callbacks import CalibrationCallback, RangeTableCallback
 from onnxq.calibrate.dataset import model_inputs
 from onnxq.calibrate.ranges import read_channel_means, read_ranges
 from onnxq.calibrate.sources import as_dataset
 from onnxq.calibrators import method_callback
+from onnxq.core.callbacks import CalibrationCallback, RangeTableCallback
 from onnxq.passes.manager import PassResult, State, release
 
 #: calibration batches the accuracy check after quantizing runs (their fp32 outputs are kept)

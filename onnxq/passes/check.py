@@ -15,14 +15,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from onnxq.errors import DataError
+from onnxq.core.errors import DataError
 from onnxq.io.openvino import OpenVINOSession
 from onnxq.io.openvino import available as openvino_available
 from onnxq.passes import depthwise_scaling
 from onnxq.passes.calibrate import CHECK_BATCHES
 from onnxq.passes.manager import PassResult, State
-from onnxq.tools import checks
-from onnxq.tools.emulate import emulate
+from onnxq.simulate import checks
+from onnxq.simulate.emulate import emulate
 
 
 class Check:

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import onnx
 
-from onnxq.errors import ModelError
+from onnxq.core.errors import ModelError
+from onnxq.core.optable import INTEGER_OPS, qops
 from onnxq.io.graph import load_model
-from onnxq.optable import INTEGER_OPS, qops
 from onnxq.options import QuantizeOptions
 from onnxq.passes.manager import PassResult, State
 from onnxq.post.weight_only import INT4_OPSET

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -109,14 +109,6 @@ class State:
     #: what whole-model int4 weight-only quantization did (onnxq.post.weight_only)
     weight_only: Any = None
     records: list[PassRecord] = field(default_factory=list)
-
-
-def user_nodes(names: Iterable[str], derived: Mapping[str, str]) -> tuple[str, ...]:
-    """``names`` as the caller's model names them, in order, each once.
-
-    A node a pass wrote in place of another becomes that one (see :attr:`State.derived`).
-    """
-    return tuple(dict.fromkeys(derived.get(n, n) for n in names))
 
 
 def op_histogram(model: onnx.ModelProto) -> dict[str, int]:

@@ -24,9 +24,9 @@ from typing import Any
 
 import numpy as np
 
+from onnxq.core.qparams import qrange
 from onnxq.match.dfpattern import node_attr
 from onnxq.passes.manager import PassResult, State, release
-from onnxq.solve.qparams import qrange
 from onnxq.solve.rounding import ConvShape, Grid, HessianObserver, round_weight
 
 #: bytes of layer Hessians (float64 K×K per group) one model may hold while calibrating

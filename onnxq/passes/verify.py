@@ -10,7 +10,7 @@ from typing import Any
 
 import onnx
 
-from onnxq.errors import ModelError
+from onnxq.core.errors import ModelError
 from onnxq.io.graph import check_model
 from onnxq.io.openvino import available as openvino_available
 from onnxq.io.openvino import openvino_compile

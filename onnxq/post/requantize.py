@@ -21,10 +21,10 @@ import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
 
+from onnxq.core.optable import BY_QOP, CARRIERS, PASS_THROUGH
+from onnxq.core.qparams import INT32_MAX, accumulation_bound, qrange
 from onnxq.io.graph import GraphEditor, constant_value, export_model, import_graph, producer
-from onnxq.optable import BY_QOP, CARRIERS, PASS_THROUGH
 from onnxq.prepare.opset import default_opset
-from onnxq.solve.qparams import INT32_MAX, accumulation_bound, qrange
 
 
 def qlinear_positions(node: gs.Node) -> tuple[int, ...]:

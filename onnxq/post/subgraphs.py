@@ -29,7 +29,7 @@ import numpy as np
 import onnx
 from onnx import helper
 
-from onnxq.errors import OnnxqError
+from onnxq.core.errors import OnnxqError
 from onnxq.io.graph import graphs_of
 from onnxq.io.session import make_session
 

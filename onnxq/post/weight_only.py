@@ -20,7 +20,7 @@ import onnx
 import onnx_graphsurgeon as gs
 from onnx import numpy_helper
 
-from onnxq.errors import ConfigError
+from onnxq.core.errors import ConfigError
 from onnxq.io.graph import GraphEditor, export_model, import_graph
 from onnxq.pattern import node_attr
 from onnxq.prepare.opset import raise_opset

@@ -25,7 +25,7 @@ import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
 
-from onnxq.errors import ModelError
+from onnxq.core.errors import ModelError
 from onnxq.io.graph import MS_DOMAIN, constant_value, export_model, import_graph
 from onnxq.match.rewrite import DFPatternCallback, rewrite
 from onnxq.pattern import DFPattern, is_constant, is_op, wildcard

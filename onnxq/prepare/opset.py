@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import onnx
 
-from onnxq.errors import ModelError
+from onnxq.core.errors import ModelError
 
 
 def default_opset(model: onnx.ModelProto) -> int:

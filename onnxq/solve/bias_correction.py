@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from onnxq.solve.qparams import QParams, dequantize, quantize
+from onnxq.core.qparams import QParams, dequantize, quantize
 
 
 @dataclass(frozen=True)

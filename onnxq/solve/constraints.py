@@ -32,10 +32,10 @@ import onnx
 import onnx_graphsurgeon as gs
 
 from onnxq.annotate.quantizer import Quantizer
-from onnxq.annotate.specs import PatternRecord, QTensor
+from onnxq.core.qparams import params_from_range, qrange
+from onnxq.core.specs import PatternRecord, QTensor
 from onnxq.io.graph import GraphEditor, constant_value, export_model, import_graph
 from onnxq.post.requantize import carried_source
-from onnxq.solve.qparams import params_from_range, qrange
 
 
 @dataclass

@@ -1,1 +1,1 @@
-"""Tools around quantization: compare, the model zoo, accuracy and latency checks."""
+"""User tools above the API: debug, the model zoo and the HTML report."""

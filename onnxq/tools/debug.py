@@ -6,9 +6,9 @@ One command, five steps, each on the same samples:
    the user's ``--eval module:function`` (called with a model file's path, higher is better),
    else the mean output cosine with fp32 on the calibration samples, in % (in-sample: prefer
    ``--eval`` on held-out data).
-2. **Rank** every quantized group (onnxq.tools.sensitivity: each group alone quantized and alone
+2. **Rank** every quantized group (onnxq.simulate.sensitivity: each group alone quantized and alone
    left float on an emulation of this quantization, weights and activations apart).
-   Before it, **where the loss sits** (onnxq.tools.loss_parts): the metric of the float model
+   Before it, **where the loss sits** (onnxq.simulate.loss_parts): the metric of the float model
    with only its inputs on their 8-bit grids, and of the model quantized anew with int16
    activations (int8 weights): what no choice of activation ranges can beat.
 3. **Bisect** over the ranking: the fewest best-ranked groups whose return to float recovers
@@ -18,7 +18,7 @@ One command, five steps, each on the same samples:
    group's measured share of the output noise), **apply it** with ``quantize --config`` and
    measure again: the promised figure is the applied one.
 5. **Cross-check** the target runtime against the fake-quantized model
-   (onnxq.tools.crosscheck). It runs before the bisection: a group whose output the target
+   (onnxq.simulate.crosscheck). It runs before the bisection: a group whose output the target
    computes more than ``PART_STEPS`` int8 steps from the fake-quantized model on the same inputs
    is a fault the ranking cannot see (it measures the emulation), so every such group goes to
    float first and the bisection adds ranked groups to them (OpenVINO on nudenet's box head:
@@ -27,7 +27,7 @@ One command, five steps, each on the same samples:
 Where the target runs int16 activations (``Target.int16_activations``, or ``fallback="int16"``)
 steps 2-4 return a group to int16 activations with its int8 weights instead of to float
 (``activation_dtype = "int16"`` entries), unless its own noise is in its weights
-(onnxq.tools.sensitivity.fix); the model then stays integer on that runtime.
+(onnxq.simulate.sensitivity.fix); the model then stays integer on that runtime.
 
 Time: three quantizations (the int8 model, the int16-activation one, the fix), at most
 2·log2(:data:`MAX_GROUPS`) more, and the ranking's budget (``budget`` seconds; it
@@ -52,7 +52,8 @@ from onnxq.annotate.config import UserConfig
 from onnxq.api import quantize_state
 from onnxq.calibrate.dataset import model_inputs
 from onnxq.calibrate.sources import as_dataset
-from onnxq.errors import ConfigError, DataError
+from onnxq.core.errors import ConfigError, DataError
+from onnxq.fallback import Metric, fewest, latency_ms, output_cosine, user_metric
 from onnxq.io.graph import load_model, write_text_atomic
 from onnxq.io.paths import reads_of, refuse_collisions, writes_of
 from onnxq.io.text import escaped
@@ -60,12 +61,11 @@ from onnxq.lower.fakequantize import holds_fakequantize
 from onnxq.options import resolve, returned_label
 from onnxq.passes.load import refuse_quantized
 from onnxq.report import build_report
-from onnxq.tools.compare import compare
-from onnxq.tools.crosscheck import PART_STEPS, CrossCheck, cross_check
-from onnxq.tools.emulate import emulate
-from onnxq.tools.fallback import Metric, fewest, latency_ms, output_cosine, user_metric
-from onnxq.tools.loss_parts import LossParts, float_inputs, loss_parts
-from onnxq.tools.sensitivity import BUDGET_S, GroupScore, Ranking, db, fix, fix_entry, rank
+from onnxq.simulate.compare import compare
+from onnxq.simulate.crosscheck import PART_STEPS, CrossCheck, cross_check
+from onnxq.simulate.emulate import emulate
+from onnxq.simulate.loss_parts import LossParts, float_inputs, loss_parts
+from onnxq.simulate.sensitivity import BUDGET_S, GroupScore, Ranking, db, fix, fix_entry, rank
 
 #: the most best-ranked groups the bisection may return to float
 MAX_GROUPS = 32

@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from onnxq.errors import ConfigError
+from onnxq.core.errors import ConfigError
 from onnxq.io.graph import tensor_array
 from onnxq.lower.fakequantize import holds_fakequantize
 
@@ -81,7 +81,7 @@ def layer_chart(layers: Sequence[tuple[str, float]]) -> str:
 
 
 def ranking_chart(groups: Sequence[Any], limit: int = 20, returned: str = "float") -> str:
-    """The best-ranked groups' shares of the output noise (onnxq.tools.sensitivity)."""
+    """The best-ranked groups' shares of the output noise (onnxq.simulate.sensitivity)."""
     plt = _pyplot()
     top = list(groups)[:limit][::-1]
     fig, ax = plt.subplots(figsize=(7, 0.9 + 0.25 * len(top)))
@@ -247,7 +247,7 @@ def int8_range(model: Any, tensor: str) -> tuple[float, float] | None:
     From ``<tensor>_scale`` and its zero point (QOperator, QDQ) or its FakeQuantize bounds
     (OpenVINO).
     """
-    from onnxq.solve.qparams import qrange
+    from onnxq.core.qparams import qrange
 
     inits = {i.name: i for i in model.graph.initializer}
     scale, zero = inits.get(f"{tensor}_scale"), inits.get(f"{tensor}_zero_point")
@@ -356,7 +356,7 @@ def quantize_page(
     from onnxq.calibrate.dataset import model_inputs
     from onnxq.calibrate.sources import as_dataset
     from onnxq.options import returned_label
-    from onnxq.tools.compare import compare
+    from onnxq.simulate.compare import compare
 
     page = Report(title)
     page.summary = [("summary", line) for line in report.summary().splitlines() if line.strip()]

@@ -35,7 +35,7 @@ import numpy as np
 import onnx
 
 from onnxq.api import quantize
-from onnxq.errors import ModelError, OnnxqError
+from onnxq.core.errors import ModelError, OnnxqError
 from onnxq.io.graph import proto_size, save_model
 from onnxq.io.openvino import OpenVINOSession
 from onnxq.io.openvino import available as openvino_available

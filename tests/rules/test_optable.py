@@ -6,8 +6,8 @@ import pytest
 from onnx import helper as h
 from onnx import numpy_helper
 
+from onnxq.core.optable import BY_QOP, TABLE
 from onnxq.lower.qdq import to_qdq
-from onnxq.optable import BY_QOP, TABLE
 from onnxq.patterns import default_patterns
 
 

@@ -6,10 +6,10 @@ from pathlib import Path
 RULES = Path(__file__).resolve().parents[2] / "patterns"
 ALLOWED = {
     "onnxq.pattern",  # the pattern language and the graph queries rules need
-    "onnxq.annotate.rule",  # QuantizerPattern
-    "onnxq.annotate.specs",  # the records a rule writes
-    "onnxq.optable",  # the quantized ops
-    "onnxq.calibrate.callbacks",  # the calibration protocol a rule may carry
+    "onnxq.patterns.rule",  # QuantizerPattern
+    "onnxq.core.specs",  # the records a rule writes
+    "onnxq.core.optable",  # the quantized ops
+    "onnxq.core.callbacks",  # the calibration protocol a rule may carry
     "onnxq.prepare.fusions",  # the GELU rule reuses the GELU fusion's pattern
 }
 

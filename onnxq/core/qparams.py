@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from onnxq.errors import CalibrationError
+from onnxq.core.errors import CalibrationError
 
 #: smallest scale ever produced; keeps constant or all-zero tensors valid
 MIN_SCALE = float(np.finfo(np.float32).tiny) * 2**20

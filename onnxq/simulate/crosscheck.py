@@ -1,7 +1,7 @@
 """Cross-runtime check: does the target runtime compute what the fake-quantized model does.
 
 The reference is the emulation of the quantization with every quantizer on
-(onnxq.tools.emulate: the float graph with Q/DQ on every quantized edge, run by onnxruntime in
+(onnxq.simulate.emulate: the float graph with Q/DQ on every quantized edge, run by onnxruntime in
 float). The quantized model runs in its target's runtime: onnxruntime for the QOperator and QDQ
 formats (ort-cpu, generic), OpenVINO for FakeQuantize (openvino). For ``tensorrt`` no GPU is
 assumed: its QDQ model runs in onnxruntime, whose QDQ fusion is the nearest CPU stand-in for
@@ -39,8 +39,8 @@ from onnxq.calibrate.dataset import feed_samples, model_inputs, shared_batch
 from onnxq.calibrate.sources import as_dataset
 from onnxq.io.graph import serialize, tensor_array
 from onnxq.lower.fakequantize import holds_fakequantize
-from onnxq.tools.compare import TensorStats, compare, dequantized, link_inputs, tensor_plan
-from onnxq.tools.emulate import FLAGS, Emulation, held_float
+from onnxq.simulate.compare import TensorStats, compare, dequantized, link_inputs, tensor_plan
+from onnxq.simulate.emulate import FLAGS, Emulation, held_float
 
 #: the RMS distance, in steps of a tensor's int8 grid, beyond which a layer parts
 PART_STEPS = 1.0
@@ -232,7 +232,7 @@ def _onnxruntime_reader(target: onnx.ModelProto, tensors: Sequence[str]) -> Read
     """The target's outputs and its (dequantized) values of ``tensors``.
 
     A tensor the target quantizes for its int8 readers and holds in float for the others
-    (onnxq.tools.emulate.held_float) is read in float: fed to the reference, its float readers
+    (onnxq.simulate.emulate.held_float) is read in float: fed to the reference, its float readers
     read what the target's read, and its quantizer gives the int8 readers theirs.
     """
     from onnxq.io.session import make_session

@@ -14,9 +14,9 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from onnxq.annotate.specs import PatternRecord, QTensor
-from onnxq.errors import CalibrationError
-from onnxq.solve.qparams import params_from_range, weight_params
+from onnxq.core.errors import CalibrationError
+from onnxq.core.qparams import params_from_range, weight_params
+from onnxq.core.specs import PatternRecord, QTensor
 
 
 class Observer(Protocol):

@@ -38,6 +38,8 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
+from onnxq.core.qparams import row_slices
+from onnxq.core.specs import user_nodes
 from onnxq.io.graph import (
     add_initializer,
     copy_fields,
@@ -47,8 +49,6 @@ from onnxq.io.graph import (
     values_apart,
 )
 from onnxq.lower.fakequantize import OV_DOMAIN, to_fakequantize
-from onnxq.passes.manager import user_nodes
-from onnxq.solve.qparams import row_slices
 
 #: the emulation model's input that holds the switches
 FLAGS = "onnxq_debug_flags"
@@ -78,7 +78,7 @@ class Group:
     #: the float node the group is named by (the name --config and --exclude take)
     node: str
     op: str
-    #: its nodes as the caller's model names them (onnxq.passes.manager.user_nodes)
+    #: its nodes as the caller's model names them (onnxq.core.specs.user_nodes)
     nodes: tuple[str, ...]
     weights: list[int] = field(default_factory=list)
     activations: list[int] = field(default_factory=list)

@@ -29,7 +29,7 @@ from onnxq.calibrate.dataset import Feed, IterableDataset, model_inputs, shared_
 from onnxq.calibrate.streaming import run_checked
 from onnxq.io.graph import proto_size
 from onnxq.io.session import make_session
-from onnxq.tools.compare import TensorStats, compare
+from onnxq.simulate.compare import TensorStats, compare
 
 #: an output below this SQNR against fp32 (on the check's samples) is warned about
 SQNR_FLOOR_DB = 15.0

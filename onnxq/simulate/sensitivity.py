@@ -1,6 +1,6 @@
 """Which quantized groups cost the accuracy: one ranking for ``onnxq debug`` and the fallback.
 
-Each group is measured on the emulation of the finished quantization (onnxq.tools.emulate), one
+Each group is measured on the emulation of the finished quantization (onnxq.simulate.emulate), one
 onnxruntime run per question, against the fp32 outputs on the same samples:
 
 * **alone quantized**: only the quantizers this group needs on (its weights and corrected
@@ -38,7 +38,7 @@ import numpy as np
 
 from onnxq.calibrate.dataset import feed_samples, inner_shapes, shared_batch
 from onnxq.io.session import make_session
-from onnxq.tools.emulate import FLAGS, Emulation
+from onnxq.simulate.emulate import FLAGS, Emulation
 
 #: seconds the ranking may take by default
 BUDGET_S = 120.0

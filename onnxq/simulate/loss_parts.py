@@ -3,7 +3,7 @@
 ``onnxq debug`` measures the user's metric on two more models beside the int8 one:
 
 * **inputs alone**: the float model with only its float inputs on the grids the int8 model
-  reads them on (the emulation, onnxq.tools.emulate, with only those switches on). A model whose
+  reads them on (the emulation, onnxq.simulate.emulate, with only those switches on). A model whose
   first layers are int8 cannot read its inputs any finer, so this much is lost before any layer
   computes: it is the model's own sensitivity to 8-bit inputs, and no choice of ranges,
   rounding or corrections wins it back (only leaving the first layers float does);
@@ -39,8 +39,8 @@ from typing import Any
 
 import onnx
 
-from onnxq.errors import OnnxqError
-from onnxq.tools.emulate import Emulation
+from onnxq.core.errors import OnnxqError
+from onnxq.simulate.emulate import Emulation
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,7 @@ cosine of every float output with fp32, per sample, as a percentage (so ``max_dr
 0.5 points); ``metric="module:function"`` names the user's own evaluation instead, called with
 the path of a model file and returning a number where higher is better (it reads its own data).
 When the drop is over the bar, the :data:`CANDIDATES` groups ranked first by the
-sensitivity ranking on the held-back batches (onnxq.tools.sensitivity, the ranking ``onnxq
+sensitivity ranking on the held-back batches (onnxq.simulate.sensitivity, the ranking ``onnxq
 debug`` prints: each group alone quantized and alone left float) are each tried alone in float
 (the whole group: a Conv with its folded Relu); those that raise the metric, best first, then go
 back to float together, 2, 4, ... of them until the bar is met, and bisection finds the
@@ -21,7 +21,7 @@ Where the target runs int16 activations (``Target.int16_activations``, or ``fall
 a group goes back to int16 activations with its int8 weights instead of to float (a
 ``[node."…"] activation_dtype = "int16"`` entry for its nodes), so the model stays integer on
 that runtime; a group whose own noise the ranking finds in its weights still goes to float
-(onnxq.tools.sensitivity.fix). The ranking then measures each group returned to int16.
+(onnxq.simulate.sensitivity.fix). The ranking then measures each group returned to int16.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ import onnx
 from onnxq.annotate.config import UserConfig
 from onnxq.calibrate.dataset import model_inputs
 from onnxq.calibrate.sources import as_dataset
-from onnxq.errors import ConfigError, DataError
+from onnxq.core.errors import ConfigError, DataError
 from onnxq.io.graph import load_model, save_model
 from onnxq.io.loader import load_object
 from onnxq.io.openvino import OpenVINOSession
@@ -52,8 +52,8 @@ from onnxq.passes.budget import settle
 from onnxq.passes.manager import State, run_passes
 from onnxq.passes.pipeline import build
 from onnxq.report import QuantizeReport, build_report
-from onnxq.tools.emulate import emulate
-from onnxq.tools.sensitivity import fix, fix_entry, rank
+from onnxq.simulate.emulate import emulate
+from onnxq.simulate.sensitivity import fix, fix_entry, rank
 
 #: every HOLDOUT-th calibration batch is held back to measure the drop
 HOLDOUT = 8
@@ -80,7 +80,7 @@ class Trial:
     metric: float
     drop: float
     int8_ms: float
-    #: edges between an int8 node and a float one (onnxq.tools.fallback.breaks): each costs a
+    #: edges between an int8 node and a float one (onnxq.fallback.breaks): each costs a
     #: QuantizeLinear or DequantizeLinear at run time
     breaks: int
     #: kept only while this trial could still be the one returned (see _best)
@@ -342,7 +342,7 @@ def breaks(model: onnx.ModelProto, report: QuantizeReport) -> int:
 def _ranked_groups(state: State, held: list[Any], fallback: str) -> list[Returned]:
     """The quantized groups that cost output accuracy, the largest cost first, and their fix.
 
-    The ranking of ``onnxq debug`` (onnxq.tools.sensitivity) on the held-back batches: each
+    The ranking of ``onnxq debug`` (onnxq.simulate.sensitivity) on the held-back batches: each
     group alone quantized and alone returned (to float, or to int16 activations), on the
     emulation of this quantization.
     """

@@ -2,8 +2,8 @@
 
 A rule annotates: it matches a group of float nodes, asks the Quantizer running it (set as
 ``rule.quantizer`` before matching) for the spec of each quantized edge, and returns a frozen
-:class:`~onnxq.annotate.specs.PatternRecord` saying what is quantized, with which spec, and
-which op of the op table (``onnxq.optable``) the group becomes. It writes no node: the
+:class:`~onnxq.core.specs.PatternRecord` saying what is quantized, with which spec, and
+which op of the op table (``onnxq.core.optable``) the group becomes. It writes no node: the
 QOperator lowering (``onnxq.lower.qoperator``) writes every group from its record.
 """
 
@@ -15,11 +15,10 @@ from typing import Any
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from onnxq.annotate.specs import Lowering, PatternRecord, QTensor
-from onnxq.calibrate.callbacks import CalibrationCallback, CalibrationInfo
-from onnxq.match.dfpattern import Match, MatchResult, tensor_dtype
-from onnxq.match.rewrite import DFPatternCallback
-from onnxq.optable import QOp
+from onnxq.core.callbacks import CalibrationCallback, CalibrationInfo
+from onnxq.core.optable import QOp
+from onnxq.core.specs import Lowering, PatternRecord, QTensor
+from onnxq.pattern import DFPatternCallback, Match, MatchResult, tensor_dtype
 
 
 class QuantizerPattern(DFPatternCallback):

@@ -7,6 +7,7 @@ Quantizer, so every stage can depend on this module.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,7 +33,7 @@ class QTensor:
 class Lowering:
     """How a group is written in the QOperator template (``onnxq.lower.qoperator``).
 
-    ``kind`` is ``qlinear`` (one op of the op table, ``onnxq.optable``), ``island`` (DQ → the
+    ``kind`` is ``qlinear`` (one op of the op table, ``onnxq.core.optable``), ``island`` (DQ → the
     float op and its activations → Q, for runtimes that fuse them) or ``table`` (a constant
     table gathered in int8, dequantized after).
     """
@@ -57,7 +58,7 @@ class PatternRecord:
     annotation.
     """
 
-    pattern: Any  # the QuantizerPattern that matched (onnxq.annotate.rule)
+    pattern: Any  # the QuantizerPattern that matched (onnxq.patterns.rule)
     label: str
     nodes: tuple[str, ...]
     inputs: tuple[QTensor, ...]
@@ -130,3 +131,12 @@ class Decision:
     quantized: bool
     pattern: str = ""
     reason: str = ""
+
+
+def user_nodes(names: Iterable[str], derived: Mapping[str, str]) -> tuple[str, ...]:
+    """``names`` as the caller's model names them, in order, each once.
+
+    A node a pass wrote in place of another becomes that one
+    (``onnxq.passes.manager.State.derived``).
+    """
+    return tuple(dict.fromkeys(derived.get(n, n) for n in names))

@@ -16,8 +16,8 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
-from onnxq.errors import CalibrationError
-from onnxq.solve.qparams import (
+from onnxq.core.errors import CalibrationError
+from onnxq.core.qparams import (
     INT32_MAX,
     QParams,
     accumulation_bound,
