@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from onnxq.calibrate.sources import as_dataset
     from onnxq.core.callbacks import CalibrationCallback, CalibrationInfo, ObserverCallback
     from onnxq.core.errors import OnnxqError
+    from onnxq.options import Options
     from onnxq.patterns.rule import QuantizerPattern
     from onnxq.post.requantize import Requantizer
 
@@ -34,6 +35,7 @@ _WHERE = {
     "DatasetManager": "onnxq.calibrate.dataset",
     "ObserverCallback": "onnxq.core.callbacks",
     "OnnxqError": "onnxq.core.errors",
+    "Options": "onnxq.options",
     "QuantizeReport": "onnxq.api",
     "Quantizer": "onnxq.annotate.quantizer",
     "QuantizerConfig": "onnxq.annotate.quantizer",
@@ -50,6 +52,7 @@ __all__ = [
     "DatasetManager",
     "ObserverCallback",
     "OnnxqError",
+    "Options",
     "QuantizeReport",
     "Quantizer",
     "QuantizerConfig",

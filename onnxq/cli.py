@@ -39,6 +39,7 @@ from onnxq.options import (
     FALLBACKS,
     ROUNDINGS,
     SMOOTHQUANT,
+    Options,
     resolve,
 )
 from onnxq.passes.load import quantized_ops, raise_for_output, refuse_quantized
@@ -616,7 +617,7 @@ def _quantize(args: argparse.Namespace) -> int:
     if args.samples is not None and args.samples < 1:
         raise ConfigError(f"--samples {args.samples} must be >= 1")
     options = resolve_call(
-        dict(
+        Options(
             method=args.method,
             per_channel=args.per_channel,
             activation_dtype=args.activation_dtype,

@@ -48,7 +48,7 @@ from onnxq.io.openvino import available as openvino_available
 from onnxq.io.session import make_session
 from onnxq.lower.fakequantize import holds_fakequantize
 from onnxq.options import QuantizeOptions, spell
-from onnxq.passes.budget import settle
+from onnxq.passes.defaults import settle
 from onnxq.passes.manager import State, run_passes
 from onnxq.passes.pipeline import build
 from onnxq.report import QuantizeReport, build_report

@@ -9,10 +9,11 @@ wrote it: ``weight_bits=`` from Python, ``--weight-bits`` from the CLI.
 
 from __future__ import annotations
 
+import difflib
 import os
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from onnxq.annotate.config import UserConfig
@@ -125,6 +126,137 @@ def pythonize(message: str) -> str:
         return f"{name}{tail}"
 
     return _FLAG_RE.sub(one, message)
+
+
+@dataclass(frozen=True)
+class Options:
+    """What one ``quantize`` call is asked, as the caller writes it.
+
+    ``onnxq.quantize(model, data, options=Options(...), **overrides)``: a keyword argument
+    named as a field overrides the object's field, so one object can serve many calls
+    (``quantize(m, d, options=base, method="mse")``). Left as None, a field takes the
+    target's value; :func:`resolve` merges them and validates the whole once.
+    """
+
+    #: where the model will run: a target name (``ort-cpu``, the default; ``tensorrt``,
+    #: ``openvino``, ``qnn``, ``generic``, or one from a target file) or a
+    #: :class:`~onnxq.annotate.targets.Target`. It sets the defaults of format, activation
+    #: dtype and symmetry, per-channel weights, weight bits and the patterns
+    target: Any = None
+    #: ``qoperator`` (QLinear ops, onnxruntime CPU), ``qdq`` (standard Q/DQ around float ops;
+    #: the opset is raised to 13 when per-channel scales need it) or ``openvino`` (a float
+    #: graph with FakeQuantize, run by the OpenVINO runtime)
+    format: str | None = None
+    #: one scale per output channel of each weight (False: one per tensor)
+    per_channel: bool | None = None
+    #: ``uint8``, ``int8`` or ``int16`` (QDQ only)
+    activation_dtype: str | None = None
+    symmetric_activations: bool | None = None
+    #: uint8 for tensors that are never negative (after Relu) even with int8 activations
+    unsigned_after_relu: bool | None = None
+    #: 8, or 7 (weights in [-63, 63] for CPUs without VNNI; chosen on its own where this
+    #: CPU's onnxruntime kernels would clip)
+    weight_bits: int | None = None
+    #: ``int8``, or ``int4`` (weight-only, standard QDQ with ``block_size``; no calibration)
+    weight_dtype: str = "int8"
+    block_size: int = 32
+    #: node names (or ``re:`` patterns) left float
+    exclude: Sequence[str] = ()
+    #: the rules that annotate (default: the target's, ``onnxq.patterns.default_patterns()``)
+    patterns: Sequence[QuantizerPattern] | None = None
+    #: a per-node/per-op TOML file or dict (docs/usage.md)
+    config: Any = None
+    #: the calibrator: ``minmax``, ``average-max``, ``percentile``, ``entropy``, ``mse``
+    #: (the default) or ``output-aware``; ``callback`` replaces it
+    method: str = DEFAULT_METHOD
+    #: your own :class:`~onnxq.core.callbacks.CalibrationCallback` (docs/python.md)
+    callback: CalibrationCallback | None = None
+    #: the percentile of the ``percentile`` method, and the histogram bins of the histogram
+    #: methods
+    percentile: float = 99.999
+    bins: int = 2048
+    #: samples per calibration batch (default: the data's own batches)
+    batch_size: int | None = None
+    #: at most this many calibration samples
+    samples: int | None = None
+    #: local processes for the calibration pass, each taking every N-th batch (the script
+    #: must start under ``if __name__ == "__main__":``)
+    workers: int = 1
+    #: onnxruntime threads of each calibration process (default: onnxruntime's choice, or
+    #: the cores shared out among the workers)
+    threads: int | None = None
+    #: run the calibration pass as Ray tasks: ``""`` on a local cluster started for the call,
+    #: else the cluster's address (``"auto"``, ``"HOST:PORT"``); the data must be a folder,
+    #: an ``.npz`` path or ``"module:function"`` taking ``(shard, shards)``
+    ray: str | None = None
+    #: how image files are turned into inputs (``"imagenet"``, ``"module:function"``, ...)
+    preprocess: str | None = None
+    #: write the chosen activation ranges as JSON, or reuse such a file instead of data
+    save_ranges: str | os.PathLike[str] | None = None
+    load_ranges: str | os.PathLike[str] | None = None
+    #: a progress bar on stderr (default: when stderr is a terminal)
+    progress: bool | None = None
+    #: also write the model here, atomically (the input model is never modified)
+    output: str | os.PathLike[str] | None = None
+    #: time fp32 against int8 after quantizing and warn when int8 is slower
+    latency_check: bool = False
+    #: ``auto`` (sequential for CNNs), ``none``, ``fast`` (the mean shift the weight rounding
+    #: causes), ``layerwise`` or ``sequential`` (the int8 model run layer after layer on the
+    #: first 64 samples, each bias set so the layer's output mean matches the float layer's)
+    bias_correction: str = "auto"
+    #: activation outliers of MatMul/Gemm inputs moved into their weights: ``auto`` (on for
+    #: transformers), ``on`` or ``off``
+    smoothquant: str = "auto"
+    #: channel ranges of Conv → [Relu/Clip/Pad] → Conv chains equalized (exact in float):
+    #: ``auto`` (on for CNNs with per-tensor weights), ``on`` or ``off``
+    equalization: str = "auto"
+    #: each depthwise input's channels scaled into its filters where the factor folds
+    #: upstream: ``off`` (the default) or ``on``
+    depthwise_scaling: str = "off"
+    #: weights rounded for the least output error on the layer's calibration inputs
+    #: (GPTQ-style): ``auto`` (CNNs and transformers), ``nearest`` or ``optimized``
+    rounding: str = "auto"
+    #: what ``auto`` reads the model as: ``auto`` (from its graph), ``cnn``, ``transformer``,
+    #: ``rnn`` or ``other``
+    model_kind: str = "auto"
+    #: the accuracy-driven fallback: the largest drop of the metric allowed; every 8th
+    #: calibration batch is held back and the fewest groups go back to float until it holds
+    max_drop: float | None = None
+    #: that metric: ``"module:function"`` called with a model file's path, higher is better
+    #: (default: the mean output cosine with fp32, in %)
+    metric: str | None = None
+    #: what the fallback returns a group to: ``float``, or ``int16`` activations (default:
+    #: the target's)
+    fallback: str | None = None
+    #: seconds the whole call may take: default algorithms that would not fit are left out
+    budget: float | None = None
+
+
+def option_names() -> tuple[str, ...]:
+    """The fields of :class:`Options`, in order."""
+    return tuple(f.name for f in fields(Options))
+
+
+def with_overrides(options: Options | None, overrides: dict[str, Any]) -> Options:
+    """``options`` (default: a fresh :class:`Options`) with ``overrides`` written over it.
+
+    An unknown name is refused, with the nearest known one.
+    """
+    if options is not None and not isinstance(options, Options):
+        raise ConfigError(
+            f"options must be an onnxq.Options, not {type(options).__name__}; "
+            "write onnxq.Options(method='mse', ...) or pass the options as keywords"
+        )
+    names = option_names()
+    for name in overrides:
+        if name not in names:
+            near = difflib.get_close_matches(name, names, n=1)
+            hint = f"did you mean {near[0]!r}? " if near else ""
+            raise ConfigError(
+                f"quantize() has no option {name!r}; {hint}the options are the fields of "
+                "onnxq.Options (docs/python.md)"
+            )
+    return replace(options if options is not None else Options(), **overrides)
 
 
 @dataclass(frozen=True)

@@ -78,7 +78,11 @@ from pathlib import Path
 import onnxq
 data, out = Path(sys.argv[1]), Path(sys.argv[2])
 print(onnxq.__file__, file=sys.stderr)
-known = inspect.signature(onnxq.quantize).parameters
+try:  # the options are onnxq.Options' fields; an older onnxq: quantize()'s parameters
+    from dataclasses import fields
+    known = {f.name for f in fields(onnxq.Options)}
+except AttributeError:
+    known = inspect.signature(onnxq.quantize).parameters
 pinned = {k: v for k, v in PINNED.items() if k in known}
 for job in sorted(data.glob("*.pkl")):
     spec = pickle.loads(job.read_bytes())

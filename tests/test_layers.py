@@ -112,3 +112,24 @@ def test_the_check_sees_a_cycle():
     graph = {"a": {"b": {"x"}}, "b": {"c": {"y"}}, "c": {"a": {"z"}}, "d": {"a": {"w"}}}
     assert _cycles(graph) == [["a", "b", "c"]]
     assert _cycles({"a": {"b": {"x"}}, "b": {}}) == []
+
+
+#: modules of onnxq/passes/ that are not passes: what every pass may import
+PASS_SHARED = {"manager", "stream", "defaults"}
+
+
+def test_passes_do_not_import_each_other():
+    # a pass is a thin adapter over its stage's code; pipeline.py is the list of them all
+    bad = []
+    for path in sorted((ROOT / "onnxq" / "passes").glob("*.py")):
+        if path.stem in ("pipeline", "__init__"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+                for name in names:
+                    parts = name.split(".")
+                    if parts[:2] == ["onnxq", "passes"] and len(parts) == 3:
+                        if parts[2] not in PASS_SHARED and parts[2] != path.stem:
+                            bad.append(f"{path.name} imports {name}")
+    assert not bad, bad

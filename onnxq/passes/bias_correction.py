@@ -32,8 +32,10 @@ from onnxq.core.errors import CalibrationError
 from onnxq.core.qparams import QParams, dequantize, quantize
 from onnxq.io.session import make_session
 from onnxq.match.dfpattern import node_attr
+from onnxq.passes.defaults import picks
 from onnxq.passes.manager import PassResult, State, release
 from onnxq.solve.bias_correction import (
+    SEQUENTIAL_SAMPLES,
     Layer,
     channel_means,
     expected_shift,
@@ -58,11 +60,6 @@ def _layers(q: Any) -> list[tuple[Any, Any, str, str, Any]]:
     return out
 
 
-def auto(state: State) -> bool:
-    """Whether ``auto`` picks the sequential correction (a CNN; else fast, or none)."""
-    return state.kind == "cnn"
-
-
 def mode(state: State) -> str:
     """``fast``, ``layerwise``, ``sequential`` or ``none`` for this model.
 
@@ -73,7 +70,7 @@ def mode(state: State) -> str:
     """
     o = state.options
     if o.bias_correction == "auto":
-        if not auto(state):
+        if not picks("bias-correction", state):
             return "none"
         return "fast" if "bias-correction" in state.over_budget else "sequential"
     return o.bias_correction
@@ -162,10 +159,6 @@ class BiasCorrection:
 def _replayable(state: State) -> bool:
     ds = state.dataset
     return ds is not None and ds.replayable
-
-
-#: samples the sequential correction runs at most (the first batches of the calibration data)
-SEQUENTIAL_SAMPLES = 64
 
 
 def _sequential(

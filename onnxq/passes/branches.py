@@ -12,7 +12,7 @@ from typing import Any
 import onnx
 
 from onnxq.options import QuantizeOptions
-from onnxq.passes.budget import settle
+from onnxq.passes.defaults import settle
 from onnxq.passes.manager import PassResult, State
 from onnxq.post.subgraphs import BranchResult, has_branches, quantize_branches
 

@@ -25,15 +25,15 @@ the output depends on the inputs only.
 from __future__ import annotations
 
 import time
-from dataclasses import replace
 from typing import Any
 
 from onnxq.calibrate.dataset import model_inputs
 from onnxq.calibrate.sources import as_dataset
 from onnxq.io.session import make_session
-from onnxq.options import QuantizeOptions, spell
-from onnxq.passes import bias_correction, equalize, rounding, smoothquant
+from onnxq.options import spell
+from onnxq.passes.defaults import DEFAULTS, picks
 from onnxq.passes.manager import PassResult, State
+from onnxq.solve.bias_correction import SEQUENTIAL_SAMPLES
 
 #: float passes over the calibration data each algorithm costs (about the median ratio of its
 #: measured time to one float pass on MobileNetV2, EfficientNet-Lite1, nudenet and MiniLM;
@@ -59,32 +59,6 @@ REST_PASSES, REST_SECONDS = 2.0, 1.0
 TIMED_RUNS = 3
 #: the algorithms a budget may leave out, kept in this order when not all fit
 PRIORITY = ("bias-correction", "equalization", "smoothquant", "rounding")
-#: the test ``auto`` applies, and the explicit setting that runs each regardless
-AUTO = {
-    "bias-correction": (bias_correction.auto, "bias_correction", "sequential"),
-    "equalization": (equalize.auto, "equalization", "on"),
-    "smoothquant": (smoothquant.auto, "smoothquant", "on"),
-    "rounding": (rounding.auto, "rounding", "optimized"),
-}
-
-
-#: the setting that leaves each algorithm out by name
-OFF = {
-    "bias-correction": "fast",
-    "equalization": "off",
-    "smoothquant": "off",
-    "rounding": "nearest",
-}
-
-
-def settle(options: QuantizeOptions, over_budget: dict[str, str]) -> QuantizeOptions:
-    """``options`` with the budget's choice written out, for the quantizations that repeat it.
-
-    The If branches and the trials of the accuracy-driven fallback follow the main
-    quantization's plan instead of timing and planning again.
-    """
-    off: dict[str, Any] = {AUTO[n][1]: OFF[n] for n in over_budget}
-    return replace(options, budget=None, **off)
 
 
 def pass_seconds(state: State) -> tuple[float | None, str]:
@@ -120,7 +94,7 @@ def sequential_share(state: State) -> float:
     if not n:
         return 1.0
     samples = n * (ds.batch_size() or 1)
-    return min(1.0, bias_correction.SEQUENTIAL_SAMPLES / samples)
+    return min(1.0, SEQUENTIAL_SAMPLES / samples)
 
 
 def calibrate_cost(method: str) -> float:
@@ -139,8 +113,10 @@ class Budget:
         limit = o.budget
         if limit is None:
             return PassResult("")
-        wanted = [n for n in PRIORITY if AUTO[n][0](state) and getattr(o, AUTO[n][1]) == "auto"]
-        asked = [n for n in PRIORITY if getattr(o, AUTO[n][1]) == AUTO[n][2]]
+        wanted = [
+            n for n in PRIORITY if picks(n, state) and getattr(o, DEFAULTS[n].option) == "auto"
+        ]
+        asked = [n for n in PRIORITY if getattr(o, DEFAULTS[n].option) == DEFAULTS[n].on]
         if o.bias_correction == "layerwise":
             asked.append("layerwise")
         plan: dict[str, Any] = {"seconds": limit, "wanted": wanted, "asked": asked}
@@ -185,7 +161,9 @@ class Budget:
         plan["kept"], plan["left_out"] = kept, cut
         runs = sum(cost(n) for n in kept + asked)
         plan["estimated_seconds"] = round(spent + reserve + runs, 3)
-        plan["to_run_anyway"] = " ".join(spell(AUTO[n][1], o.cli, AUTO[n][2]) for n in cut)
+        plan["to_run_anyway"] = " ".join(
+            spell(DEFAULTS[n].option, o.cli, DEFAULTS[n].on) for n in cut
+        )
         parts = [f"{limit:g} s; a float pass ≈ {p:.2f} s; required steps ≈ {reserve:.1f} s"]
         if kept:
             parts.append("kept " + ", ".join(f"{n} (≈ {cost(n):.1f} s)" for n in kept))

@@ -16,10 +16,7 @@ from onnxq.calibrate.ranges import read_channel_means, read_ranges
 from onnxq.calibrate.sources import as_dataset
 from onnxq.calibrators import method_callback
 from onnxq.core.callbacks import CalibrationCallback, RangeTableCallback
-from onnxq.passes.manager import PassResult, State, release
-
-#: calibration batches the accuracy check after quantizing runs (their fp32 outputs are kept)
-CHECK_BATCHES = 4
+from onnxq.passes.manager import CHECK_BATCHES, PassResult, State, release
 
 
 class Calibrate:

@@ -18,9 +18,8 @@ from typing import Any
 from onnxq.core.errors import DataError
 from onnxq.io.openvino import OpenVINOSession
 from onnxq.io.openvino import available as openvino_available
-from onnxq.passes import depthwise_scaling
-from onnxq.passes.calibrate import CHECK_BATCHES
-from onnxq.passes.manager import PassResult, State
+from onnxq.passes.manager import CHECK_BATCHES, PassResult, State
+from onnxq.prepare.depthwise_scaling import candidates
 from onnxq.simulate import checks
 from onnxq.simulate.emulate import emulate
 
@@ -93,7 +92,7 @@ def _depthwise_advice(float_model: Any, kept: set[str]) -> dict[str, str]:
     Those whose input's channels could take a factor into their filters
     (``--depthwise-scaling``, off by default).
     """
-    found = depthwise_scaling.candidates(float_model, kept)
+    found = candidates(float_model, kept)
     hint = (
         f"; its input's channels can be rescaled into its filters ({len(found)} such "
         "depthwise input(s) in the model): try --depthwise-scaling on"

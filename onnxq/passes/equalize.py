@@ -27,6 +27,7 @@ import onnx
 from onnx import numpy_helper
 
 from onnxq.io.graph import tensor_array
+from onnxq.passes.defaults import runs
 from onnxq.passes.manager import PassResult, State
 from onnxq.passes.stream import float_batches
 from onnxq.solve.equalize import (
@@ -41,19 +42,6 @@ from onnxq.solve.equalize import (
 
 #: ops a link may pass through (positively homogeneous once Clip's bound is per channel)
 THROUGH = frozenset({"Relu", "LeakyRelu", "Clip", "Pad"})
-
-
-def auto(state: State) -> bool:
-    """Whether ``auto`` picks equalization for this model (a CNN with per-tensor weights)."""
-    return state.kind == "cnn" and not state.options.per_channel
-
-
-def active(state: State) -> bool:
-    """Whether equalization runs (``on``, or ``auto`` where it helps and the budget allows)."""
-    o = state.options
-    if o.equalization == "on":
-        return True
-    return o.equalization == "auto" and auto(state) and "equalization" not in state.over_budget
 
 
 @dataclass
@@ -100,7 +88,7 @@ class Equalize:
 
     def run(self, state: State) -> PassResult:
         """Find the links, equalize them, rewrite the float model."""
-        if not active(state):
+        if not runs("equalization", state):
             why = state.over_budget.get("equalization") or (
                 "per-channel weights" if state.options.per_channel else f"{state.kind} model"
             )

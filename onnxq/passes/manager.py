@@ -19,6 +19,9 @@ import onnx
 from onnxq.io.session import free_memory
 from onnxq.options import QuantizeOptions
 
+#: calibration batches the accuracy check after quantizing runs (their fp32 outputs are kept)
+CHECK_BATCHES = 4
+
 
 @dataclass(frozen=True)
 class PassResult:

@@ -26,13 +26,12 @@ import numpy as np
 
 from onnxq.core.qparams import qrange
 from onnxq.match.dfpattern import node_attr
+from onnxq.passes.defaults import runs
 from onnxq.passes.manager import PassResult, State, release
 from onnxq.solve.rounding import ConvShape, Grid, HessianObserver, round_weight
 
 #: bytes of layer Hessians (float64 K×K per group) one model may hold while calibrating
 MEMORY_BUDGET = 1 << 30
-#: the kinds of model ``rounding="auto"`` rounds
-AUTO_KINDS = ("cnn", "transformer")
 
 
 @dataclass(frozen=True)
@@ -48,19 +47,6 @@ class _Layer:
     #: Conv geometry (None: dense) and how the stored weight maps to (G, M, K)
     conv: ConvShape | None
     transposed: bool  # dense weight stored (N, K) (Gemm transB=1)
-
-
-def auto(state: State) -> bool:
-    """Whether ``auto`` picks optimized rounding for this model (a CNN or a transformer)."""
-    return state.kind in AUTO_KINDS
-
-
-def active(state: State) -> bool:
-    """Whether optimized rounding runs (``optimized``, or ``auto`` where the budget allows)."""
-    o = state.options
-    if o.rounding == "optimized":
-        return True
-    return o.rounding == "auto" and auto(state) and "rounding" not in state.over_budget
 
 
 def _layers(state: State) -> tuple[list[_Layer], dict[str, str]]:
@@ -134,7 +120,7 @@ def _unsupported(node: Any, w: Any, axis: int | None, readers: int) -> str:
 
 def taps(state: State) -> dict[str, list[HessianObserver]]:
     """Ask the calibrate pass for every layer's input Hessian, within the memory budget."""
-    if not active(state) or state.options.load_ranges is not None:
+    if not runs("rounding", state) or state.options.load_ranges is not None:
         return {}
     layers, skipped = _layers(state)
     state.rounding = {n: {"skipped": why} for n, why in skipped.items()}
@@ -221,7 +207,7 @@ class WeightRounding:
 
     def run(self, state: State) -> PassResult:
         """Round every layer whose input Hessian was collected."""
-        if not active(state):
+        if not runs("rounding", state):
             why = state.over_budget.get("rounding", f"{state.kind} model")
             return PassResult(f"off ({state.options.rounding}, {why})")
         if not state.hessians:

@@ -21,6 +21,7 @@ import onnx
 from onnx import numpy_helper
 
 from onnxq.io.graph import tensor_array
+from onnxq.passes.defaults import runs
 from onnxq.passes.manager import PassResult, State
 from onnxq.passes.stream import float_batches
 from onnxq.solve.smoothquant import Smoothing, choose
@@ -53,19 +54,6 @@ class _Stats:
     seen: int = 0
 
 
-def auto(state: State) -> bool:
-    """Whether ``auto`` picks SmoothQuant for this model (a transformer)."""
-    return state.kind == "transformer"
-
-
-def active(state: State) -> bool:
-    """Whether SmoothQuant runs (``on``, or ``auto`` on a transformer the budget allows)."""
-    o = state.options
-    if o.smoothquant == "on":
-        return True
-    return o.smoothquant == "auto" and auto(state) and "smoothquant" not in state.over_budget
-
-
 class SmoothQuant:
     """Smooth every MatMul/Gemm input where the measured int8 error drops."""
 
@@ -73,7 +61,7 @@ class SmoothQuant:
 
     def run(self, state: State) -> PassResult:
         """Gather input statistics, choose alpha per input, rewrite the float model."""
-        if not active(state):
+        if not runs("smoothquant", state):
             why = state.over_budget.get("smoothquant", f"{state.kind} model")
             return PassResult(f"off ({state.options.smoothquant}, {why})")
         if state.data is None:

@@ -24,6 +24,9 @@ import numpy as np
 
 from onnxq.core.qparams import QParams, dequantize, quantize
 
+#: samples the sequential correction runs at most (the first batches of the calibration data)
+SEQUENTIAL_SAMPLES = 64
+
 
 @dataclass(frozen=True)
 class Layer:
