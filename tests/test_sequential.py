@@ -275,3 +275,46 @@ def test_batches_are_joined_only_where_every_input_has_one_symbolic_batch_axis()
         2,
         3,
     ]
+
+
+def _without_the_calibrate_stream(monkeypatch):
+    """The sequential correction measuring the float layers with a float run of its own."""
+    from onnxq.passes import bias_correction
+
+    monkeypatch.setattr(bias_correction, "taps", lambda state: {})
+
+
+def test_the_float_sums_come_from_the_calibrate_stream_and_match_a_run_of_their_own(
+    monkeypatch,
+):
+    from onnxq.passes import bias_correction
+
+    model, data = _two_layer_chain()
+    kw = dict(progress=False, weight_bits=7, method="minmax", rounding="nearest")
+    own_runs = []
+    real = bias_correction._output_sums
+    monkeypatch.setattr(bias_correction, "_output_sums", lambda *a: own_runs.append(1) or real(*a))
+    streamed, _ = onnxq.quantize(model, data, bias_correction="sequential", **kw)
+    assert not own_runs  # one float pass fewer: the calibrate stream gave every sum
+    _without_the_calibrate_stream(monkeypatch)
+    own, _ = onnxq.quantize(model, data, bias_correction="sequential", **kw)
+    assert own_runs  # the fallback ran the float model itself
+    assert streamed.SerializeToString() == own.SerializeToString()
+
+
+def test_a_batch_the_stream_skipped_sends_the_correction_to_its_own_float_run(monkeypatch):
+    from onnxq.passes.bias_correction import BatchSums
+
+    sums = BatchSums(axis=1)
+    x = rng(3).normal(0, 1, (2, 4, 3, 3)).astype(np.float32)
+    sums.observe(x, index=0)
+    sums.observe(x, index=2)  # batch 1 had NaN in it: the stream skipped it
+    assert sums.covers(1) and not sums.covers(3)
+    other = BatchSums(axis=1)
+    other.observe(x * 2, index=1)  # another worker's shard
+    sums.merge(other)
+    assert sums.covers(3)
+    first = sums.first(3)
+    np.testing.assert_array_equal(first[1][0], channel_means(x * 2, 1)[0])
+    sums.observe(x, index=10_000)  # past the samples the correction runs: not kept
+    assert 10_000 not in sums.sums

@@ -21,6 +21,8 @@ in steps of the layer's output scale), which the report lists.
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -181,26 +183,31 @@ def _sequential(
     float_nodes = {n.name: n for n in q.float_graph.nodes}
     # (bias name, its float value, quantized record or None, node name, kind)
     jobs: list[tuple[str, np.ndarray, Any, str, str]] = []
-    for rec, b, kind, _, node in layers:
-        value = state.constants.get(b.bias, q.float_value(b.bias))
-        jobs.append((b.bias, np.asarray(value, np.float64).reshape(-1), rec, node.name, kind))
-    for node, kind, _, bias_name, _ in floats:
-        value = state.constants.get(bias_name, node.inputs[2].values)
-        jobs.append((bias_name, np.asarray(value, np.float64).reshape(-1), None, node.name, kind))
-    jobs = [j for j in jobs if j[3] in float_nodes]
+    for bias_name, read, rec, node_name, kind in _jobs(state, layers, floats):
+        value = state.constants[bias_name] if bias_name in state.constants else read()
+        jobs.append((bias_name, np.asarray(value, np.float64).reshape(-1), rec, node_name, kind))
     if not jobs:
         return PassResult("nothing to correct")
     float_names = [float_nodes[j[3]].outputs[0].name for j in jobs]
     batches = _first_samples(state, SEQUENTIAL_SAMPLES)
-    # the float layers' output sums for each batch as the data gives it (every layer's output
-    # exposed for joined batches of 16 held 1.5 GB more on EfficientNet-Lite1), then per run;
-    # before the emulation is built, so that the float session's weights and the emulation's
-    # are never held at once
-    axes = [input_axis(j[4]) for j in jobs]
-    session = make_session(q.float_model, expose=float_names)
-    per_batch = _output_sums(session, float_names, batches, axes)
+    # the float layers' output sums for each batch as the data gives it, then per run: from
+    # the calibrate stream where it gathered them all (one float pass fewer), else from a
+    # float run of their own, before the emulation is built, so that the float session's
+    # weights and the emulation's are never held at once (every layer's output exposed for
+    # joined batches of 16 held 1.5 GB more on EfficientNet-Lite1)
+    gathered = [state.output_sums.get(name) for name in float_names]
+    state.output_sums = {}
+    session = None
+    if all(g is not None and g.covers(len(batches)) for g in gathered):
+        per_batch = [g.first(len(batches)) for g in gathered if g is not None]
+    else:
+        axes = [input_axis(j[4]) for j in jobs]
+        session = make_session(q.float_model, expose=float_names)
+        per_batch = _output_sums(session, float_names, batches, axes)
     runs, sizes = _merged(state, batches)
     if len(runs) < len(batches):
+        if session is None:
+            session = make_session(q.float_model, expose=float_names[:1])
         try:  # does the model run joined batches (some declare a dynamic one and do not)?
             run_checked(session, float_names[:1], runs[0], 0)
         except CalibrationError:
@@ -258,6 +265,72 @@ def _sequential(
         )
     )
     return PassResult(text)
+
+
+def _jobs(
+    state: State, layers: list[tuple[Any, Any, str, str, Any]], floats: list[Any]
+) -> list[tuple[str, Callable[[], Any], Any, str, str]]:
+    """(bias name, what reads its float value, quantized record or None, node name, kind).
+
+    The layers with a bias, then the float layers on int8 inputs; those of the float graph.
+    """
+    q = state.quantizer
+    float_nodes = {n.name for n in q.float_graph.nodes}
+    out: list[tuple[str, Callable[[], Any], Any, str, str]] = []
+    for rec, b, kind, _, node in layers:
+        out.append((b.bias, functools.partial(q.float_value, b.bias), rec, node.name, kind))
+    for node, kind, _, bias, _ in floats:
+        read = functools.partial(getattr, node.inputs[2], "values")
+        out.append((bias, read, None, node.name, kind))
+    return [j for j in out if j[3] in float_nodes]
+
+
+class BatchSums:
+    """A float layer output's per-channel sums on each of the first batches, as they stream.
+
+    A tap of the calibrate pass (``observe(array, index=, block=)``, ``merge``): the sequential
+    correction compares its layers with these instead of running the float model again. Keeps
+    the first :data:`SEQUENTIAL_SAMPLES` batches (each holds a sample at least); a batch the
+    stream skipped (NaN or Inf in the tensor) leaves a gap, and the correction runs the float
+    model itself.
+    """
+
+    def __init__(self, axis: int):
+        self.axis = axis
+        self.sums: dict[int, tuple[np.ndarray, int]] = {}
+
+    def observe(self, x: np.ndarray, index: int | None = None, block: int | None = None) -> None:
+        """Keep batch ``index``'s channel sums (the next batch by default)."""
+        index = len(self.sums) if index is None else index
+        if index < SEQUENTIAL_SAMPLES:
+            self.sums[index] = channel_means(np.asarray(x), self.axis)
+
+    def merge(self, other: BatchSums) -> None:
+        """Take another shard's batches."""
+        self.sums.update(other.sums)
+
+    def covers(self, batches: int) -> bool:
+        """Whether the first ``batches`` batches are all here."""
+        return all(i in self.sums for i in range(batches))
+
+    def first(self, batches: int) -> list[tuple[np.ndarray, int]]:
+        """The sums of the first ``batches`` batches, in order."""
+        return [self.sums[i] for i in range(batches)]
+
+
+def taps(state: State) -> dict[str, list[BatchSums]]:
+    """Ask the calibrate pass for the float outputs the sequential correction compares with."""
+    state.output_sums = {}
+    if mode(state) != "sequential" or not _replayable(state) or state.options.load_ranges:
+        return {}
+    float_nodes = {n.name: n for n in state.quantizer.float_graph.nodes}
+    out: dict[str, list[BatchSums]] = {}
+    for _, _, _, node_name, kind in _jobs(state, _layers(state.quantizer), _float_layers(state)):
+        tensor = float_nodes[node_name].outputs[0].name
+        if tensor not in state.output_sums:
+            state.output_sums[tensor] = BatchSums(input_axis(kind))
+            out[tensor] = [state.output_sums[tensor]]
+    return out
 
 
 def _written(model: Any) -> dict[str, str]:

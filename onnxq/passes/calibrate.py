@@ -7,7 +7,7 @@ Leaves ``state.values``, ``state.dataset`` and
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from onnxq.calibrate.calibration import Calibrator
@@ -23,8 +23,9 @@ class Calibrate:
     """Stream the data through the float model and ask every rule's callback for values.
 
     ``channel_means``: a later pass's request for per-channel input means (tensor -> channel
-    axis), collected in the same stream; ``taps``: a later pass's observers of tensors
-    (tensor -> objects with ``observe(array)``), fed every batch of the same stream.
+    axis), collected in the same stream; ``taps``: later passes' requests for observers of
+    tensors (each: tensor -> objects with ``observe(array, index=, block=)`` and
+    ``merge(other)``), fed every batch of the same stream.
     """
 
     name = "calibrate"
@@ -32,7 +33,7 @@ class Calibrate:
     def __init__(
         self,
         channel_means: Callable[[State], dict[str, int]] | None = None,
-        taps: Callable[[State], dict[str, list[Any]]] | None = None,
+        taps: Sequence[Callable[[State], dict[str, list[Any]]]] = (),
     ):
         self.channel_means = channel_means
         self.taps = taps
@@ -68,8 +69,9 @@ class Calibrate:
         calibrator.reference_batches = CHECK_BATCHES if checked else 0
         if self.channel_means is not None:
             calibrator.channel_axes = self.channel_means(state)
-        if self.taps is not None:
-            calibrator.taps = dict(self.taps(state))
+        for request in self.taps:
+            for tensor, observers in request(state).items():
+                calibrator.taps.setdefault(tensor, []).extend(observers)
         if o.load_ranges is not None:
             calibrator.loaded_means = read_channel_means(o.load_ranges)
         state.values = calibrator.calibrate()

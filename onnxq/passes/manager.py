@@ -82,6 +82,9 @@ class State:
     rounding: dict[str, Any] = field(default_factory=dict)
     #: optimized rounding's layer input Hessians while calibration streams (node -> layer, obs)
     hessians: dict[str, Any] = field(default_factory=dict)
+    #: the sequential bias correction's float output sums per batch, gathered while calibration
+    #: streams (tensor -> onnxq.passes.bias_correction.BatchSums)
+    output_sums: dict[str, Any] = field(default_factory=dict)
     #: cross-layer equalization: "first → second" Conv -> activation, range spreads, absorbed
     equalization: dict[str, Any] = field(default_factory=dict)
     #: depthwise scaling: convolution -> its input, where the factors went, spreads, gain

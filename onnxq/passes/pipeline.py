@@ -7,6 +7,7 @@ model's kind (read by the load pass) are always listed and decide when they run.
 from __future__ import annotations
 
 from onnxq.options import QuantizeOptions
+from onnxq.passes import bias_correction, rounding
 from onnxq.passes.annotate import Annotate
 from onnxq.passes.bias_correction import BiasCorrection, requests
 from onnxq.passes.branches import Branches, BranchQuantizer
@@ -22,7 +23,7 @@ from onnxq.passes.lower import Lower
 from onnxq.passes.manager import Pass
 from onnxq.passes.materialize import Materialize
 from onnxq.passes.requantize import Requantize, ShareConcatScales
-from onnxq.passes.rounding import WeightRounding, taps
+from onnxq.passes.rounding import WeightRounding
 from onnxq.passes.save import Save
 from onnxq.passes.smoothquant import SmoothQuant
 from onnxq.passes.solve import Solve
@@ -43,7 +44,7 @@ def build(options: QuantizeOptions, quantize_branch: BranchQuantizer) -> list[Pa
         passes.append(SmoothQuant())
     if options.depthwise_scaling != "off" and options.load_ranges is None:
         passes.append(DepthwiseScaling())
-    passes += [Annotate(), Calibrate(requests, taps), Solve()]
+    passes += [Annotate(), Calibrate(requests, (rounding.taps, bias_correction.taps)), Solve()]
     if options.rounding != "nearest":
         passes.append(WeightRounding())
     if options.bias_correction != "none":
