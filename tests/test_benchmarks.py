@@ -61,3 +61,33 @@ def test_exposure_cost_times_openvino_on_the_same_tensors(tmp_path):
     labels = [r.strip().split("  ")[0] for r in rows[1:]]
     assert labels[-3:] == ["OpenVINO floor", "OpenVINO exposed", "OpenVINO reduced"]
     assert all("x the floor" in r for r in rows[-3:])
+
+
+def _whole_process(tmp_path, *variants):
+    data = np.load(ROOT / "onnxq" / "demo" / "digits.npz")
+    np.savez(tmp_path / "calib.npz", input=(data["calib"][:8] / 16.0).astype(np.float32))
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks.whole_process", "--model", str(DIGITS_CNN)]
+        + ["--data", str(tmp_path / "calib.npz"), "--rounds", "1", "--variants", *variants],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = [r.split("|")[1:-1] for r in done.stdout.strip().splitlines()[2:]]
+    return {cells[1].strip(): [c.strip() for c in cells] for cells in rows}
+
+
+def test_whole_process_times_each_variant_in_a_process_of_its_own(tmp_path):
+    rows = _whole_process(tmp_path, "onnxq", "onnxq-nearest", "ort")
+    assert set(rows) == {"onnxq", "onnxq-nearest", "ort"}
+    for cells in rows.values():
+        wall, peak = float(cells[2].split()[0]), float(cells[3].split()[0])
+        assert wall > 0 and peak > 50  # a whole Python process with numpy and onnxruntime
+        assert cells[4] == "–"  # no NNCF row to compare with
+
+
+def test_whole_process_compares_with_nncf(tmp_path):
+    pytest.importorskip("nncf", reason='pip install -e ".[bench]"')
+    rows = _whole_process(tmp_path, "onnxq", "nncf")
+    assert rows["nncf"][4] == "1.00×" and rows["onnxq"][4].endswith("×")

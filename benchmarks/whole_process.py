@@ -1,0 +1,166 @@
+"""Whole processes: onnxq's CLI against NNCF and onnxruntime on the same model and samples.
+
+    pip install -e ".[bench]"          # nncf
+    python -m benchmarks.whole_process [MODEL ...] [--rounds 3]
+    python -m benchmarks.whole_process --model m.onnx --data calib.npz [--kind transformer]
+
+Each variant is its own process, started the way a user starts it (imports included), the
+variants taking turns round after round; per variant the median wall time and peak RSS (the
+kernel's accounting of that child, ``os.wait4``), and the ratio of the medians to NNCF's:
+
+* ``onnxq``          ``onnxq quantize MODEL --data DATA -o OUT --quiet`` (the defaults);
+* ``onnxq-nearest``  the same with ``--rounding nearest --bias-correction fast`` (without the
+                     two algorithms that cost most: what they cost is the difference);
+* ``nncf``           ``nncf.quantize`` at its defaults on the same samples, one per batch;
+* ``ort``            ``onnxruntime.quantization.quantize_static`` at its defaults.
+
+Zoo models (``models/manifest.toml``) are quantized on their manifest's calibration samples,
+written once to an ``.npz`` in a scratch folder; ``--model``/``--data`` take your own.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+VARIANTS = ("onnxq", "onnxq-nearest", "nncf", "ort")
+
+_CHILD = """
+import sys
+import numpy as np, onnx
+variant, src, data, out, kind = sys.argv[1:6]
+with np.load(data) as z:
+    arrays = {k: z[k] for k in z.files}
+n = len(next(iter(arrays.values())))
+feeds = [{k: v[i : i + 1] for k, v in arrays.items()} for i in range(n)]
+if variant == "nncf":
+    import nncf
+    kw = {"subset_size": n}
+    if kind == "transformer":
+        kw["model_type"] = nncf.ModelType.TRANSFORMER
+    onnx.save(nncf.quantize(onnx.load(src), nncf.Dataset(feeds), **kw), out)
+else:
+    from onnxruntime.quantization import CalibrationDataReader, QuantFormat, quantize_static
+    class Reader(CalibrationDataReader):
+        def __init__(self):
+            self.it = iter(feeds)
+        def get_next(self):
+            return next(self.it, None)
+    quantize_static(src, out, Reader(), quant_format=QuantFormat.QDQ)
+"""
+
+
+def command(variant: str, model: Path, data: Path, out: Path, kind: str) -> list[str]:
+    """The command line of one variant."""
+    onnxq = [shutil.which("onnxq") or "onnxq", "quantize", str(model), "--data", str(data)]
+    if variant == "onnxq":
+        return [*onnxq, "-o", str(out), "--quiet"]
+    if variant == "onnxq-nearest":
+        fewer = ["--rounding", "nearest", "--bias-correction", "fast"]
+        return [*onnxq, "-o", str(out), "--quiet", *fewer]
+    return [sys.executable, "-c", _CHILD, variant, str(model), str(data), str(out), kind]
+
+
+def timed(cmd: list[str]) -> tuple[float, float, int]:
+    """(wall seconds, peak RSS in MiB, exit status) of one child process."""
+    with tempfile.TemporaryFile() as err:
+        start = time.perf_counter()
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err)
+        _, status, usage = os.wait4(proc.pid, 0)
+        wall = time.perf_counter() - start
+        proc.returncode = code = os.waitstatus_to_exitcode(status)
+        if code:
+            err.seek(0)
+            last = err.read().decode(errors="replace").strip().splitlines()[-1:]
+            print(f"  {' '.join(cmd[:4])}...: exit {code}: {last}", file=sys.stderr)
+    peak = usage.ru_maxrss / (2**20 if sys.platform == "darwin" else 2**10)
+    return wall, peak, code
+
+
+def zoo_case(name: str, scratch: Path) -> tuple[Path, Path, str]:
+    """A zoo model's file, its calibration samples as one .npz, and its kind.
+
+    Written by a process of its own: a child inherits its parent's peak RSS on Linux (it is
+    kept across ``fork`` and ``execve``), so the parent stays small for every figure to be the
+    child's.
+    """
+    subprocess.run(
+        [sys.executable, "-m", "benchmarks.whole_process", "--prepare", name, str(scratch)],
+        check=True,
+    )
+    kind = (scratch / f"{name}.kind").read_text()
+    return scratch / f"{name}.onnx", scratch / f"{name}.npz", kind
+
+
+def _prepare(name: str, scratch: Path) -> None:
+    from benchmarks.zoo import _setup
+
+    _, model, recipe, files = _setup(name)
+    feeds = recipe.calibration(model.calibration)
+    names = list(feeds[0])
+    np.savez(scratch / f"{name}.npz", **{k: np.concatenate([f[k] for f in feeds]) for k in names})
+    shutil.copy(files["model"], scratch / f"{name}.onnx")
+    (scratch / f"{name}.kind").write_text(model.kind)
+
+
+def bench(
+    label: str, model: Path, data: Path, kind: str, rounds: int, out: Path, variants: list[str]
+) -> None:
+    """Time every variant ``rounds`` times, taking turns, and print one row each."""
+    runs: dict[str, list[tuple[float, float, int]]] = {v: [] for v in variants}
+    for _ in range(rounds):
+        for v in variants:
+            runs[v].append(timed(command(v, model, data, out / f"{v}.onnx", kind)))
+    median = {
+        v: (statistics.median(r[0] for r in rs), statistics.median(r[1] for r in rs))
+        for v, rs in runs.items()
+        if all(r[2] == 0 for r in rs)
+    }
+    base = median.get("nncf")
+    for v in variants:
+        if v not in median:
+            print(f"| {label} | {v} | failed | | | |")
+            continue
+        wall, peak = median[v]
+        ratio = f"{wall / base[0]:.2f}× | {peak / base[1]:.2f}×" if base else "– | –"
+        print(f"| {label} | {v} | {wall:.2f} s | {peak:.0f} MiB | {ratio} |", flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the comparison; print a Markdown table."""
+    if argv is None and sys.argv[1:2] == ["--prepare"]:
+        _prepare(sys.argv[2], Path(sys.argv[3]))
+        return 0
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("models", nargs="*", help="zoo models")
+    ap.add_argument("--model", type=Path, help="your own model (with --data)")
+    ap.add_argument("--data", type=Path, help="its calibration samples: an .npz, axis 0")
+    ap.add_argument("--kind", default="cnn", help="cnn or transformer (NNCF's model_type)")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
+    args = ap.parse_args(argv)
+    if (args.model is None) != (args.data is None) or not (args.models or args.model):
+        ap.error("name zoo models, or give --model and --data")
+    print("| model | variant | wall (median) | peak RSS | wall × NNCF | peak × NNCF |")
+    print("|---|---|---|---|---|---|")
+    with tempfile.TemporaryDirectory() as tmp:
+        scratch = Path(tmp)
+        if args.model is not None:
+            case = (args.model, args.data, args.kind)
+            bench(args.model.stem, *case, args.rounds, scratch, args.variants)
+        for name in args.models:
+            bench(name, *zoo_case(name, scratch), args.rounds, scratch, args.variants)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
