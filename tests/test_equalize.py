@@ -272,3 +272,36 @@ def test_the_groups_a_tool_returns_to_float_are_named_as_in_the_callers_model():
     assert set(first.nodes) <= kept
     x = _data(8, 9)
     assert _close(run(model, x)[0], run(q, x)[0]) < 0.1
+
+
+def test_a_batchnormalization_between_the_layers_does_not_hide_the_chain():
+    # exporters that keep BatchNormalization write Conv → BatchNormalization → Relu → Conv;
+    # preprocessing folds it later, so equalization folds it first and finds the chain
+    r = rng(5)
+    c = 8
+    inits = {
+        "w1": (r.normal(size=(c, 3, 3, 3)) * np.logspace(-1.5, 1, c)[:, None, None, None]),
+        "b1": r.normal(size=c),
+        "gamma": r.uniform(0.5, 2.0, c),
+        "beta": r.normal(size=c),
+        "mean": r.normal(size=c) * 0.1,
+        "var": r.uniform(0.5, 2.0, c),
+        "w2": r.normal(size=(4, c, 1, 1)),
+    }
+    inits = {k: v.astype(np.float32) for k, v in inits.items()}
+    nodes = [
+        h.make_node("Conv", ["x", "w1", "b1"], ["y1"], name="c1", pads=[1, 1, 1, 1]),
+        h.make_node("BatchNormalization", ["y1", "gamma", "beta", "mean", "var"], ["n1"], "bn"),
+        h.make_node("Relu", ["n1"], ["a1"], name="relu"),
+        h.make_node("Conv", ["a1", "w2"], ["y2"], name="c2"),
+    ]
+    model = make_model(nodes, [("x", [None, 3, 12, 12])], [("y2", None)], inits)
+    calib = _data(16, 6)
+    state = _equalized(model, calib)
+    assert set(state.equalization) == {"c1 → c2"}
+    assert "BatchNormalization" not in [n.op_type for n in state.float_model.graph.node]
+    assert _close(run(model, calib)[0], run(state.float_model, calib)[0]) < 1e-5
+    assert model.graph.node[1].op_type == "BatchNormalization"  # the caller's model as it was
+    q, report = onnxq.quantize(model, calib, equalization="on", per_channel=False, progress=False)
+    assert report.algorithms["equalization"].startswith("1 Conv pairs equalized")
+    assert list(report.equalization) == ["c1 → c2"]

@@ -30,6 +30,7 @@ from onnxq.io.graph import tensor_array
 from onnxq.passes.defaults import runs
 from onnxq.passes.manager import PassResult, State
 from onnxq.passes.stream import float_batches
+from onnxq.prepare.preprocess import fold_batchnorm
 from onnxq.solve.equalize import (
     Layer,
     Link,
@@ -95,7 +96,9 @@ class Equalize:
             return PassResult(f"off ({state.options.equalization}, {why})")
         if state.data is None and state.dataset is None:
             return PassResult("off (no calibration data)")
-        model = state.float_model
+        # preprocessing folds BatchNormalization into the Conv before it later on: folded
+        # now, a Conv → BatchNormalization → Relu → Conv chain is found as one
+        model = state.float_model = fold_batchnorm(state.float_model)
         kept = state.options.kept_float(model)
         chains = _chains(model, kept, kept | state.options.named_nodes())
         if not chains:

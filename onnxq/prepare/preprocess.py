@@ -287,6 +287,27 @@ def _single_reader(graph: gs.Graph, node: gs.Node) -> gs.Node | None:
     return y.outputs[0]
 
 
+def fold_batchnorm(model: onnx.ModelProto) -> onnx.ModelProto:
+    """``model`` with each BatchNormalization after a Conv/ConvTranspose/Gemm folded into it.
+
+    For a float rewrite that must see the layers as preprocessing will leave them (cross-layer
+    equalization finds Conv → Relu → Conv chains; a BatchNormalization between hid them). A
+    model without such a pair is returned as it is.
+    """
+    producers = {o: n.op_type for n in model.graph.node for o in n.output}
+    folds = [
+        n
+        for n in model.graph.node
+        if n.op_type == "BatchNormalization"
+        and producers.get(n.input[0]) in ("Conv", "ConvTranspose", "Gemm")
+    ]
+    if not folds:
+        return model
+    graph = import_graph(model)
+    _fold_batchnorm(graph)
+    return export_model(graph, model)
+
+
 def _fold_batchnorm(graph: gs.Graph) -> None:
     """Conv/ConvTranspose/Gemm → BatchNormalization (inference form) becomes one node."""
     editor = GraphEditor(graph)
