@@ -190,13 +190,13 @@ class Requantizer:
         return changed
 
 
-#: QLinear ops whose int32 bias is stored at the scale of input 0 × the weight scale
-BIAS_INPUT = {"QLinearConv": 8, "QGemm": 6}
-
-
 def _new_bias(user: gs.Node, q: gs.Node, dq: gs.Node) -> np.ndarray | None:
-    """The bias of ``user`` re-expressed for input scale dq's instead of q's (None: no bias)."""
-    index = BIAS_INPUT.get(user.op)
+    """The bias of ``user`` re-expressed for input scale dq's instead of q's (None: no bias).
+
+    The int32 bias of a QLinear op (the op table's ``bias`` slot) is at input 0's scale × the
+    weight scale.
+    """
+    index = _bias_slot(user.op)
     if index is None or len(user.inputs) <= index or user.inputs[index].name == "":
         return None
     bias = constant_value(user.inputs[index])
@@ -206,6 +206,12 @@ def _new_bias(user: gs.Node, q: gs.Node, dq: gs.Node) -> np.ndarray | None:
     assert old is not None and new is not None
     ratio = np.float64(old.reshape(-1)[0]) / np.float64(new.reshape(-1)[0])
     return np.round(bias.astype(np.float64) * ratio)
+
+
+def _bias_slot(op: str) -> int | None:
+    """Where a QLinear op takes its int32 bias (the op table's entry), or None."""
+    qop = BY_QOP.get(op)
+    return qop.bias if qop is not None else None
 
 
 def _bias_rescalable(user: gs.Node, q_out: gs.Tensor, q: gs.Node, dq: gs.Node) -> bool:
@@ -236,7 +242,8 @@ def _rescale_bias(editor: GraphEditor, user: gs.Node, q: gs.Node, dq: gs.Node) -
     """QLinearConv/QGemm add the int32 bias at s_x·s_w: a new s_x needs a rescaled bias."""
     bias = _new_bias(user, q, dq)
     if bias is not None:
-        index = BIAS_INPUT[user.op]
+        index = _bias_slot(user.op)
+        assert index is not None
         rescaled = editor.constant(f"{user.inputs[index].name}_rescaled", bias.astype(np.int32))
         editor.set_input(user, index, rescaled)
 

@@ -25,27 +25,21 @@ import onnx
 
 from onnxq.calibrate.dataset import DatasetManager, feed_samples, shared_batch
 from onnxq.calibrate.streaming import outputs_bytes, run_checked
+from onnxq.core.optable import BY_QOP
 from onnxq.io.graph import tensor_array
 from onnxq.io.progress import progress
 from onnxq.io.session import make_session, output_types
 
 FLOAT_TYPES = {onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.DOUBLE}
 CLEAN_DB = 60.0
-#: where a quantized op takes its output scale and zero point
-OUTPUT_PARAMS = {
-    "QuantizeLinear": (1, 2),
-    "QLinearConv": (6, 7),
-    "QLinearMatMul": (6, 7),
-    "QGemm": (7, 8),
-    "QLinearAdd": (6, 7),
-    "QLinearMul": (6, 7),
-    "QLinearGlobalAveragePool": (3, 4),
-    "QLinearAveragePool": (3, 4),
-    "QLinearSigmoid": (3, 4),
-    "QLinearLeakyRelu": (3, 4),
-    "QLinearSoftmax": (3, 4),
-    "QLinearConcat": (0, 1),
-}
+
+
+def output_params(op: str) -> tuple[int, int] | None:
+    """Where a quantized op takes its output scale and zero point (the op table's entry)."""
+    if op == "QuantizeLinear":
+        return 1, 2
+    qop = BY_QOP.get(op)
+    return (qop.output, qop.output + 1) if qop is not None else None
 
 
 def short(name: str, width: int = 40) -> str:
@@ -262,7 +256,7 @@ def tensor_plan(
             plan[name] = (name, None, "")
     wanted = set(names)
     for node in quant_model.graph.node:
-        pos = OUTPUT_PARAMS.get(node.op_type)
+        pos = output_params(node.op_type)
         if pos is None or len(node.input) <= pos[0]:
             continue
         scale = node.input[pos[0]]
