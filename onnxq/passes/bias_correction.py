@@ -21,8 +21,6 @@ in steps of the layer's output scale), which the report lists.
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -183,9 +181,12 @@ def _sequential(
     float_nodes = {n.name: n for n in q.float_graph.nodes}
     # (bias name, its float value, quantized record or None, node name, kind)
     jobs: list[tuple[str, np.ndarray, Any, str, str]] = []
-    for bias_name, read, rec, node_name, kind in _jobs(state, layers, floats):
-        value = state.constants[bias_name] if bias_name in state.constants else read()
-        jobs.append((bias_name, np.asarray(value, np.float64).reshape(-1), rec, node_name, kind))
+    for bias_name, rec, node, kind in _jobs(state, layers, floats):
+        if bias_name in state.constants:
+            value = state.constants[bias_name]
+        else:  # a quantized layer's float bias, or a float layer's own
+            value = q.float_value(bias_name) if rec is not None else node.inputs[2].values
+        jobs.append((bias_name, np.asarray(value, np.float64).reshape(-1), rec, node.name, kind))
     if not jobs:
         return PassResult("nothing to correct")
     float_names = [float_nodes[j[3]].outputs[0].name for j in jobs]
@@ -269,20 +270,15 @@ def _sequential(
 
 def _jobs(
     state: State, layers: list[tuple[Any, Any, str, str, Any]], floats: list[Any]
-) -> list[tuple[str, Callable[[], Any], Any, str, str]]:
-    """(bias name, what reads its float value, quantized record or None, node name, kind).
+) -> list[tuple[str, Any, Any, str]]:
+    """(bias name, quantized record or None, float node, kind) of every layer to correct.
 
     The layers with a bias, then the float layers on int8 inputs; those of the float graph.
     """
-    q = state.quantizer
-    float_nodes = {n.name for n in q.float_graph.nodes}
-    out: list[tuple[str, Callable[[], Any], Any, str, str]] = []
-    for rec, b, kind, _, node in layers:
-        out.append((b.bias, functools.partial(q.float_value, b.bias), rec, node.name, kind))
-    for node, kind, _, bias, _ in floats:
-        read = functools.partial(getattr, node.inputs[2], "values")
-        out.append((bias, read, None, node.name, kind))
-    return [j for j in out if j[3] in float_nodes]
+    float_nodes = {n.name for n in state.quantizer.float_graph.nodes}
+    out = [(b.bias, rec, node, kind) for rec, b, kind, _, node in layers]
+    out += [(bias, None, node, kind) for node, kind, _, bias, _ in floats]
+    return [j for j in out if j[2].name in float_nodes]
 
 
 class BatchSums:
@@ -323,10 +319,9 @@ def taps(state: State) -> dict[str, list[BatchSums]]:
     state.output_sums = {}
     if mode(state) != "sequential" or not _replayable(state) or state.options.load_ranges:
         return {}
-    float_nodes = {n.name: n for n in state.quantizer.float_graph.nodes}
     out: dict[str, list[BatchSums]] = {}
-    for _, _, _, node_name, kind in _jobs(state, _layers(state.quantizer), _float_layers(state)):
-        tensor = float_nodes[node_name].outputs[0].name
+    for _, _, node, kind in _jobs(state, _layers(state.quantizer), _float_layers(state)):
+        tensor = node.outputs[0].name
         if tensor not in state.output_sums:
             state.output_sums[tensor] = BatchSums(input_axis(kind))
             out[tensor] = [state.output_sums[tensor]]
