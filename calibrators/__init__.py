@@ -24,7 +24,7 @@ from onnxq.calibrators.histogram import (
     PercentileCallback,
     PercentileObserver,
 )
-from onnxq.calibrators.minmax import MinMaxCallback, MinMaxObserver
+from onnxq.calibrators.minmax import ExtremaCallback, MinMaxCallback, MinMaxObserver
 from onnxq.calibrators.output_aware import OutputAwareCallback
 from onnxq.core.callbacks import CalibrationCallback, RangeTableCallback
 from onnxq.core.errors import ConfigError
@@ -43,6 +43,7 @@ __all__ = [
     "AverageMaxObserver",
     "EntropyCallback",
     "EntropyObserver",
+    "ExtremaCallback",
     "Histogram",
     "MSECallback",
     "MSEObserver",

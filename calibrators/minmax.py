@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
-from onnxq.core.callbacks import ObserverCallback
+from onnxq.core.callbacks import CalibrationInfo, ObserverCallback
+from onnxq.core.specs import QTensor
 
 
 class MinMaxObserver:
@@ -49,3 +52,33 @@ class MinMaxCallback(ObserverCallback):
     def make_observer(self) -> MinMaxObserver:
         """A fresh MinMax observer."""
         return MinMaxObserver()
+
+
+class _Extrema:
+    """A histogram observer read as MinMax: its exact extremes (they are never sampled)."""
+
+    def __init__(self, histogram: Any):
+        self.histogram = histogram
+
+    def compute(self, dtype: str = "uint8", symmetric: bool = False) -> tuple[float, float]:
+        """The extremes seen (0, 0 when nothing was observed)."""
+        h = self.histogram
+        if h.min > h.max:
+            return 0.0, 0.0
+        return float(h.min), float(h.max)
+
+
+class ExtremaCallback(ObserverCallback):
+    """MinMax ranges read from the observers of a histogram method, without a stream of its own.
+
+    Every histogram keeps the exact extremes of what it counted, so after one calibration
+    stream for ``base`` (MSE, say) the MinMax ranges of the same samples are known too: the
+    held-back choice (onnxq.passes.choose) weighs both.
+    """
+
+    def __init__(self, base: ObserverCallback):
+        self.observer_key = base.observer_key
+
+    def observed(self, info: CalibrationInfo, qt: QTensor) -> Any:
+        """The tensor's histogram, read as its extremes."""
+        return _Extrema(info.observer(qt.tensor))

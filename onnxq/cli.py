@@ -265,6 +265,17 @@ def _quantize_io(q: argparse.ArgumentParser) -> None:
         "every default runs)",
     )
     q.add_argument(
+        "--recipe",
+        default="auto",
+        metavar="NAME",
+        help="auto (default): with 32 or more calibration batches, hold back every 8th, fit "
+        "each candidate (ranges MSE or MinMax, optimized or nearest rounding, sequential, fast "
+        "or no bias correction) on the rest and write the one with the least output error on "
+        "the held-back batches, switching from auto's pick only when the gain is above their "
+        "noise; fixed: auto's picks, fitted on every batch; or pin one candidate by the name "
+        "the report gives it, e.g. minmax/nearest/fast (ranges/rounding/bias correction)",
+    )
+    q.add_argument(
         "--model-kind",
         default="auto",
         choices=list(KINDS),
@@ -654,6 +665,7 @@ def _quantize(args: argparse.Namespace) -> int:
             fallback=args.fallback,
             model_kind=args.model_kind,
             budget=args.budget,
+            recipe=args.recipe,
         ),
         cli=True,
     )

@@ -51,6 +51,11 @@ EQUALIZATIONS = ("auto", "on", "off")
 DEPTHWISE_SCALINGS = ("off", "on")
 #: how weights are rounded to their grid (onnxq.solve.rounding)
 ROUNDINGS = ("auto", "nearest", "optimized")
+#: ``recipe``: ``auto`` (chosen on held-back batches), ``fixed`` (auto's picks, every batch
+#: fitted on) or one candidate's name, RANGES/ROUNDING/BIAS (onnxq.passes.choose)
+RECIPES = ("auto", "fixed")
+RECIPE_ROUNDINGS = ("nearest", "optimized")
+RECIPE_BIASES = ("none", "fast", "layerwise", "sequential")
 #: what the accuracy-driven fallback and onnxq debug return a group to (onnxq.fallback)
 FALLBACKS = ("float", "int16")
 
@@ -77,6 +82,7 @@ _PARAMETERS: dict[str, tuple[str, ...] | None] = {
     "model-kind": KINDS,
     "fallback": FALLBACKS,
     "budget": (),
+    "recipe": None,
     "weight-bits": (),
     "bins": (),
     "percentile": (),
@@ -230,6 +236,12 @@ class Options:
     fallback: str | None = None
     #: seconds the whole call may take: default algorithms that would not fit are left out
     budget: float | None = None
+    #: ``auto`` (the default): with 32 or more calibration batches, every 8th is held back
+    #: and the candidates (ranges MSE or MinMax, rounding, bias correction) are each fitted on
+    #: the rest and scored on them; the report lists each with its score. ``fixed``: auto's
+    #: picks fitted on every batch. A name such as ``minmax/nearest/fast`` pins one candidate
+    #: (ranges/rounding/bias correction) and fits it on every batch
+    recipe: str = "auto"
 
 
 def option_names() -> tuple[str, ...]:
@@ -318,6 +330,9 @@ class QuantizeOptions:
     #: seconds the whole call may take: default algorithms that would not fit are left out
     #: (None: no limit, every default runs; onnxq.passes.budget)
     budget: float | None = None
+    #: "auto" (chosen on held-back batches: onnxq.passes.choose), "fixed", or the pinned
+    #: candidate's name (its method, rounding and bias correction are set from it)
+    recipe: str = "auto"
     #: choices onnxq made on its own (e.g. 7-bit weights), for the report
     notes: tuple[str, ...] = ()
     #: explicit choices this machine's runtime will not run exactly
@@ -436,6 +451,7 @@ def resolve(
             f"{spell('depthwise_scaling', cli, rest['depthwise_scaling'])} is unknown; choose "
             f"one of {', '.join(DEPTHWISE_SCALINGS)}"
         )
+    rest.update(pinned(rest.get("recipe", "auto"), cli))
     max_drop = rest.get("max_drop")
     if max_drop is not None and (
         isinstance(max_drop, bool) or not isinstance(max_drop, (int, float)) or not max_drop >= 0
@@ -473,6 +489,30 @@ def resolve(
         cli=cli,
         **rest,
     )
+
+
+def pinned(recipe: str, cli: bool) -> dict[str, str]:
+    """The options a recipe name sets: {} for ``auto`` and ``fixed``.
+
+    ``RANGES/ROUNDING/BIAS``, e.g. ``minmax/nearest/fast``: the calibration method, the
+    weight rounding and the bias correction of one candidate of the held-back choice.
+    """
+    if recipe in RECIPES:
+        return {}
+    parts = recipe.split("/") if isinstance(recipe, str) else []
+    if (
+        len(parts) != 3
+        or parts[0] not in METHODS
+        or parts[1] not in RECIPE_ROUNDINGS
+        or parts[2] not in RECIPE_BIASES
+    ):
+        raise ConfigError(
+            f"{spell('recipe', cli, recipe)} is unknown; give auto, fixed or "
+            f"RANGES/ROUNDING/BIAS with RANGES one of {', '.join(METHODS)}, ROUNDING one of "
+            f"{', '.join(RECIPE_ROUNDINGS)} and BIAS one of {', '.join(RECIPE_BIASES)} "
+            "(e.g. mse/optimized/sequential; the report lists the candidates it scored)"
+        )
+    return {"method": parts[0], "rounding": parts[1], "bias_correction": parts[2]}
 
 
 def fallback_for(

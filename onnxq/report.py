@@ -74,6 +74,10 @@ class QuantizeReport:
     fallback: dict[str, Any] = field(default_factory=dict)
     #: the time budget (budget set): the float pass timed, each estimate, what was left out
     budget: dict[str, Any] = field(default_factory=dict)
+    #: the recipe chosen on held-back batches: every candidate with its output SQNR on them,
+    #: its difference from auto's pick and that difference's noise (dB), its seconds; the
+    #: choice and why; or {"skipped": why not}
+    choice: dict[str, Any] = field(default_factory=dict)
 
     @property
     def quantized_nodes(self) -> list[str]:
@@ -110,6 +114,8 @@ class QuantizeReport:
             + (f"{self.model_kind} model: {', '.join(ran)}" if ran else "no extra algorithm ran")
             + f"; {total:.1f} s in all"
         )
+        if self.choice.get("chosen"):
+            lines.append(choice_line(self.choice))
         if self.latency:
             ratio = self.latency["ratio"]
             lines.append(
@@ -179,7 +185,30 @@ class QuantizeReport:
             "rounding": self.rounding,
             "fallback": self.fallback,
             "budget": self.budget,
+            "choice": self.choice,
         }
+
+
+def choice_line(choice: dict[str, Any]) -> str:
+    """One line for the summary: the recipe written, and what it was chosen over."""
+    rows = {r["recipe"]: r for r in choice["candidates"]}
+    chosen, auto = rows[choice["chosen"]], rows[choice["auto"]]
+    head = (
+        f"recipe: {choice['chosen']}, chosen on {choice['held_back_samples']} held-back "
+        f"samples ({len(rows)} candidates, {choice['seconds']:.1f} s): "
+    )
+    if chosen is auto:
+        best = max(rows.values(), key=lambda r: r["sqnr_db"])
+        if best is auto:
+            return head + f"auto's pick scored best ({auto['sqnr_db']:.1f} dB output SQNR)"
+        return head + (
+            f"auto's pick kept; the best, {best['recipe']}, was {best['vs_auto_db']:+.2f} dB, "
+            f"within the noise (±{best['noise_db']:.2f} dB)"
+        )
+    return head + (
+        f"{chosen['vs_auto_db']:+.2f} dB output SQNR over auto's {choice['auto']} "
+        f"(noise ±{chosen['noise_db']:.2f} dB)"
+    )
 
 
 def nonfinite_warnings(nonfinite: dict[str, int], shown_at_most: int = 4) -> list[str]:
@@ -230,6 +259,7 @@ def build_report(state: State) -> QuantizeReport:
         depthwise_scaling=dict(state.depthwise_scaling),
         rounding=dict(state.rounding),
         budget=dict(state.budget),
+        choice=dict(state.choice),
     )
     explain_constraints(report.decisions, sol)
     if not o.cli:

@@ -24,7 +24,8 @@ def _bytes(model) -> bytes:
 
 def test_a_generous_budget_keeps_every_default_and_changes_nothing():
     path, calib = _digits()
-    plain, _ = onnxq.quantize(path, calib, progress=False)
+    # a budget fixes the recipe (the held-back search is not budgeted): fixed here too
+    plain, _ = onnxq.quantize(path, calib, progress=False, recipe="fixed")
     q, report = onnxq.quantize(path, calib, progress=False, budget=1e6)
     assert _bytes(q) == _bytes(plain)
     assert report.budget["kept"] == ["bias-correction", "rounding"]
@@ -36,8 +37,9 @@ def test_a_generous_budget_keeps_every_default_and_changes_nothing():
 
 def test_a_tight_budget_leaves_the_costly_defaults_out_as_if_the_cheap_ones_were_asked():
     path, calib = _digits()
+    # a budget fixes the recipe (the held-back search is not budgeted): fixed here too
     cheap, _ = onnxq.quantize(
-        path, calib, progress=False, rounding="nearest", bias_correction="fast"
+        path, calib, progress=False, rounding="nearest", bias_correction="fast", recipe="fixed"
     )
     q, report = onnxq.quantize(path, calib, progress=False, budget=0.001)
     assert _bytes(q) == _bytes(cheap)

@@ -299,6 +299,26 @@ class Calibrator:
         start = time.perf_counter()
         records = self.quantizer.records_in_order()
         self._observe(records)
+        self._choose(records)
+        self.report.seconds = time.perf_counter() - start
+        return dict(self.values)
+
+    def recalibrate(self, callback: CalibrationCallback) -> dict[str, np.ndarray]:
+        """The values with ``callback`` as the default, from the statistics already gathered.
+
+        No data is read: ``callback`` shares the observers of the default's (its
+        ``observer_key``). The ranges and conflicts become the new values' (what
+        ``--save-ranges`` and the report show); calling it again with the first callback
+        gives the first values back.
+        """
+        self.default_callback = callback
+        self.values, self.ranges, self._fixed = {}, {}, set()
+        self.report.conflicts = []
+        self._choose(self.quantizer.records_in_order())
+        return dict(self.values)
+
+    def _choose(self, records: list[PatternRecord]) -> None:
+        """Every pattern's calibrate_pattern, in order, over the statistics gathered."""
         for rec in records:
             info = CalibrationInfo(self, rec)
             chosen = rec.pattern.calibrate_pattern(info)
@@ -314,8 +334,6 @@ class Calibrator:
                 "a calibration callback must return every scale and zero point "
                 "named in info.input_scale_zps and info.output_scale_zps"
             )
-        self.report.seconds = time.perf_counter() - start
-        return dict(self.values)
 
     def release(self) -> None:
         """Drop the onnxruntime sessions and the kept feeds.

@@ -219,6 +219,65 @@ class DatasetManager:
             self.warnings.append(message)
 
 
+class HeldBack(DatasetManager):
+    """``inner`` with every ``every``-th batch held back: the passes fit on the rest.
+
+    :meth:`batches` yields the batches the passes fit on; :meth:`held` the ones held back,
+    which no statistic, Hessian or correction sees, to judge the candidates on
+    (onnxq.passes.choose). The split is by position, the same on every read.
+    """
+
+    def __init__(self, inner: DatasetManager, every: int):
+        super().__init__(inner.inputs, None)
+        self.inner, self.every = inner, every
+        self.warnings = inner.warnings
+
+    def bind(self, inputs: list[InputSpec]) -> DatasetManager:
+        """Attach the model's inputs to the wrapped source as well."""
+        self.inner.bind(inputs)
+        return super().bind(inputs)
+
+    def _split(self, held: bool) -> Iterator[Feed]:
+        for i, feed in enumerate(self.inner.batches()):
+            if (i % self.every == self.every - 1) == held:
+                yield feed
+
+    def batches(self) -> Iterator[Feed]:
+        """The batches the passes fit on."""
+        return self._split(False)
+
+    def held(self) -> list[Feed]:
+        """The batches held back, read again from the source."""
+        return list(self._split(True))
+
+    def num_batches(self) -> int | None:
+        """Batches fitted on per pass."""
+        n = self.inner.num_batches()
+        return None if n is None else n - n // self.every
+
+    def most_samples(self) -> int | None:
+        """The samples of the source (held-back ones included: an upper bound)."""
+        return self.inner.most_samples()
+
+    def batch_size(self) -> int | None:
+        """Samples per batch, as the source's."""
+        return self.inner.batch_size()
+
+    @property
+    def replayable(self) -> bool:
+        """As the source."""
+        return self.inner.replayable
+
+    def reset(self) -> None:
+        """Start again from the first batch."""
+        super().reset()
+        self.inner.reset()
+
+    def describe(self) -> str:
+        """The source's name."""
+        return self.inner.describe()
+
+
 def names_mismatch(what: str, unknown: list[str], missing: list[str]) -> str:
     """``what`` holds arrays named ``unknown`` (no model input) and none for ``missing``."""
     parts = []

@@ -76,7 +76,7 @@ class ObserverCallback(CalibrationCallback):
 
         The bound is where every consumer saturates (:meth:`Calibrator.saturation_bound`).
         """
-        observer = info.observer(qt.tensor)
+        observer = self.observed(info, qt)
         bound = info.calibrator.saturation_bound(qt.tensor)
         if bound is None:
             return observer.compute(qt.dtype, qt.symmetric)
@@ -92,6 +92,10 @@ class ObserverCallback(CalibrationCallback):
             hi = bound[1]
         # clamped into the bound, even where the data lies wholly outside it
         return min(max(lo, bound[0]), bound[1]), max(min(hi, bound[1]), bound[0])
+
+    def observed(self, info: CalibrationInfo, qt: QTensor) -> Any:
+        """The observer whose ``compute`` gives ``qt``'s range (its tensor's, by default)."""
+        return info.observer(qt.tensor)
 
 
 class RangeTableCallback(ObserverCallback):

@@ -32,7 +32,8 @@ from onnxq.core.errors import CalibrationError
 from onnxq.core.qparams import QParams, dequantize, quantize
 from onnxq.io.session import make_session
 from onnxq.match.dfpattern import node_attr
-from onnxq.passes.defaults import picks
+from onnxq.passes.defaults import bias_mode as mode
+from onnxq.passes.defaults import choosing
 from onnxq.passes.manager import PassResult, State, release
 from onnxq.solve.bias_correction import (
     SEQUENTIAL_SAMPLES,
@@ -60,22 +61,6 @@ def _layers(q: Any) -> list[tuple[Any, Any, str, str, Any]]:
     return out
 
 
-def mode(state: State) -> str:
-    """``fast``, ``layerwise``, ``sequential`` or ``none`` for this model.
-
-    auto: sequential for CNNs (fast when the time budget leaves it out), none otherwise. On the
-    zoo's CNNs sequential raised EfficientNet-Lite1 from 91.80 to 94.53% top-1 agreement and
-    MobileNetV2 from 89.26 to 92.77%, and cut their KL divergence from fp32 2.8×; on the
-    transformers it changed nothing or lost (docs/ablation.md).
-    """
-    o = state.options
-    if o.bias_correction == "auto":
-        if not picks("bias-correction", state):
-            return "none"
-        return "fast" if "bias-correction" in state.over_budget else "sequential"
-    return o.bias_correction
-
-
 def active(state: State) -> bool:
     """Whether bias correction runs."""
     return mode(state) != "none"
@@ -83,6 +68,8 @@ def active(state: State) -> bool:
 
 def requests(state: State) -> dict[str, int]:
     """The inputs whose per-channel means the correction needs, with their channel axis."""
+    if choosing(state):  # the fast correction is a candidate: it needs the means
+        return {x: input_axis(kind) for _, _, kind, x, _ in _layers(state.quantizer)}
     if not active(state):
         return {}
     o = state.options

@@ -27,12 +27,11 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from onnxq.calibrate.dataset import model_inputs
-from onnxq.calibrate.sources import as_dataset
 from onnxq.io.session import make_session
 from onnxq.options import spell
 from onnxq.passes.defaults import DEFAULTS, picks
 from onnxq.passes.manager import PassResult, State
+from onnxq.passes.stream import open_dataset
 from onnxq.solve.bias_correction import SEQUENTIAL_SAMPLES
 
 #: float passes over the calibration data each algorithm costs (about the median ratio of its
@@ -63,12 +62,8 @@ PRIORITY = ("bias-correction", "equalization", "smoothquant", "rounding")
 
 def pass_seconds(state: State) -> tuple[float | None, str]:
     """One float pass over the calibration data, in seconds, and how it was found."""
-    o = state.options
     model = state.float_model
-    ds = state.dataset
-    if ds is None:
-        ds = as_dataset(state.data, model_inputs(model), o.batch_size, o.samples, o.preprocess)
-        state.dataset = ds
+    ds = open_dataset(state)
     if not ds.replayable:
         return None, "a one-shot data source cannot be read ahead to time it"
     n = ds.num_batches()

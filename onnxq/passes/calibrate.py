@@ -11,12 +11,11 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from onnxq.calibrate.calibration import Calibrator
-from onnxq.calibrate.dataset import model_inputs
 from onnxq.calibrate.ranges import read_channel_means, read_ranges
-from onnxq.calibrate.sources import as_dataset
 from onnxq.calibrators import method_callback
 from onnxq.core.callbacks import CalibrationCallback, RangeTableCallback
 from onnxq.passes.manager import CHECK_BATCHES, PassResult, State, release
+from onnxq.passes.stream import open_dataset
 
 
 class Calibrate:
@@ -51,13 +50,8 @@ class Calibrate:
             node_callbacks = {
                 n: method_callback(m, o.percentile, o.bins) for n, m in q.node_methods.items()
             }
-        inputs = model_inputs(q.float_model)
-        if state.dataset is None:  # SmoothQuant may have opened it already
-            state.dataset = (
-                None
-                if o.load_ranges is not None and state.data is None
-                else as_dataset(state.data, inputs, o.batch_size, o.samples, o.preprocess)
-            )
+        if not (o.load_ranges is not None and state.data is None):
+            open_dataset(state)  # an earlier pass may have opened it already
         calibrator = Calibrator(q, state.dataset, cb, o.progress, node_callbacks)
         calibrator.workers, calibrator.threads = o.workers, o.threads
         if o.ray is not None and o.load_ranges is None:

@@ -102,6 +102,9 @@ class State:
     over_budget: dict[str, str] = field(default_factory=dict)
     budget: dict[str, Any] = field(default_factory=dict)
     solution: Any = None
+    #: the recipe chosen on held-back batches (onnxq.passes.choose): every candidate with its
+    #: score, the one chosen and why; or {"skipped": why not}
+    choice: dict[str, Any] = field(default_factory=dict)
     #: the model being produced; empty until materialized
     model: onnx.ModelProto = field(default_factory=onnx.ModelProto)
     requantize_stats: Any = None
@@ -146,7 +149,10 @@ def release(state: State) -> None:
 def run_passes(state: State, passes: Sequence[Pass]) -> State:
     """Run ``passes`` in order over ``state``; each leaves a PassRecord in ``state.records``."""
     for p in passes:
-        start = time.perf_counter()
+        start, before = time.perf_counter(), len(state.records)
         result = p.run(state)
-        state.records.append(PassRecord(p.name, time.perf_counter() - start, result.changed))
+        # a pass that runs others (onnxq.passes.choose) records them: its own time is the rest
+        nested = sum(r.seconds for r in state.records[before:])
+        seconds = time.perf_counter() - start - nested
+        state.records.append(PassRecord(p.name, seconds, result.changed))
     return state

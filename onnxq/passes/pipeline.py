@@ -14,6 +14,7 @@ from onnxq.passes.branches import Branches, BranchQuantizer
 from onnxq.passes.budget import Budget
 from onnxq.passes.calibrate import Calibrate
 from onnxq.passes.check import Check
+from onnxq.passes.choose import Choose
 from onnxq.passes.depthwise_scaling import DepthwiseScaling
 from onnxq.passes.equalize import Equalize
 from onnxq.passes.float_outputs import FloatOutputs
@@ -44,11 +45,8 @@ def build(options: QuantizeOptions, quantize_branch: BranchQuantizer) -> list[Pa
         passes.append(SmoothQuant())
     if options.depthwise_scaling != "off" and options.load_ranges is None:
         passes.append(DepthwiseScaling())
-    passes += [Annotate(), Calibrate(requests, (rounding.taps, bias_correction.taps)), Solve()]
-    if options.rounding != "nearest":
-        passes.append(WeightRounding())
-    if options.bias_correction != "none":
-        passes.append(BiasCorrection())
+    passes += [Annotate(), Calibrate(requests, (rounding.taps, bias_correction.taps))]
+    passes.append(Choose(Solve(), WeightRounding(), BiasCorrection()))
     passes += [Materialize(), Requantize()]
     if "Concat" in options.target.shared_scale_ops and fmt.from_requantized:
         passes.append(ShareConcatScales())

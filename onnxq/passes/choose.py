@@ -1,0 +1,256 @@
+"""Choose: the recipe whose int8 outputs are closest to fp32 on batches it was not fitted on.
+
+With ``recipe`` auto and 32 or more calibration batches, the data is opened split
+(onnxq.passes.stream.open_dataset): every 8th batch is held back, and every statistic, Hessian
+and bias correction is fitted on the others. This pass then fits the candidates on those and
+scores each on the held-back batches (onnxq.simulate.heldback: output SQNR of the emulation,
+per batch). Auto's pick is fitted first; then three stages each add the candidates of one
+axis, on the best so far:
+
+1. **ranges**: the calibration method's (MSE by default) and MinMax, read from the same
+   histograms (no second stream), each with the bias correction of stage 3's cheapest
+   candidate;
+2. **rounding**: optimized (where auto picks it: the Hessians were gathered) and nearest;
+3. **bias correction**: auto's pick (sequential for CNNs) and the others that need no
+   further stream (fast, none).
+
+The candidate with the best mean SQNR over the held-back batches is written if it is above
+auto's pick by more than their noise (twice the standard error of the paired per-batch
+difference); otherwise auto's pick is. So the choice never scores below any candidate by
+more than the noise, and leaves auto's pick only on evidence.
+An option the caller set (``--rounding``, ``--bias-correction``, a ``--method`` other than
+the default) is not searched. The optimized rounding is computed once and shared by every
+candidate that uses it (the weight grids do not depend on the activation ranges), and so is
+the sequential correction's float stream.
+
+Needs the calibrated ``state.values`` and the three passes it runs for every candidate
+(handed in by the pipeline). Leaves what those passes leave for the candidate chosen, the
+options it was fitted with, and ``state.choice`` (every candidate with its score and time,
+the choice and why) for the report. Without a split it runs the three passes as they are.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from dataclasses import dataclass, replace
+from typing import Any
+
+import numpy as np
+
+from onnxq.calibrate.dataset import feed_samples
+from onnxq.calibrators import DEFAULT_METHOD, ExtremaCallback
+from onnxq.core.callbacks import ObserverCallback
+from onnxq.passes.defaults import bias_mode, choosing, runs
+from onnxq.passes.manager import Pass, PassRecord, PassResult, State
+from onnxq.simulate.emulate import emulate
+from onnxq.simulate.heldback import beats, gain, references, sqnr
+
+#: methods whose observers are histograms with exact extremes (MinMax is read from them)
+HISTOGRAM_METHODS = ("mse", "percentile", "entropy")
+
+
+@dataclass
+class Candidate:
+    """One recipe, fitted and scored."""
+
+    ranges: str
+    rounding: str
+    bias: str
+    stage: str
+    state: State
+    #: output SQNR (dB) per held-back batch
+    scores: np.ndarray
+    seconds: float
+
+    @property
+    def name(self) -> str:
+        """``RANGES/ROUNDING/BIAS``, the name ``--recipe`` takes."""
+        return f"{self.ranges}/{self.rounding}/{self.bias}"
+
+    @property
+    def mean(self) -> float:
+        """Mean SQNR over the held-back batches (dB)."""
+        return float(np.mean(self.scores))
+
+
+def run_timed(state: State, step: Pass) -> None:
+    """Run ``step`` over ``state`` and record it as the pass manager would."""
+    start = time.perf_counter()
+    result = step.run(state)
+    state.records.append(PassRecord(step.name, time.perf_counter() - start, result.changed))
+
+
+class Choose:
+    """Fit the candidates, score them on the held-back batches, keep the best."""
+
+    name = "choose"
+
+    def __init__(self, solve: Pass, rounding: Pass, bias: Pass):
+        self.solve, self.rounding, self.bias = solve, rounding, bias
+
+    def run(self, state: State) -> PassResult:
+        """Leave the chosen candidate's values and constants on ``state``."""
+        if not choosing(state):
+            o = state.options
+            run_timed(state, self.solve)
+            if o.rounding != "nearest":  # a pass asked off is not listed as run
+                run_timed(state, self.rounding)
+            if o.bias_correction != "none":
+                run_timed(state, self.bias)
+            why = state.choice.get("skipped")
+            return PassResult(f"off ({why})" if why else "off")
+        return _Search(self, state).run()
+
+
+class _Search:
+    """One choice: the candidates fitted so far and the shared work between them."""
+
+    def __init__(self, steps: Choose, state: State):
+        self.steps, self.state = steps, state
+        self.held = state.dataset.held()
+        self.refs = references(state.quantizer.float_model, self.held)
+        self.candidates: list[Candidate] = []
+        #: the optimized rounding, computed once: (rounded weights, per-layer report, record)
+        self.rounded: tuple[dict[str, Any], dict[str, Any], PassRecord] | None = None
+        self.ranges = self._ranges()
+
+    def _ranges(self) -> dict[str, dict[str, Any]]:
+        """Calibrated values per range candidate: the method's, and MinMax from its histograms."""
+        o, calibrator = self.state.options, self.state.calibrator
+        out = {o.method: dict(self.state.values)}
+        cb = calibrator.default_callback
+        if (
+            o.method == DEFAULT_METHOD
+            and o.method in HISTOGRAM_METHODS
+            and isinstance(cb, ObserverCallback)
+        ):
+            out["minmax"] = calibrator.recalibrate(ExtremaCallback(cb))
+            self.callbacks = {o.method: cb, "minmax": ExtremaCallback(cb)}
+        return out
+
+    def run(self) -> PassResult:
+        """Auto's pick, the three stages, then the choice."""
+        start = time.perf_counter()
+        state, o = self.state, self.state.options
+        auto_round = "optimized" if runs("rounding", state) else "nearest"
+        auto_bias = bias_mode(state)
+        roundings = [auto_round]
+        if o.rounding == "auto" and auto_round != "nearest":
+            roundings.append("nearest")
+        biases = [auto_bias]
+        if o.bias_correction == "auto":
+            biases += [b for b in ("fast", "none") if b != auto_bias]
+        # stages 1 and 2 fit with the cheapest bias correction of stage 3 that corrects
+        cheap = next((b for b in ("fast", "none") if b in biases), auto_bias)
+        ranges = list(self.ranges)
+        self.auto = (ranges[0], auto_round, auto_bias)
+        auto = self._fit("auto", *self.auto)
+        r = self._stage("ranges", [(x, auto_round, cheap) for x in ranges]).ranges
+        rounding = self._stage("rounding", [(r, x, cheap) for x in roundings]).rounding
+        self._stage("bias", [(r, rounding, b) for b in biases])
+        best = max(self.candidates, key=lambda c: c.mean)
+        chosen = best if beats(best.scores, auto.scores) else auto
+        self._adopt(chosen)
+        state.choice = self._report(chosen, auto, time.perf_counter() - start)
+        if chosen is auto:
+            return PassResult(
+                f"auto's {auto.name} kept: none of {len(self.candidates) - 1} other candidates "
+                f"better by more than the noise on {len(self.held)} held-back batches"
+            )
+        mean, noise = gain(chosen.scores, auto.scores)
+        return PassResult(
+            f"{chosen.name} over auto's {auto.name}: {mean:+.2f} dB output SQNR (noise "
+            f"±{noise:.2f}) on {len(self.held)} held-back batches"
+        )
+
+    def _stage(self, stage: str, recipes: list[tuple[str, str, str]]) -> Candidate:
+        """Fit and score ``recipes`` (those not fitted yet); the one with the best mean."""
+        scored = [self._find(*x) or self._fit(stage, *x) for x in recipes]
+        return max(scored, key=lambda c: c.mean)
+
+    def _find(self, ranges: str, rounding: str, bias: str) -> Candidate | None:
+        key = (ranges, rounding, bias)
+        return next((c for c in self.candidates if (c.ranges, c.rounding, c.bias) == key), None)
+
+    def _fit(self, stage: str, ranges: str, rounding: str, bias: str) -> Candidate:
+        """One candidate fitted on the batches not held back, and scored on the held-back ones."""
+        start = time.perf_counter()
+        base = self.state
+        s = copy.copy(base)
+        # an axis on auto's pick keeps the caller's setting (auto, and its reasons, stay)
+        o, picked = base.options, (ranges, rounding, bias)
+        setting: dict[str, Any] = {
+            field: value
+            for field, value, auto in zip(
+                ("method", "rounding", "bias_correction"), picked, self.auto, strict=True
+            )
+            if value != auto
+        }
+        s.options = replace(o, recipe="/".join(picked), **setting)
+        s.values, s.constants = dict(self.ranges[ranges]), dict(base.constants)
+        s.rounding, s.bias_corrections, s.records = {}, {}, []
+        run_timed(s, self.steps.solve)
+        if s.options.rounding == "nearest":
+            pass  # as in a fixed recipe, a step set off is not listed
+        elif rounding == "nearest":
+            run_timed(s, self.steps.rounding)  # auto's pick: it says why it is off
+        elif self.rounded is not None:
+            weights, layers, record = self.rounded
+            s.constants.update(weights)
+            s.rounding = dict(layers)
+            s.records.append(record)
+        else:
+            before = dict(s.constants)
+            run_timed(s, self.steps.rounding)
+            new = {k: v for k, v in s.constants.items() if before.get(k) is not v}
+            self.rounded = (new, dict(s.rounding), s.records[-1])
+        if s.options.bias_correction != "none":
+            run_timed(s, self.steps.bias)
+        scores = sqnr(emulate(s, float_branches=False), self.held, self.refs)
+        c = Candidate(ranges, rounding, bias, stage, s, scores, time.perf_counter() - start)
+        self.candidates.append(c)
+        return c
+
+    def _adopt(self, chosen: Candidate) -> None:
+        """Leave the chosen candidate's results on the pipeline's state."""
+        state, s = self.state, chosen.state
+        for name in ("values", "solution", "constants", "rounding", "bias_corrections"):
+            setattr(state, name, getattr(s, name))
+        state.hessians, state.output_sums = {}, {}
+        state.options = s.options
+        state.records.extend(s.records)
+        if len(self.ranges) > 1:  # the calibrator's ranges and conflicts as chosen
+            state.calibrator.recalibrate(self.callbacks[chosen.ranges])
+
+    def _report(self, chosen: Candidate, auto: Candidate, seconds: float) -> dict[str, Any]:
+        """What the report lists: every candidate against auto's pick, and the choice."""
+        rows = []
+        for c in self.candidates:
+            mean, noise = gain(c.scores, auto.scores)
+            rows.append(
+                {
+                    "recipe": c.name,
+                    "stage": c.stage,
+                    "sqnr_db": round(c.mean, 3),
+                    "vs_auto_db": round(mean, 3),
+                    "noise_db": round(noise, 3),
+                    "seconds": round(c.seconds, 3),
+                }
+            )
+        held = self.held
+        samples = sum(feed_samples(f) for f in held)
+        why = (
+            "auto's pick: no candidate above it by more than the noise"
+            if chosen is auto
+            else "above auto's pick by more than the noise"
+        )
+        return {
+            "chosen": chosen.name,
+            "auto": auto.name,
+            "why": why,
+            "held_back_batches": len(held),
+            "held_back_samples": samples,
+            "seconds": round(seconds, 3),
+            "candidates": rows,
+        }

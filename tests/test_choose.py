@@ -1,0 +1,182 @@
+"""The recipe chosen on held-back calibration batches (onnxq.passes.choose)."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+from helpers import make_model, rng, run
+from onnx import helper as h
+
+import onnxq
+from onnxq.calibrate.dataset import ArrayDataset, HeldBack
+from onnxq.calibrate.sources import as_dataset
+from onnxq.core.errors import ConfigError
+from onnxq.passes import choose as choose_module
+from onnxq.simulate.heldback import beats, gain
+
+
+def _cnn(samples: int = 64):
+    """Conv → Relu → Conv → Relu → GlobalAveragePool → Gemm, on inputs with a few outliers."""
+    r = rng(11)
+    nodes = [
+        h.make_node("Conv", ["x", "W1", "B1"], ["y1"], "c1", pads=[1, 1, 1, 1]),
+        h.make_node("Relu", ["y1"], ["r1"], "relu1"),
+        h.make_node("Conv", ["r1", "W2", "B2"], ["y2"], "c2", pads=[1, 1, 1, 1]),
+        h.make_node("Relu", ["y2"], ["r2"], "relu2"),
+        h.make_node("GlobalAveragePool", ["r2"], ["p"], "pool"),
+        h.make_node("Flatten", ["p"], ["f"], "flat"),
+        h.make_node("Gemm", ["f", "W3", "B3"], ["logits"], "fc", transB=1),
+    ]
+    inits = {
+        "W1": r.normal(0, 0.3, (8, 3, 3, 3)).astype(np.float32),
+        "B1": r.normal(0, 0.1, 8).astype(np.float32),
+        "W2": r.normal(0, 0.2, (8, 8, 3, 3)).astype(np.float32),
+        "B2": r.normal(0, 0.1, 8).astype(np.float32),
+        "W3": r.normal(0, 0.3, (5, 8)).astype(np.float32),
+        "B3": r.normal(0, 0.1, 5).astype(np.float32),
+    }
+    model = make_model(nodes, [("x", ["N", 3, 12, 12])], [("logits", None)], inits)
+    x = r.normal(0, 1, (samples, 3, 12, 12)).astype(np.float32)
+    x[:, :, 0, 0] *= 4  # a corner of outliers: the MSE and MinMax ranges differ
+    return model, {"x": x}
+
+
+def test_every_eighth_batch_is_held_back_and_never_fitted_on():
+    data = {"x": np.arange(40, dtype=np.float32).reshape(40, 1)}
+    ds = HeldBack(as_dataset(data, None), 8)
+    fitted = [int(f["x"][0, 0]) for f in ds.batches()]
+    held = [int(f["x"][0, 0]) for f in ds.held()]
+    assert held == [7, 15, 23, 31, 39]
+    assert sorted(fitted + held) == list(range(40)) and not set(fitted) & set(held)
+    assert ds.num_batches() == 35 and len(fitted) == 35
+    ds.reset()
+    assert [int(f["x"][0, 0]) for f in ds.batches()] == fitted  # the same split on every read
+
+
+def test_the_default_chooses_on_held_back_batches_and_reports_every_candidate():
+    model, data = _cnn()
+    q, report = onnxq.quantize(model, data, progress=False)
+    choice = report.choice
+    assert choice["held_back_batches"] == 8 and choice["held_back_samples"] == 8
+    assert report.calibration.samples == 56  # the held-back samples are not calibrated on
+    names = [c["recipe"] for c in choice["candidates"]]
+    assert names[0] == choice["auto"] == "mse/optimized/sequential"
+    assert {"minmax/optimized/fast", "mse/nearest/fast", "mse/optimized/none"} <= set(names)
+    assert len(names) == len(set(names)) and choice["chosen"] in names
+    auto = choice["candidates"][0]
+    assert auto["vs_auto_db"] == 0.0 and all(c["seconds"] > 0 for c in choice["candidates"])
+    best = max(choice["candidates"], key=lambda c: c["sqnr_db"])
+    chosen = next(c for c in choice["candidates"] if c["recipe"] == choice["chosen"])
+    # the choice: the best candidate when it is above auto's pick by more than the noise
+    if best["vs_auto_db"] > best["noise_db"]:
+        assert chosen is best
+    else:
+        assert chosen is auto
+    assert "recipe: " in report.summary()
+    assert any(p.name == "choose" for p in report.passes)
+    assert isinstance(model, onnx.ModelProto)
+
+
+def test_the_score_is_what_onnxruntime_computes_from_the_written_model():
+    # the held-back score of the chosen candidate is the written QDQ model's own output SQNR
+    model, data = _cnn()
+    q, report = onnxq.quantize(model, data, progress=False, format="qdq")
+    held = {"x": data["x"][7::8]}
+    ref, got = run(model, held)[0], run(q, held)[0]
+    per_sample = [
+        -10 * np.log10(np.sum((g - r) ** 2) / np.sum(r**2)) for g, r in zip(got, ref, strict=True)
+    ]
+    chosen = next(c for c in report.choice["candidates"] if c["recipe"] == report.choice["chosen"])
+    assert abs(float(np.mean(per_sample)) - chosen["sqnr_db"]) < 0.5
+
+
+def test_fewer_than_32_batches_fit_on_all_and_say_why():
+    model, data = _cnn(24)
+    q, report = onnxq.quantize(model, data, progress=False)
+    assert "24 calibration batches" in report.choice["skipped"]
+    assert report.calibration.samples == 24
+    fixed, _ = onnxq.quantize(model, data, progress=False, recipe="fixed")
+    assert q.SerializeToString() == fixed.SerializeToString()
+
+
+def test_a_pinned_recipe_is_its_three_options_fitted_on_every_batch():
+    model, data = _cnn()
+    pinned, report = onnxq.quantize(model, data, progress=False, recipe="minmax/nearest/fast")
+    same, _ = onnxq.quantize(
+        model,
+        data,
+        progress=False,
+        method="minmax",
+        rounding="nearest",
+        bias_correction="fast",
+    )
+    assert pinned.SerializeToString() == same.SerializeToString()
+    assert report.calibration.samples == 64 and "pinned by" in report.choice["skipped"]
+
+
+def test_a_bad_recipe_names_the_option_and_the_choices(tmp_path):
+    model, data = _cnn()
+    with pytest.raises(ConfigError, match=r"recipe='mse/rounded/fast' is unknown.*nearest"):
+        onnxq.quantize(model, data, progress=False, recipe="mse/rounded/fast")
+    from onnxq.cli import main
+
+    src, npz = tmp_path / "m.onnx", tmp_path / "d.npz"
+    onnx.save(model, str(src))
+    np.savez(npz, **data)
+    code = main(["quantize", str(src), "--data", str(npz), "-o", str(tmp_path / "q.onnx"),
+                 "--recipe", "best"])  # fmt: skip
+    assert code == 2 and not (tmp_path / "q.onnx").exists()
+
+
+def test_minmax_read_from_the_histograms_equals_the_minmax_method():
+    # the MinMax candidate costs no stream of its own: its ranges are the MSE histograms'
+    # exact extremes, the same values the minmax method calibrates
+    model, data = _cnn()
+    kw = dict(progress=False, rounding="nearest", bias_correction="none")
+    a, ra = onnxq.quantize(model, data, recipe="minmax/nearest/none", **kw)
+    b, rb = onnxq.quantize(model, ArrayDataset(data), method="minmax", recipe="fixed", **kw)
+    assert a.SerializeToString() == b.SerializeToString()
+    _, searched = onnxq.quantize(model, data, **kw)
+    # the search saw the same MinMax ranges on 7/8 of the data, and chose or not on evidence
+    assert "minmax/nearest/none" in [c["recipe"] for c in searched.choice["candidates"]]
+
+
+def _fake_scores(monkeypatch, scores):
+    """Score each candidate by its recipe name, from ``scores``."""
+    monkeypatch.setattr(choose_module, "emulate", lambda s, **_: s)
+    monkeypatch.setattr(
+        choose_module, "sqnr", lambda s, held, refs: np.asarray(scores(s.options.recipe, held))
+    )
+
+
+def test_a_candidate_replaces_auto_only_above_the_noise(monkeypatch):
+    model, data = _cnn()
+    noise = rng(3).normal(0, 1, 8)
+
+    def clear(name, held):  # nearest rounding: 2 dB better on every held-back batch
+        return 20 + noise + (2.0 if "/nearest/" in name else 0.0)
+
+    _fake_scores(monkeypatch, clear)
+    _, report = onnxq.quantize(model, data, progress=False)
+    assert report.choice["chosen"] == "mse/nearest/fast"  # the best of those with nearest
+    assert report.choice["why"].startswith("above auto's pick")
+
+    def unclear(name, held):  # better on average, by less than the batches' spread shows
+        spread = rng(4).normal(0, 3, 8)
+        return 20 + noise + (0.5 + spread if "/nearest/" in name else 0.0)
+
+    _fake_scores(monkeypatch, unclear)
+    _, report = onnxq.quantize(model, data, progress=False)
+    assert report.choice["chosen"] == report.choice["auto"]
+    assert "within the noise" in report.summary()
+
+
+def test_gain_and_noise_are_the_paired_mean_and_twice_its_standard_error():
+    a = np.array([10.0, 11.0, 12.0, 13.0])
+    b = a - np.array([1.0, 2.0, 1.0, 2.0])
+    mean, noise = gain(a, b)
+    assert mean == pytest.approx(1.5)
+    assert noise == pytest.approx(2 * np.std([1, 2, 1, 2], ddof=1) / 2)
+    assert beats(a, b) and not beats(b, a)
+    assert not beats(a[:1], b[:1])  # one batch: nothing is above its noise
