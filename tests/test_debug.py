@@ -709,3 +709,46 @@ def test_loss_parts_without_a_float_input_or_an_int16_model():
     )
     assert parts.to_dict()["inputs"] is None and "-" in parts.line()
     assert parts.exact == 90.0  # the emulation with every switch on, as the metric scored it
+
+
+def test_the_noise_is_the_metric_apart_between_two_calibrations_on_the_halves():
+    import onnxq
+    from onnxq.fallback import output_cosine
+    from onnxq.tools.debug import calibration_noise
+
+    model, data = _deep_fragile_mlp()
+    feeds = [{"x": data["x"][i : i + 16]} for i in range(0, 256, 16)]
+    metric = output_cosine(model, feeds)
+    kw = {"progress": False}
+    even, _ = onnxq.quantize(model, feeds[0::2], **kw)
+    odd, _ = onnxq.quantize(model, feeds[1::2], **kw)
+    noise = calibration_noise(model, feeds, metric, kw)
+    assert noise == pytest.approx(abs(metric(even) - metric(odd)), abs=1e-12)
+    assert calibration_noise(model, feeds[:1], metric, kw) is None
+
+
+def test_a_loss_within_the_noise_is_nothing_to_fix(tmp_path, monkeypatch):
+    from onnxq.tools import debug as debug_module
+
+    model, data = _deep_fragile_mlp()
+    monkeypatch.setattr(debug_module, "calibration_noise", lambda *a: 1e9)
+    fix = tmp_path / "fix.toml"
+    result = debug_module.debug(model, data, output=fix, batch_size=16, budget=5)
+    assert result.loss > 0 and result.fixed is None and not fix.exists()
+    assert result.steps[1:] == []  # no bisection ran
+    assert "within the noise" in result.summary()
+
+
+def test_a_fix_slower_than_fp32_says_so(tmp_path, monkeypatch):
+    from onnxq.tools import debug as debug_module
+
+    model, data = _deep_fragile_mlp()
+    # every int8 model measured slower than fp32 (the float model has no QuantizeLinear)
+    def fake_ms(m, feeds):
+        return 5.0 if any(n.op_type == "QuantizeLinear" for n in m.graph.node) else 1.0
+
+    monkeypatch.setattr(debug_module, "latency_ms", fake_ms)
+    result = debug_module.debug(model, data, output=tmp_path / "fix.toml", batch_size=16)
+    assert result.chosen and result.fixed_ms == 5.0
+    line = next(x for x in result.summary().splitlines() if x.startswith("speed:"))
+    assert "slower than fp32's" in line and result.to_dict()["fp32_ms"] == 1.0

@@ -5,7 +5,10 @@ One command, five steps, each on the same samples:
 1. **Quantize** the model as ``onnxq quantize`` would for the target and measure the metric:
    the user's ``--eval module:function`` (called with a model file's path, higher is better),
    else the mean output cosine with fp32 on the calibration samples, in % (in-sample: prefer
-   ``--eval`` on held-out data).
+   ``--eval`` on held-out data). Where int8 loses, measure the metric's **noise**: its
+   difference between two quantizations calibrated on the two halves of the data
+   (:func:`calibration_noise`). A loss within it is "nothing to fix", and a fix must gain
+   more than it.
 2. **Rank** every quantized group (onnxq.simulate.sensitivity: each group alone quantized and alone
    left float on an emulation of this quantization, weights and activations apart).
    Before it, **where the loss sits** (onnxq.simulate.loss_parts): the metric of the float model
@@ -16,7 +19,8 @@ One command, five steps, each on the same samples:
    float (k doubles, then bisection: about 2·log2(:data:`MAX_GROUPS`) quantizations at most).
 4. **Write the fix** as a ``--config`` TOML (``keep_float`` per node, a comment with each
    group's measured share of the output noise), **apply it** with ``quantize --config`` and
-   measure again: the promised figure is the applied one.
+   measure again: the promised figure is the applied one. A fix whose model runs slower
+   than fp32 says so, with both latencies.
 5. **Cross-check** the target runtime against the fake-quantized model
    (onnxq.simulate.crosscheck). It runs before the bisection: a group whose output the target
    computes more than ``PART_STEPS`` int8 steps from the fake-quantized model on the same inputs
@@ -29,7 +33,8 @@ steps 2-4 return a group to int16 activations with its int8 weights instead of t
 (``activation_dtype = "int16"`` entries), unless its own noise is in its weights
 (onnxq.simulate.sensitivity.fix); the model then stays integer on that runtime.
 
-Time: three quantizations (the int8 model, the int16-activation one, the fix), at most
+Time: five quantizations (the int8 model, the two halves, the int16-activation one, the
+fix), at most
 2·log2(:data:`MAX_GROUPS`) more, and the ranking's budget (``budget`` seconds; it
 cuts its samples to stay within it).
 """
@@ -121,6 +126,11 @@ class DebugResult:
     parted: dict[str, float] = field(default_factory=dict)
     #: the metric with one part of the quantization on (None: int8 lost nothing)
     parts: LossParts | None = None
+    #: how far the metric moves between two quantizations calibrated on the two halves of
+    #: the data (None: one batch); a loss or a gain within it is not acted on
+    noise: float | None = None
+    #: fp32 latency per batch (1 thread, the steps' batches)
+    fp32_ms: float = 0.0
 
     def kind(self, group: GroupScore) -> str:
         """What ``group`` went back to: "float" or "int16"."""
@@ -164,7 +174,9 @@ class DebugResult:
         lines = [
             f"onnxq debug {self.model} (target {self.target}; {self.seconds:.0f} s)",
             f"metric: {self.metric}",
-            f"  fp32 {self.fp32:.4f}, int8 {self.int8:.4f} (loss {self.loss:.4f})",
+            f"  fp32 {self.fp32:.4f}, int8 {self.int8:.4f} (loss {self.loss:.4f}"
+            + (f"; noise {self.noise:.4f}" if self.noise is not None else "")
+            + ")",
             *(
                 f"  {'where the loss sits: ' if i == 0 else ''}{text}"
                 for i, text in enumerate(self.parts_lines())
@@ -177,6 +189,10 @@ class DebugResult:
             lines.append(
                 "nothing to fix: int8 loses nothing on this metric"
                 if self.loss <= 0
+                else f"nothing to fix: int8 loses {self.loss:.4f}, within the noise "
+                f"{self.noise:.4f} (the metric's spread between two quantizations calibrated "
+                "on the two halves of the data)"
+                if self.noise is not None and self.loss <= self.noise
                 else "no fix found (see the notes)"
             )
         else:
@@ -204,9 +220,21 @@ class DebugResult:
                 f"config: {self.config}",
                 f"apply:  {self.command}",
             ]
+            slower = self.fixed_ms > self.fp32_ms > 0
+            if slower:
+                lines.append(
+                    f"speed: the fix runs {self.fixed_ms:.3f} ms per batch, slower than fp32's "
+                    f"{self.fp32_ms:.3f} ms (1 thread): fp32 itself is faster and more accurate"
+                )
         lines += ["", self.check.summary()]
         lines.extend(f"note: {n}" for n in self.notes)
         return "\n".join(lines)
+
+    @property
+    def fixed_ms(self) -> float:
+        """Latency per batch of the bisection step the fix applies (0 without a fix)."""
+        k = len(self.chosen)
+        return next((st.ms for st in self.steps if st.groups == k), 0.0) if k else 0.0
 
     def parts_lines(self) -> list[str]:
         """Where the loss sits, and what that says (nothing when int8 lost nothing)."""
@@ -225,6 +253,9 @@ class DebugResult:
             "int8": self.int8,
             "loss": self.loss,
             "loss_parts": None if self.parts is None else self.parts.to_dict(),
+            "noise": self.noise,
+            "fp32_ms": round(self.fp32_ms, 3),
+            "fixed_ms": round(self.fixed_ms, 3),
             "recover": self.recover,
             "fixed": self.fixed,
             "recovered": self.recovered,
@@ -315,6 +346,7 @@ def debug(
         )
     fp32 = metric(source)
     int8 = metric(int8_model)
+    noise = calibration_noise(source, feeds, metric, kw) if fp32 > int8 else None
     emulation = emulate(state)
     parts = (
         loss_parts(
@@ -339,6 +371,7 @@ def debug(
     loss = fp32 - int8
     timing = check_feeds[:4]
     steps = [Step(0, int8, latency_ms(int8_model, timing))]
+    fp32_ms = latency_ms(source, timing)
     chosen: list[GroupScore] = []
     fixed = config_path = command = None
     int8_fixed = int8_nodes
@@ -349,12 +382,13 @@ def debug(
     def kind(g: GroupScore) -> str:
         return _kind(g, parted, mode)
 
-    if loss > 0:
+    if loss > 0 and (noise is None or loss > noise):
         # the groups where the runtimes part first (always float), then the ranking's best
         first = [g for g in ranking.groups if g.node in parted]
         candidates = first + [g for g in ranking.groups if g.score > 0 and g.node not in parted]
         candidates = candidates[: len(first) + MAX_GROUPS]
-        goal = int8 + recover * loss
+        # a gain within the noise is not one: the goal is above it (and below fp32's)
+        goal = int8 + max(recover * loss, noise or 0.0)
         measured: dict[int, float] = {0: int8}
 
         def quantized_with(k: int) -> float:
@@ -447,10 +481,27 @@ def debug(
         int16_fixed,
         {g.node: parted[g.node] for g in chosen if g.node in parted},
         parts,
+        noise,
+        fp32_ms,
     )
     if report is not None:
         write_text_atomic(report, _html(result, source, int8_model, int8_report, check_feeds))
     return result
+
+
+def calibration_noise(
+    source: onnx.ModelProto, feeds: list[dict[str, Any]], metric: Metric, kw: dict[str, Any]
+) -> float | None:
+    """How far ``metric`` moves between quantizations calibrated on the two halves of ``feeds``.
+
+    The same model, options and metric; only which samples calibrate differs (even and odd
+    batches). A loss or a recovery smaller than this is one the data cannot tell from which
+    samples happened to calibrate. None with a single batch.
+    """
+    if len(feeds) < 2:
+        return None
+    halves = [quantize_state(source, feeds[i::2], **kw).model for i in (0, 1)]
+    return abs(metric(halves[0]) - metric(halves[1]))
 
 
 def _html(
