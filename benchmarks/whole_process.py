@@ -9,6 +9,8 @@ variants taking turns round after round; per variant the median wall time and pe
 kernel's accounting of that child, ``os.wait4``), and the ratio of the medians to NNCF's:
 
 * ``onnxq``          ``onnxq quantize MODEL --data DATA -o OUT --quiet`` (the defaults);
+* ``onnxq-fixed``    the same with ``--recipe fixed`` (auto's picks on every batch, no
+                     held-back choice: what the choice costs is the difference);
 * ``onnxq-nearest``  the same with ``--rounding nearest --bias-correction fast`` (without the
                      two algorithms that cost most: what they cost is the difference);
 * ``nncf``           ``nncf.quantize`` at its defaults on the same samples, one per batch;
@@ -32,7 +34,7 @@ from pathlib import Path
 
 import numpy as np
 
-VARIANTS = ("onnxq", "onnxq-nearest", "nncf", "ort")
+VARIANTS = ("onnxq", "onnxq-fixed", "onnxq-nearest", "nncf", "ort")
 
 _CHILD = """
 import sys
@@ -64,6 +66,8 @@ def command(variant: str, model: Path, data: Path, out: Path, kind: str) -> list
     onnxq = [shutil.which("onnxq") or "onnxq", "quantize", str(model), "--data", str(data)]
     if variant == "onnxq":
         return [*onnxq, "-o", str(out), "--quiet"]
+    if variant == "onnxq-fixed":
+        return [*onnxq, "-o", str(out), "--quiet", "--recipe", "fixed"]
     if variant == "onnxq-nearest":
         fewer = ["--rounding", "nearest", "--bias-correction", "fast"]
         return [*onnxq, "-o", str(out), "--quiet", *fewer]

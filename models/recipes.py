@@ -123,6 +123,18 @@ def edit_distance(a: str, b: str) -> int:
     return prev[-1]
 
 
+def line_tensor(img: np.ndarray, height: int, width: int) -> np.ndarray:
+    """A line image as PaddleOCR feeds it: ``height`` tall, (x/255 − 0.5)/0.5, zero-padded."""
+    from PIL import Image
+
+    h, w = img.shape[:2]
+    new_w = min(width, math.ceil(height * w / h))
+    resized = np.asarray(Image.fromarray(img).resize((new_w, height), Image.BILINEAR))
+    x = np.zeros((3, height, width), np.float32)
+    x[:, :, :new_w] = (resized.astype(np.float32).transpose(2, 0, 1) / 255.0 - 0.5) / 0.5
+    return x
+
+
 class OcrLines:
     """CTC text recogniser (PaddleOCR rec): character error rate on rendered lines, in %."""
 
@@ -145,14 +157,7 @@ class OcrLines:
         self.chars = ["<blank>", *chars, " "]
 
     def _image(self, img: np.ndarray) -> np.ndarray:
-        from PIL import Image
-
-        h, w = img.shape[:2]
-        new_w = min(self.width, math.ceil(self.height * w / h))
-        resized = np.asarray(Image.fromarray(img).resize((new_w, self.height), Image.BILINEAR))
-        x = np.zeros((3, self.height, self.width), np.float32)
-        x[:, :, :new_w] = (resized.astype(np.float32).transpose(2, 0, 1) / 255.0 - 0.5) / 0.5
-        return x
+        return line_tensor(img, self.height, self.width)
 
     def _lines(self, seed: int, n: int) -> list[tuple[str, np.ndarray]]:
         rng = np.random.default_rng(seed)
@@ -194,6 +199,51 @@ class OcrLines:
                 errors += edit_distance(ref, hyp.strip())
                 total += len(ref)
         return 100.0 * errors / total
+
+
+class TextDirection:
+    """Text-line direction (PaddleOCR cls, 0° or 180°): accuracy (%) on rendered lines, half
+    of them turned upside down (the label is how the line was rendered)."""
+
+    metric, unit, higher_is_better = "accuracy", "%", True
+
+    def __init__(self, model_path: Path, files: dict[str, Path], options: dict[str, Any]):
+        self.height = int(options.get("height", 48))
+        self.width = int(options.get("width", 192))
+        self.batch = int(options.get("batch", 8))
+
+    def _lines(self, seed: int, n: int) -> list[tuple[int, np.ndarray]]:
+        rng = np.random.default_rng(seed)
+        out: list[tuple[int, np.ndarray]] = []
+        while len(out) < n:
+            img = render_line(_sentence(rng, 1, 3), rng)
+            if img.shape[1] * self.height / img.shape[0] > self.width:  # would be squeezed
+                continue
+            turned = len(out) % 2
+            out.append((turned, line_tensor(img[::-1, ::-1] if turned else img, self.height,
+                                            self.width)))  # fmt: skip
+        return out
+
+    def _batches(self, lines: list[tuple[int, np.ndarray]]) -> list[tuple[np.ndarray, Feeds]]:
+        return [
+            (
+                np.array([t for t, _ in lines[i : i + self.batch]]),
+                {"x": np.stack([x for _, x in lines[i : i + self.batch]])},
+            )
+            for i in range(0, len(lines), self.batch)
+        ]
+
+    def calibration(self, n: int) -> list[Feeds]:
+        """Rendered lines (seed 1), every other one turned, ``batch`` per feed."""
+        return [feeds for _, feeds in self._batches(self._lines(1, n))]
+
+    def evaluate(self, run: Runner, n: int) -> float:
+        """Accuracy (%) over ``n`` rendered lines (seed 2)."""
+        right = total = 0
+        for labels, feeds in self._batches(self._lines(2, n)):
+            right += int((run(feeds)[0].argmax(-1) == labels).sum())
+            total += len(labels)
+        return 100.0 * right / total
 
 
 class RotatedPages:
@@ -750,6 +800,7 @@ RECIPES: dict[str, type] = {
     "saliency": Saliency,
     "photo-classes": PhotoClasses,
     "ocr-lines": OcrLines,
+    "text-direction": TextDirection,
     "rotated-pages": RotatedPages,
     "classification": Classification,
     "file-types": FileTypes,

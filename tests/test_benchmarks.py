@@ -91,3 +91,27 @@ def test_whole_process_compares_with_nncf(tmp_path):
     pytest.importorskip("nncf", reason='pip install -e ".[bench]"')
     rows = _whole_process(tmp_path, "onnxq", "nncf")
     assert rows["nncf"][4] == "1.00×" and rows["onnxq"][4].endswith("×")
+
+
+def test_leave_family_out_picks_the_recipe_without_the_family_it_scores():
+    from benchmarks.leave_family_out import RECIPES, ranks, table
+
+    a, b = RECIPES[0], RECIPES[1]
+
+    def row(family, best, worst_for_a=False):
+        losses = {r: 1.0 for r in RECIPES}
+        losses[best] = 0.1
+        if worst_for_a:
+            losses[a] = 9.0
+        return {**losses, "fixed": 0.5, "auto": 0.2, "family": family}
+
+    rows = {
+        "m1": row("cnn", a),
+        "m2": row("cnn", a),
+        "t1": row("text", b, worst_for_a=True),
+    }
+    assert ranks(rows["m1"])[a] == 1 and ranks(rows["m1"])[b] == pytest.approx(4.0)
+    lines = table(rows).splitlines()
+    # without "cnn", only t1 chooses: b; without "text", the CNNs choose a (9.0 loss on t1)
+    assert f"| cnn | m1 | {b} | 1.000 |" in lines[2]
+    assert f"| text | t1 | {a} | 9.000 | 0.500 | 0.200 | {b} (0.100) |" in lines[4]

@@ -5,7 +5,8 @@ With ``recipe`` auto and 32 or more calibration batches, the data is opened spli
 and bias correction is fitted on the others. This pass then fits the candidates on those and
 scores each on the held-back batches (onnxq.simulate.heldback: output SQNR of the emulation,
 per batch). Auto's pick is fitted first; then three stages each add the candidates of one
-axis, on the best so far:
+axis, on the values the earlier stages kept (an axis leaves auto's value only for a candidate
+above it by more than the noise, below):
 
 1. **ranges**: the calibration method's (MSE by default) and MinMax, read from the same
    histograms (no second stream), each with the bias correction of stage 3's cheapest
@@ -165,9 +166,11 @@ class _Search:
         )
 
     def _stage(self, stage: str, recipes: list[tuple[str, str, str]]) -> Candidate:
-        """Fit and score ``recipes`` (those not fitted yet); the one with the best mean."""
+        """Fit and score ``recipes`` (those not fitted yet); the first (auto's value on this
+        axis) unless the best beats it by more than the noise."""
         scored = [self._find(*x) or self._fit(stage, *x) for x in recipes]
-        return max(scored, key=lambda c: c.mean)
+        best = max(scored, key=lambda c: c.mean)
+        return best if beats(best.scores, scored[0].scores) else scored[0]
 
     def _find(self, ranges: str, rounding: str, bias: str) -> Candidate | None:
         key = (ranges, rounding, bias)
