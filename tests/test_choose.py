@@ -180,3 +180,22 @@ def test_gain_and_noise_are_the_paired_mean_and_twice_its_standard_error():
     assert noise == pytest.approx(2 * np.std([1, 2, 1, 2], ddof=1) / 2)
     assert beats(a, b) and not beats(b, a)
     assert not beats(a[:1], b[:1])  # one batch: nothing is above its noise
+
+
+def test_the_check_after_quantizing_runs_on_the_held_back_batches(monkeypatch):
+    from onnxq.simulate import checks
+
+    seen = []
+    real = checks.accuracy_warnings
+
+    def spy(float_model, model, feeds, session, outputs, advice=None):
+        seen.append((feeds, outputs))
+        return real(float_model, model, feeds, session, outputs, advice)
+
+    monkeypatch.setattr(checks, "accuracy_warnings", spy)
+    model, data = _cnn()
+    onnxq.quantize(model, data, progress=False)
+    feeds, outputs = seen[-1]
+    held = data["x"][7::8][: len(feeds)]
+    assert len(feeds) == 4 and all(np.array_equal(f["x"][0], x) for f, x in zip(feeds, held))
+    assert np.allclose(outputs[0]["logits"], run(model, {"x": held[:1]})[0], atol=1e-5)

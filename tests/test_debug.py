@@ -743,6 +743,7 @@ def test_a_fix_slower_than_fp32_says_so(tmp_path, monkeypatch):
     from onnxq.tools import debug as debug_module
 
     model, data = _deep_fragile_mlp()
+
     # every int8 model measured slower than fp32 (the float model has no QuantizeLinear)
     def fake_ms(m, feeds):
         return 5.0 if any(n.op_type == "QuantizeLinear" for n in m.graph.node) else 1.0

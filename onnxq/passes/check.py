@@ -7,8 +7,10 @@ A FakeQuantize model (``--format openvino``) runs in OpenVINO where it is instal
 outputs are compared with the fake-quantized model's in onnxruntime as well (a conversion or
 kernel fault of OpenVINO's is warned about, not written in silence).
 
-Needs ``state.model``, ``state.session``, ``state.dataset`` and the calibrator's fp32
-reference outputs. Leaves ``state.check_warnings`` and ``state.latency``.
+Needs ``state.model``, ``state.session``, ``state.dataset`` and fp32 reference outputs: of
+the batches held back for the recipe choice (never fitted on) where there are some, else of
+the first calibration batches (the calibrator keeps them). Leaves ``state.check_warnings``
+and ``state.latency``.
 """
 
 from __future__ import annotations
@@ -40,7 +42,8 @@ class Check:
             return PassResult()
         if runtime == "openvino" and not openvino_available():
             return PassResult()  # checked structurally only (verify); pip install openvino
-        reference = state.calibrator.reference
+        # the batches held back for the recipe choice where there are some: never fitted on
+        reference = state.held_back[:CHECK_BATCHES] or state.calibrator.reference
         feeds = [feed for feed, _ in reference]
         if not reference:
             try:

@@ -111,6 +111,7 @@ class _Search:
         self.steps, self.state = steps, state
         self.held = state.dataset.held()
         self.refs = references(state.quantizer.float_model, self.held)
+        state.held_back = list(zip(self.held, self.refs, strict=True))
         self.candidates: list[Candidate] = []
         #: the optimized rounding, computed once: (rounded weights, per-layer report, record)
         self.rounded: tuple[dict[str, Any], dict[str, Any], PassRecord] | None = None
@@ -166,8 +167,11 @@ class _Search:
         )
 
     def _stage(self, stage: str, recipes: list[tuple[str, str, str]]) -> Candidate:
-        """Fit and score ``recipes`` (those not fitted yet); the first (auto's value on this
-        axis) unless the best beats it by more than the noise."""
+        """Fit and score ``recipes`` (those not fitted yet); keep the first.
+
+        The first holds auto's value on this axis; the best replaces it only when it scores
+        above it by more than the noise.
+        """
         scored = [self._find(*x) or self._fit(stage, *x) for x in recipes]
         best = max(scored, key=lambda c: c.mean)
         return best if beats(best.scores, scored[0].scores) else scored[0]

@@ -102,6 +102,9 @@ class State:
     over_budget: dict[str, str] = field(default_factory=dict)
     budget: dict[str, Any] = field(default_factory=dict)
     solution: Any = None
+    #: the held-back batches of the recipe choice with the float model's outputs on them
+    #: (feed, {output: array}); the check after quantizing runs on them
+    held_back: list[tuple[dict[str, Any], dict[str, Any]]] = field(default_factory=list)
     #: the recipe chosen on held-back batches (onnxq.passes.choose): every candidate with its
     #: score, the one chosen and why; or {"skipped": why not}
     choice: dict[str, Any] = field(default_factory=dict)

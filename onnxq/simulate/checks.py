@@ -197,7 +197,7 @@ def runtime_warnings(
         expected = made.get(name, value)
         where = (
             f"output '{name}' is {value:.1f} dB SQNR against fp32 in {runtime} on {len(feeds)} "
-            f"calibration batch(es)"
+            f"batch(es)"
         )
         if value < expected - RUNTIME_GAP_DB:
             warnings.append(

@@ -29,15 +29,20 @@ from onnxq.simulate.emulate import Emulation
 EXACT_DB = 120.0
 
 
-def references(model: onnx.ModelProto, held: Sequence[dict[str, Any]]) -> list[list[np.ndarray]]:
-    """The float outputs of ``model`` on each held-back batch."""
+def references(
+    model: onnx.ModelProto, held: Sequence[dict[str, Any]]
+) -> list[dict[str, np.ndarray]]:
+    """The float outputs of ``model`` on each held-back batch, by output name."""
     session = make_session(model)
     names = [o.name for o in session.get_outputs()]
-    return [[np.asarray(v) for v in session.run(names, feed)] for feed in held]
+    return [
+        dict(zip(names, (np.asarray(v) for v in session.run(names, feed)), strict=True))
+        for feed in held
+    ]
 
 
 def sqnr(
-    emulation: Emulation, held: Sequence[dict[str, Any]], refs: Sequence[Sequence[np.ndarray]]
+    emulation: Emulation, held: Sequence[dict[str, Any]], refs: Sequence[dict[str, np.ndarray]]
 ) -> np.ndarray:
     """Output SQNR (dB) of ``emulation`` (every switch on) against ``refs``, per held-back sample.
 
@@ -51,9 +56,9 @@ def sqnr(
     for feed, ref in zip(held, refs, strict=True):
         got = session.run(names, feed)
         pairs = [
-            (np.asarray(g, np.float64), np.asarray(r, np.float64))
-            for g, r in zip(got, ref, strict=True)
-            if np.issubdtype(np.asarray(r).dtype, np.floating) and np.asarray(r).size
+            (np.asarray(g, np.float64), np.asarray(ref[name], np.float64))
+            for name, g in zip(names, got, strict=True)
+            if np.issubdtype(ref[name].dtype, np.floating) and ref[name].size
         ]
         n = feed_samples(feed)
         # per sample where every output holds the batch on its first axis, else per batch
