@@ -69,6 +69,8 @@ PINNED = {
     "smoothquant": "off",
     "equalization": "off",
     "rounding": "nearest",
+    # the recipe chosen on held-back samples fits on 7/8 of them: fixed, every sample is fitted
+    "recipe": "fixed",
 }
 
 #: the worker each side runs: only ``onnxq.quantize`` of whichever onnxq is on its path
