@@ -304,7 +304,9 @@ def test_ray_on_a_local_cluster_it_starts_writes_the_one_process_model(tmp_path,
     ray = pytest.importorskip("ray", reason="Ray is not installed: pip install 'onnxq[ray]'")
     path, folder = _folder(tmp_path)
     outs = {}
-    for name, extra in (("one", ["--workers", "1"]), ("ray", ["--ray", "--workers", "2"])):
+    # --ray fits on every sample (no held-back recipe choice): so does --recipe fixed
+    one = ["--workers", "1", "--recipe", "fixed"]
+    for name, extra in (("one", one), ("ray", ["--ray", "--workers", "2"])):
         outs[name] = tmp_path / f"{name}.onnx"
         rc = main(
             [
@@ -339,7 +341,8 @@ def test_ray_tasks_open_a_shard_function_and_errors_are_clear(tmp_path, capsys):
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         tables = {}
-        for name, kw in (("one", {}), ("ray", {"ray": "", "workers": 2})):
+        # --ray fits on every sample (no held-back recipe choice): so does recipe="fixed"
+        for name, kw in (("one", {"recipe": "fixed"}), ("ray", {"ray": "", "workers": 2})):
             tables[name] = tmp_path / f"{name}.json"
             onnxq.quantize(
                 str(path),
