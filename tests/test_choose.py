@@ -199,3 +199,12 @@ def test_the_check_after_quantizing_runs_on_the_held_back_batches(monkeypatch):
     held = data["x"][7::8][: len(feeds)]
     assert len(feeds) == 4 and all(np.array_equal(f["x"][0], x) for f, x in zip(feeds, held))
     assert np.allclose(outputs[0]["logits"], run(model, {"x": held[:1]})[0], atol=1e-5)
+
+
+def test_a_loaded_range_table_with_data_fits_on_every_batch(tmp_path):
+    model, data = _cnn()
+    table = tmp_path / "ranges.json"
+    first, _ = onnxq.quantize(model, data, progress=False, recipe="fixed", save_ranges=table)
+    again, report = onnxq.quantize(model, data, progress=False, load_ranges=table)
+    # the table sets the ranges: no split, no candidates (MinMax from histograms never made)
+    assert "load_ranges given" in report.choice["skipped"] and again.graph.node

@@ -61,7 +61,9 @@ def _no_hold_back(o: QuantizeOptions, ds: DatasetManager) -> str:
         return f"pinned by {spell('recipe', o.cli, o.recipe)}"
     if o.method != DEFAULT_METHOD and o.rounding != "auto" and o.bias_correction != "auto":
         return "one candidate: the method, rounding and bias correction are all set"
-    for name in ("callback", "ray", "budget"):  # the search's time is not budgeted yet
+    # a callback or a loaded range table sets the ranges; Ray tasks read their own data; the
+    # search's time is not budgeted yet
+    for name in ("callback", "load_ranges", "ray", "budget"):
         if getattr(o, name) is not None:
             return f"{spell(name, o.cli)} given"
     if not ds.replayable:
