@@ -145,6 +145,8 @@ class QuantizeReport:
             f"{len(self.requantize.relus_removed)} Relus removed",
             f"model kind: {self.model_kind} ({self.model_kind_reason})",
         ]
+        if self.choice.get("skipped"):
+            lines.append(f"recipe: not chosen on held-back samples ({self.choice['skipped']})")
         lines += [f"  {name}: {text}" for name, text in self.algorithms.items()]
         lines.append("passes:")
         lines += [

@@ -95,6 +95,9 @@ def test_fewer_than_32_batches_fit_on_all_and_say_why():
     model, data = _cnn(24)
     q, report = onnxq.quantize(model, data, progress=False)
     assert "24 calibration batches" in report.choice["skipped"]
+    assert "recipe: not chosen on held-back samples (24 calibration batches" in report.summary(
+        verbose=True
+    )
     assert report.calibration.samples == 24
     fixed, _ = onnxq.quantize(model, data, progress=False, recipe="fixed")
     assert q.SerializeToString() == fixed.SerializeToString()
