@@ -54,20 +54,6 @@ class MinMaxCallback(ObserverCallback):
         return MinMaxObserver()
 
 
-class _Extrema:
-    """A histogram observer read as MinMax: its exact extremes (they are never sampled)."""
-
-    def __init__(self, histogram: Any):
-        self.histogram = histogram
-
-    def compute(self, dtype: str = "uint8", symmetric: bool = False) -> tuple[float, float]:
-        """The extremes seen (0, 0 when nothing was observed)."""
-        h = self.histogram
-        if h.min > h.max:
-            return 0.0, 0.0
-        return float(h.min), float(h.max)
-
-
 class ExtremaCallback(ObserverCallback):
     """MinMax ranges read from the observers of a histogram method, without a stream of its own.
 
@@ -79,6 +65,9 @@ class ExtremaCallback(ObserverCallback):
     def __init__(self, base: ObserverCallback):
         self.observer_key = base.observer_key
 
-    def observed(self, info: CalibrationInfo, qt: QTensor) -> Any:
-        """The tensor's histogram, read as its extremes."""
-        return _Extrema(info.observer(qt.tensor))
+    def observed(self, info: CalibrationInfo, qt: QTensor) -> MinMaxObserver:
+        """A MinMax observer holding the tensor's histogram's extremes (never sampled)."""
+        histogram: Any = info.observer(qt.tensor)
+        extrema = MinMaxObserver()
+        extrema.rmin, extrema.rmax = histogram.min, histogram.max
+        return extrema

@@ -4,7 +4,7 @@ With ``recipe`` auto and 32 or more calibration batches, the data is opened spli
 (onnxq.passes.stream.open_dataset): every 8th batch is held back, and every statistic, Hessian
 and bias correction is fitted on the others. This pass then fits the candidates on those and
 scores each on the held-back batches (onnxq.simulate.heldback: output SQNR of the emulation,
-per batch). Auto's pick is fitted first; then three stages each add the candidates of one
+per sample). Auto's pick is fitted first; then three stages each add the candidates of one
 axis, on the values the earlier stages kept (an axis leaves auto's value only for a candidate
 above it by more than the noise, below):
 
@@ -16,7 +16,7 @@ above it by more than the noise, below):
    further stream (fast, none).
 
 The candidate with the best mean SQNR over the held-back batches is written if it is above
-auto's pick by more than their noise (twice the standard error of the paired per-batch
+auto's pick by more than their noise (twice the standard error of the paired per-sample
 difference); otherwise auto's pick is. So the choice never scores below any candidate by
 more than the noise, and leaves auto's pick only on evidence.
 An option the caller set (``--rounding``, ``--bias-correction``, a ``--method`` other than
@@ -60,7 +60,7 @@ class Candidate:
     bias: str
     stage: str
     state: State
-    #: output SQNR (dB) per held-back batch
+    #: output SQNR (dB) per held-back sample
     scores: np.ndarray
     seconds: float
 
@@ -71,8 +71,12 @@ class Candidate:
 
     @property
     def mean(self) -> float:
-        """Mean SQNR over the held-back batches (dB)."""
+        """Mean SQNR over the held-back samples (dB)."""
         return float(np.mean(self.scores))
+
+
+#: an optimized rounding shared between candidates: (rounded weights, per-layer report, record)
+Rounded = tuple[dict[str, Any], dict[str, Any], PassRecord]
 
 
 def run_timed(state: State, step: Pass) -> None:
@@ -93,15 +97,35 @@ class Choose:
     def run(self, state: State) -> PassResult:
         """Leave the chosen candidate's values and constants on ``state``."""
         if not choosing(state):
-            o = state.options
-            run_timed(state, self.solve)
-            if o.rounding != "nearest":  # a pass asked off is not listed as run
-                run_timed(state, self.rounding)
-            if o.bias_correction != "none":
-                run_timed(state, self.bias)
+            self.fit(state)
             why = state.choice.get("skipped")
             return PassResult(f"off ({why})" if why else "off")
         return _Search(self, state).run()
+
+    def fit(self, state: State, rounded: Rounded | None = None) -> Rounded | None:
+        """Solve, round and correct ``state`` for its options; a step set off is not run.
+
+        ``rounded``: an optimized rounding already computed for another candidate (the
+        weight grids do not depend on the activation ranges), used instead of running it
+        again. Returns the optimized rounding this fit used, if any.
+        """
+        o = state.options
+        run_timed(state, self.solve)
+        if o.rounding != "nearest":  # a step set off is not listed as run
+            if rounded is not None and runs("rounding", state):
+                weights, layers, record = rounded
+                state.constants.update(weights)
+                state.rounding = dict(layers)
+                state.records.append(record)
+            else:
+                before = dict(state.constants)
+                run_timed(state, self.rounding)
+                if runs("rounding", state):
+                    new = {k: v for k, v in state.constants.items() if before.get(k) is not v}
+                    rounded = (new, dict(state.rounding), state.records[-1])
+        if o.bias_correction != "none":
+            run_timed(state, self.bias)
+        return rounded
 
 
 class _Search:
@@ -113,23 +137,20 @@ class _Search:
         self.refs = references(state.quantizer.float_model, self.held)
         state.held_back = list(zip(self.held, self.refs, strict=True))
         self.candidates: list[Candidate] = []
-        #: the optimized rounding, computed once: (rounded weights, per-layer report, record)
-        self.rounded: tuple[dict[str, Any], dict[str, Any], PassRecord] | None = None
-        self.ranges = self._ranges()
-
-    def _ranges(self) -> dict[str, dict[str, Any]]:
-        """Calibrated values per range candidate: the method's, and MinMax from its histograms."""
-        o, calibrator = self.state.options, self.state.calibrator
-        out = {o.method: dict(self.state.values)}
+        #: the optimized rounding, computed once
+        self.rounded: Rounded | None = None
+        #: the default callback of each range candidate: the method's, and MinMax read from
+        #: its histograms
+        o, calibrator = state.options, state.calibrator
         cb = calibrator.default_callback
-        if (
-            o.method == DEFAULT_METHOD
-            and o.method in HISTOGRAM_METHODS
-            and isinstance(cb, ObserverCallback)
-        ):
-            out["minmax"] = calibrator.recalibrate(ExtremaCallback(cb))
-            self.callbacks = {o.method: cb, "minmax": ExtremaCallback(cb)}
-        return out
+        self.callbacks = {o.method: cb}
+        histograms = o.method == DEFAULT_METHOD and o.method in HISTOGRAM_METHODS
+        if histograms and isinstance(cb, ObserverCallback):
+            self.callbacks["minmax"] = ExtremaCallback(cb)
+        #: calibrated values per range candidate
+        self.ranges = {o.method: dict(state.values)}
+        for name, callback in list(self.callbacks.items())[1:]:
+            self.ranges[name] = calibrator.recalibrate(callback)
 
     def run(self) -> PassResult:
         """Auto's pick, the three stages, then the choice."""
@@ -197,23 +218,7 @@ class _Search:
         s.options = replace(o, recipe="/".join(picked), **setting)
         s.values, s.constants = dict(self.ranges[ranges]), dict(base.constants)
         s.rounding, s.bias_corrections, s.records = {}, {}, []
-        run_timed(s, self.steps.solve)
-        if s.options.rounding == "nearest":
-            pass  # as in a fixed recipe, a step set off is not listed
-        elif rounding == "nearest":
-            run_timed(s, self.steps.rounding)  # auto's pick: it says why it is off
-        elif self.rounded is not None:
-            weights, layers, record = self.rounded
-            s.constants.update(weights)
-            s.rounding = dict(layers)
-            s.records.append(record)
-        else:
-            before = dict(s.constants)
-            run_timed(s, self.steps.rounding)
-            new = {k: v for k, v in s.constants.items() if before.get(k) is not v}
-            self.rounded = (new, dict(s.rounding), s.records[-1])
-        if s.options.bias_correction != "none":
-            run_timed(s, self.steps.bias)
+        self.rounded = self.steps.fit(s, self.rounded)
         scores = sqnr(emulate(s, float_branches=False), self.held, self.refs)
         c = Candidate(ranges, rounding, bias, stage, s, scores, time.perf_counter() - start)
         self.candidates.append(c)
@@ -227,7 +232,7 @@ class _Search:
         state.hessians, state.output_sums = {}, {}
         state.options = s.options
         state.records.extend(s.records)
-        if len(self.ranges) > 1:  # the calibrator's ranges and conflicts as chosen
+        if len(self.callbacks) > 1:  # the calibrator's ranges and conflicts as chosen
             state.calibrator.recalibrate(self.callbacks[chosen.ranges])
 
     def _report(self, chosen: Candidate, auto: Candidate, seconds: float) -> dict[str, Any]:

@@ -7,10 +7,10 @@ with each float output normalised by its own energy and the ratios averaged over
 so a sample counts the same whatever the scale of the model's outputs. (Per batch instead
 where some output does not hold the batch on its first axis.)
 
-Two candidates are compared sample by sample (the same samples): the mean of the per-batch
+Two candidates are compared sample by sample (the same samples): the mean of the per-sample
 differences against its **noise**, twice the standard error of that mean (``2·s/√n``, ``s`` the
 sample standard deviation of the differences). A difference within the noise is one the
-held-back batches cannot tell from chance at about 95%.
+held-back samples cannot tell from chance at about 95%.
 """
 
 from __future__ import annotations
