@@ -1,7 +1,7 @@
 """The scoreboard: every zoo model, fp32 against onnxq, onnxruntime.quantization and NNCF.
 
     pip install -e ".[bench]"          # nncf, matplotlib
-    python -m benchmarks.zoo [MODEL ...] [--runs 200] [--out docs]
+    python -m benchmarks.zoo [MODEL ...] [--runs 200] [--out docs] [--batch 1]
 
 For each model of ``models/manifest.toml`` (the same calibration samples, evaluation set and
 machine for every variant):
@@ -14,7 +14,8 @@ machine for every variant):
                  where lower (per-channel QDQ needs it), ``per_channel=True``;
 * ``nncf``       ``nncf.quantize`` at its defaults (``model_type=TRANSFORMER`` for transformers).
 
-Measured: the model's metric; latency in onnxruntime CPU at 1 and 2 threads, batch 1, median of
+Measured: the model's metric; latency in onnxruntime CPU at 1 and 2 threads, batch 1 (``--batch``
+N: N calibration samples in one batch, on models whose batch dimension is free), median of
 ``--runs`` runs after 20 warm-up runs, the variants interleaved run by run; file size; wall
 time and peak RSS of the quantization (each in its own process, so the figures do not mix).
 Writes ``docs/benchmark.md`` (the README shows it), ``docs/benchmark.json`` and
@@ -140,15 +141,19 @@ def _session(path: Path, threads: int) -> ort.InferenceSession:
     return ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
 
 
-def _batch1(path: Path, feed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """The feed cut to one sample on every input whose first dimension is symbolic."""
+def _batched(path: Path, feeds: list[dict[str, np.ndarray]], batch: int) -> dict[str, np.ndarray]:
+    """``batch`` samples of ``feeds`` in one feed on every input whose first dimension is
+    symbolic (the others: the first feed's value)."""
     out = {}
     for inp in onnx.load(str(path), load_external_data=False).graph.input:
-        if inp.name not in feed:
+        if inp.name not in feeds[0]:
             continue
         dims = inp.type.tensor_type.shape.dim
         dynamic = bool(dims) and (dims[0].dim_param or dims[0].dim_value == 0)
-        out[inp.name] = feed[inp.name][:1] if dynamic else feed[inp.name]
+        if dynamic:
+            out[inp.name] = np.concatenate([f[inp.name] for f in feeds])[:batch]
+        else:
+            out[inp.name] = feeds[0][inp.name]
     return out
 
 
@@ -169,7 +174,7 @@ def latency(
     return {k: float(np.median(v) * 1e3) for k, v in times.items()}
 
 
-def bench_model(name: str, runs: int, tmp: Path) -> dict[str, Any]:
+def bench_model(name: str, runs: int, tmp: Path, batch: int = 1) -> dict[str, Any]:
     from onnxq.tools.zoo import runner
 
     _, model, recipe, files = _setup(name)
@@ -198,7 +203,7 @@ def bench_model(name: str, runs: int, tmp: Path) -> dict[str, Any]:
         except Exception as exc:
             rows[variant]["error"] = f"does not run: {type(exc).__name__}"
             paths.pop(variant)
-    feed = _batch1(src, recipe.calibration(1)[0])
+    feed = _batched(src, recipe.calibration(batch), batch)
     for threads in (1, 2):
         for variant, ms in latency(paths, feed, threads, runs).items():
             rows[variant][f"ms_{threads}t"] = ms
@@ -216,13 +221,13 @@ def _fmt(row: dict[str, Any], key: str, spec: str) -> str:
     return format(row[key], spec) if key in row else "–"
 
 
-def markdown(results: list[dict[str, Any]], runs: int) -> str:
+def markdown(results: list[dict[str, Any]], runs: int, batch: int = 1) -> str:
     """The scoreboard as Markdown."""
     lines = [
         "# onnxq scoreboard",
         "",
         f"Machine: {platform.processor() or platform.machine()}, {mp.cpu_count()} cores, "
-        f"onnxruntime {ort.__version__}, Python {platform.python_version()}. Latency: batch 1, "
+        f"onnxruntime {ort.__version__}, Python {platform.python_version()}. Latency: batch {batch}, "
         f"median of {runs} runs after warm-up, variants interleaved; ratio = variant / fp32 at "
         "the same thread count (below 1: faster). Peak RSS: the whole quantization process.",
         "",
@@ -312,6 +317,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("models", nargs="*")
     parser.add_argument("--runs", type=int, default=200)
+    parser.add_argument("--batch", type=int, default=1, help="samples per latency run")
     parser.add_argument("--out", default=str(ROOT / "docs"))
     parser.add_argument(
         "--render", action="store_true", help="only rewrite the .md and .png from benchmark.json"
@@ -332,17 +338,17 @@ def main() -> int:
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         for name in names:
-            res = bench_model(name, args.runs, Path(tmp))
+            res = bench_model(name, args.runs, Path(tmp), args.batch)
             if res:
                 results.append(res)
                 rows = [
                     ln
-                    for ln in markdown([res], args.runs).splitlines()
+                    for ln in markdown([res], args.runs, args.batch).splitlines()
                     if ln.startswith(f"| {name} ")
                 ]
                 print("\n".join(rows), file=sys.stderr, flush=True)
     (out / "benchmark.json").write_text(json.dumps(results, indent=1))
-    text = markdown(results, args.runs)
+    text = markdown(results, args.runs, args.batch)
     (out / "benchmark.md").write_text(text)
     chart(results, out / "benchmark.png")
     print(text)

@@ -1,7 +1,7 @@
 """Train the zoo's small models with PyTorch and write them as ONNX built with onnx.helper.
 
     pip install torch==2.13.0 scikit-learn onnx
-    python -m models.train all          # or digits-mlp | digits-cnn | fashion-cnn
+    python -m models.train all          # or digits-mlp | digits-cnn | fashion-cnn | digits-gru-loop | fashion-lstm-scan
 
 The graphs are written node by node (no exporter), so the files are reproducible from the
 trained weights and use opset 13. Seeds are fixed; results vary only with the torch build.
@@ -241,6 +241,197 @@ def fashion_cnn() -> None:
     )
 
 
+# -------------------------------------------------------------------------------------------
+# recurrent classifiers reading an image row by row, their time inside a Loop or a Scan:
+# the forms converters give recurrent layers they do not map to ONNX's GRU/LSTM ops (tf2onnx
+# turns a while-loop into a Loop that gathers step i; a scan over a sequence becomes a Scan)
+
+
+class RowRNN(nn.Module):
+    """A GRU or LSTM over the 28 rows of a 28×28 image, then a linear layer on its last state."""
+
+    def __init__(self, cell: str, hidden: int) -> None:
+        super().__init__()
+        self.rnn = (nn.GRU if cell == "gru" else nn.LSTM)(28, hidden, batch_first=True)
+        self.fc = nn.Linear(hidden, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out, _ = self.rnn(x[:, 0])
+        return self.fc(out[:, -1])
+
+
+def _rnn_weights(net: RowRNN, gates: int) -> dict[str, np.ndarray]:
+    """The input and hidden weights as (in, gates·H) MatMul operands, the two biases summed
+    where the cell allows it (an LSTM's; a GRU's candidate gate keeps its hidden bias apart)."""
+    r = net.rnn
+    wi, wh = arr(r.weight_ih_l0).T.copy(), arr(r.weight_hh_l0).T.copy()
+    bi, bh = arr(r.bias_ih_l0), arr(r.bias_hh_l0)
+    out = {"rnn.Wi": wi, "rnn.Wh": wh, "fc.W": arr(net.fc.weight).T.copy(), "fc.B": arr(net.fc.bias)}
+    if gates == 4:
+        out["rnn.B"] = bi + bh
+    else:
+        out["rnn.Bi"], out["rnn.Bh"] = bi, bh
+    return out
+
+
+def _zeros_state(hidden: int, name: str) -> list[onnx.NodeProto]:
+    """Nodes making a (N, hidden) zero state from the image's batch size."""
+    return [
+        h.make_node("Shape", ["image"], [f"{name}_shape"], name=f"{name}/shape"),
+        h.make_node("Gather", [f"{name}_shape", "first"], [f"{name}_n"], axis=0, name=f"{name}/n"),
+        h.make_node("Concat", [f"{name}_n", "hidden"], [f"{name}_dims"], axis=0, name=f"{name}/dims"),
+        h.make_node(
+            "ConstantOfShape",
+            [f"{name}_dims"],
+            [name],
+            value=nh.from_array(np.zeros(1, np.float32)),
+            name=f"{name}/zeros",
+        ),
+    ]
+
+
+def _head(state: str) -> list[onnx.NodeProto]:
+    return [
+        h.make_node("MatMul", [state, "fc.W"], ["fc_mm"], name="fc/MatMul"),
+        h.make_node("Add", ["fc_mm", "fc.B"], ["logits"], name="fc/Add"),
+    ]
+
+
+def _train_rnn(cell: str, data: str, hidden: int, epochs: int) -> tuple[RowRNN, np.ndarray]:
+    xtr, ytr, xte, yte = datasets.digits() if data == "digits" else datasets.fashion()
+    torch.manual_seed(0)
+    net = RowRNN(cell, hidden)
+    fit(net, xtr, ytr, epochs=epochs, lr=2e-3, batch=64 if data == "digits" else 128)
+    print(f"  {data} {cell.upper()} test accuracy {accuracy(net, xte, yte):.4f}")
+    return net, xte[:16]
+
+
+def digits_gru_loop() -> None:
+    """GRU(128) on digits as a Loop: step i gathers row i of the image (a tf2onnx-style loop)."""
+    hidden = 128
+    net, sample = _train_rnn("gru", "digits", hidden, epochs=30)
+    inits = _rnn_weights(net, 3)
+    inits["hidden"] = np.array([hidden], np.int64)
+    inits["first"] = np.array([0], np.int64)
+    inits["steps"] = np.array(28, np.int64)
+    f = TensorProto.FLOAT
+    body_nodes = [
+        h.make_node("Gather", ["rows", "i"], ["x_t"], axis=1, name="gru/row"),
+        h.make_node("MatMul", ["x_t", "rnn.Wi"], ["gx0"], name="gru/input_MatMul"),
+        h.make_node("Add", ["gx0", "rnn.Bi"], ["gx"], name="gru/input_bias"),
+        h.make_node("MatMul", ["h_in", "rnn.Wh"], ["gh0"], name="gru/hidden_MatMul"),
+        h.make_node("Add", ["gh0", "rnn.Bh"], ["gh"], name="gru/hidden_bias"),
+        h.make_node("Split", ["gx", "thirds"], ["xr", "xz", "xn"], axis=1, name="gru/split_x"),
+        h.make_node("Split", ["gh", "thirds"], ["hr", "hz", "hn"], axis=1, name="gru/split_h"),
+        h.make_node("Add", ["xr", "hr"], ["r0"], name="gru/r_add"),
+        h.make_node("Sigmoid", ["r0"], ["r"], name="gru/r"),
+        h.make_node("Add", ["xz", "hz"], ["z0"], name="gru/z_add"),
+        h.make_node("Sigmoid", ["z0"], ["z"], name="gru/z"),
+        h.make_node("Mul", ["r", "hn"], ["rn"], name="gru/reset"),
+        h.make_node("Add", ["xn", "rn"], ["n0"], name="gru/n_add"),
+        h.make_node("Tanh", ["n0"], ["n"], name="gru/n"),
+        h.make_node("Sub", ["h_in", "n"], ["d"], name="gru/delta"),
+        h.make_node("Mul", ["z", "d"], ["zd"], name="gru/keep"),
+        h.make_node("Add", ["n", "zd"], ["h_out"], name="gru/h"),
+        h.make_node("Identity", ["cond_in"], ["cond_out"], name="gru/cond"),
+    ]
+    inits["thirds"] = np.array([hidden] * 3, np.int64)
+    body = h.make_graph(
+        body_nodes,
+        "gru_step",
+        [
+            h.make_tensor_value_info("i", TensorProto.INT64, []),
+            h.make_tensor_value_info("cond_in", TensorProto.BOOL, []),
+            h.make_tensor_value_info("h_in", f, ["N", hidden]),
+        ],
+        [
+            h.make_tensor_value_info("cond_out", TensorProto.BOOL, []),
+            h.make_tensor_value_info("h_out", f, ["N", hidden]),
+        ],
+    )
+    nodes = [
+        h.make_node("Squeeze", ["image", "channel"], ["rows"], name="rows"),
+        *_zeros_state(hidden, "h0"),
+        h.make_node("Loop", ["steps", "", "h0"], ["h_last"], body=body, name="gru/loop"),
+        *_head("h_last"),
+    ]
+    inits["channel"] = np.array([1], np.int64)
+    save(
+        nodes,
+        inits,
+        h.make_tensor_value_info("image", f, ["N", 1, 28, 28]),
+        h.make_tensor_value_info("logits", f, ["N", 10]),
+        HERE / "digits_gru_loop.onnx",
+        "digits_gru_loop",
+        (net, sample),
+    )
+
+
+def fashion_lstm_scan() -> None:
+    """LSTM(128) on Fashion-MNIST as a Scan over the image's rows (axis 1)."""
+    hidden = 128
+    net, sample = _train_rnn("lstm", "fashion", hidden, epochs=4)
+    inits = _rnn_weights(net, 4)
+    inits["hidden"] = np.array([hidden], np.int64)
+    inits["first"] = np.array([0], np.int64)
+    inits["channel"] = np.array([1], np.int64)
+    inits["quarters"] = np.array([hidden] * 4, np.int64)
+    f = TensorProto.FLOAT
+    body_nodes = [
+        h.make_node("MatMul", ["x_t", "rnn.Wi"], ["gx"], name="lstm/input_MatMul"),
+        h.make_node("MatMul", ["h_in", "rnn.Wh"], ["gh"], name="lstm/hidden_MatMul"),
+        h.make_node("Add", ["gx", "gh"], ["g0"], name="lstm/gates_add"),
+        h.make_node("Add", ["g0", "rnn.B"], ["g"], name="lstm/gates_bias"),
+        h.make_node("Split", ["g", "quarters"], ["gi", "gf", "gg", "go"], axis=1, name="lstm/split"),
+        h.make_node("Sigmoid", ["gi"], ["ig"], name="lstm/input_gate"),
+        h.make_node("Sigmoid", ["gf"], ["fg"], name="lstm/forget_gate"),
+        h.make_node("Tanh", ["gg"], ["cand"], name="lstm/candidate"),
+        h.make_node("Sigmoid", ["go"], ["og"], name="lstm/output_gate"),
+        h.make_node("Mul", ["fg", "c_in"], ["kept"], name="lstm/forget"),
+        h.make_node("Mul", ["ig", "cand"], ["new"], name="lstm/write"),
+        h.make_node("Add", ["kept", "new"], ["c_out"], name="lstm/c"),
+        h.make_node("Tanh", ["c_out"], ["ct"], name="lstm/c_tanh"),
+        h.make_node("Mul", ["og", "ct"], ["h_out"], name="lstm/h"),
+    ]
+    body = h.make_graph(
+        body_nodes,
+        "lstm_step",
+        [
+            h.make_tensor_value_info("h_in", f, ["N", hidden]),
+            h.make_tensor_value_info("c_in", f, ["N", hidden]),
+            h.make_tensor_value_info("x_t", f, ["N", 28]),
+        ],
+        [
+            h.make_tensor_value_info("h_out", f, ["N", hidden]),
+            h.make_tensor_value_info("c_out", f, ["N", hidden]),
+        ],
+    )
+    nodes = [
+        h.make_node("Squeeze", ["image", "channel"], ["rows"], name="rows"),
+        *_zeros_state(hidden, "h0"),
+        *_zeros_state(hidden, "c0"),
+        h.make_node(
+            "Scan",
+            ["h0", "c0", "rows"],
+            ["h_last", "c_last"],
+            body=body,
+            num_scan_inputs=1,
+            scan_input_axes=[1],
+            name="lstm/scan",
+        ),
+        *_head("h_last"),
+    ]
+    save(
+        nodes,
+        inits,
+        h.make_tensor_value_info("image", f, ["N", 1, 28, 28]),
+        h.make_tensor_value_info("logits", f, ["N", 10]),
+        HERE / "fashion_lstm_scan.onnx",
+        "fashion_lstm_scan",
+        (net, sample),
+    )
+
+
 def demo_data() -> None:
     """The demo's bundled data: digits calibration (200 train) and test (360) as uint8 0..16."""
     xtr, _, xte, yte = datasets.digits()
@@ -261,6 +452,8 @@ if __name__ == "__main__":
         "digits-mlp": digits_mlp,
         "digits-cnn": digits_cnn,
         "fashion-cnn": fashion_cnn,
+        "digits-gru-loop": digits_gru_loop,
+        "fashion-lstm-scan": fashion_lstm_scan,
         "demo": demo_data,
     }
     for name, job in jobs.items():

@@ -448,11 +448,19 @@ def explain_constraints(decisions: list[Decision], solution: Any) -> None:
 
 
 def branch_decisions(quantizer: Quantizer, branches: list[Any]) -> list[Decision]:
-    """The If nodes' decisions say what became of each branch; branch nodes are listed too."""
+    """The If, Loop and Scan nodes' decisions say what became of each body; body nodes are
+    listed too."""
     out: list[Decision] = []
     by_if: dict[str, list[str]] = {}
+    loops: set[str] = set()
     for b in branches:
-        if b.quantized:
+        if b.iterations:
+            loops.add(b.node)
+            line = (
+                f"{b.branch}: {b.quantized} of {b.nodes} nodes int8 ({b.samples} samples, "
+                f"{b.iterations:,} iterations)"
+            )
+        elif b.quantized:
             line = f"{b.branch}: {b.quantized} of {b.nodes} nodes int8 ({b.samples} samples)"
         else:
             line = f"{b.branch}: {b.reason}"
@@ -464,7 +472,12 @@ def branch_decisions(quantizer: Quantizer, branches: list[Any]) -> list[Decision
         if d is not None:
             d.quantized = any(b.quantized for b in branches if b.node == name)
             d.pattern = "branches" if d.quantized else d.pattern
-            d.reason = "each branch quantized as its own graph; " + "; ".join(lines)
+            how = (
+                "its body quantized as a graph of its own, calibrated on every iteration"
+                if name in loops
+                else "each branch quantized as its own graph"
+            )
+            d.reason = f"{how}; " + "; ".join(lines)
     return out
 
 

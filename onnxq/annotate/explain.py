@@ -71,8 +71,8 @@ def _inside_reason(node: gs.Node, part: Partition) -> str:
                 "branch as a graph of its own, calibrated on the samples that take it"
             )
         return (
-            f"holds {len(bodies)} subgraph(s) with {inner} node(s); {node.op} bodies carry "
-            "state between iterations that calibration cannot feed, so they stay float"
+            f"holds a body of {inner} node(s): quantize treats it as a graph of its own, "
+            "calibrated on every iteration the calibration samples run"
         )
     dtypes = {tensor_dtype(o) for o in node.outputs}
     if node.op in CARRIERS and dtypes <= {np.dtype(np.float32), None}:

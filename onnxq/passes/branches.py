@@ -1,7 +1,7 @@
-"""Branches: the branches of top-level If nodes quantized as models of their own.
+"""Branches: the bodies of top-level If, Loop and Scan nodes quantized as models of their own.
 
 Needs ``state.model``, ``state.quantizer`` and ``state.dataset``. Leaves ``state.model`` with
-its If branches replaced and ``state.branches`` (what became of each, for the decisions).
+those bodies replaced and ``state.branches`` (what became of each, for the decisions).
 """
 
 from __future__ import annotations
@@ -14,14 +14,15 @@ import onnx
 from onnxq.options import QuantizeOptions
 from onnxq.passes.defaults import settle
 from onnxq.passes.manager import PassResult, State
-from onnxq.post.subgraphs import BranchResult, has_branches, quantize_branches
+from onnxq.post.subgraphs import BODY_OPS, BranchResult, has_branches, quantize_branches
 
-#: quantizes one branch model: (model, feeds, options) -> (quantized model, report)
-BranchQuantizer = Callable[[onnx.ModelProto, list[dict[str, Any]], QuantizeOptions], Any]
+#: quantizes one body model: (model, feeds or a DatasetManager, options) -> (quantized, report)
+BranchQuantizer = Callable[[onnx.ModelProto, Any, QuantizeOptions], Any]
 
 
 class Branches:
-    """Quantize each If branch with the call's options (``quantize`` is the API's driver)."""
+    """Quantize each If branch and Loop/Scan body with the call's options (``quantize`` is the
+    API's driver)."""
 
     name = "branches"
 
@@ -29,27 +30,27 @@ class Branches:
         self.quantize = quantize
 
     def run(self, state: State) -> PassResult:
-        """Quantize the branches, or say why they stay float."""
+        """Quantize the bodies, or say why they stay float."""
         q, fmt = state.quantizer, state.options.output_format
         if not has_branches(q.float_model):
             return PassResult()
-        ifs = [n.name for n in q.float_model.graph.node if n.op_type == "If"]
+        ifs = [n.name for n in q.float_model.graph.node if n.op_type in BODY_OPS]
         if state.dataset is None or not fmt.branches:
             why = (
                 "no calibration data (a loaded range table covers the main graph only)"
                 if state.dataset is None
                 else "FakeQuantize output covers the main graph only"
             )
-            reason = f"its branches stay float: {why}"
+            reason = f"its bodies stay float: {why}"
             state.branches = [BranchResult(n, "branches", reason=reason) for n in ifs]
-            return PassResult(f"{len(ifs)} If nodes left float")
+            return PassResult(f"{len(ifs)} If/Loop/Scan nodes left float")
         state.dataset.reset()
         feeds = [dict(f) for f in state.dataset.batches()]
         options = settle(state.options.for_branches(), state.over_budget)
 
-        def run(model: onnx.ModelProto, samples: list[dict[str, Any]]) -> Any:
+        def run(model: onnx.ModelProto, samples: Any) -> Any:
             return self.quantize(model, samples, options)
 
         state.model, state.branches = quantize_branches(q.float_model, state.model, feeds, run)
         done = sum(1 for b in state.branches if b.quantized)
-        return PassResult(f"{done} of {len(state.branches)} branches quantized")
+        return PassResult(f"{done} of {len(state.branches)} bodies quantized")

@@ -1,27 +1,38 @@
-"""Quantizing inside If branches: each branch is quantized as a model of its own.
+"""Quantizing inside If, Loop and Scan: each body is quantized as a model of its own.
 
-onnxruntime cannot fetch a tensor computed inside a subgraph, and onnxruntime.quantization
-leaves If bodies untouched (silero-vad keeps every weight float). onnxq lifts each branch out:
+onnxruntime cannot fetch a tensor computed inside a subgraph, and onnxruntime.quantization and
+NNCF leave these bodies float (silero-vad keeps every weight float; an RNN exported as a Loop
+or Scan keeps all its MatMuls float). onnxq lifts each body out and calibrates it on the values
+it sees when it runs (define-by-run):
 
-1. the branch becomes a standalone model whose inputs are the outer values it reads (its free
-   variables, nested bodies included), typed from the outer graph;
-2. the outer graph is run on the calibration data to get, per sample, the If condition and
-   those outer values; a branch is calibrated on the samples that take it;
-3. the branch model goes through the whole pipeline (``onnxq.quantize``, so an If nested in
-   it is handled the same way, one level down);
-4. the quantized graph replaces the branch: its free variables become implicit again, names it
-   introduced that clash with names elsewhere in the model are renamed, and the opsets the
-   branch needs are imported by the model.
+1. the body becomes a standalone model whose inputs are its own (a Loop's iteration number,
+   condition and carried values; a Scan's states and slices; none for an If branch) and the
+   outer values it reads (its free variables, nested bodies included), typed from the
+   calibration samples; the outer constants a Loop or Scan body reads become its own;
+2. the outer graph is run on the calibration data to get, per sample, the node's inputs and
+   those outer values. An If branch is calibrated on the samples that take it. A Loop or Scan
+   body is calibrated on every iteration that runs: onnxq runs the float body iteration by
+   iteration as onnxruntime would (carried values fed back, the trip count and condition
+   obeyed, Scan inputs sliced along their axis and direction), and each iteration's inputs are
+   one calibration feed, computed again whenever calibration reads the data, so memory does not
+   grow with the number of iterations;
+3. the body model goes through the whole pipeline (``onnxq.quantize``, so an If nested in it is
+   handled the same way, one level down);
+4. the quantized graph replaces the body: its own inputs are restored, its free variables
+   become implicit again, names it introduced that clash with names elsewhere in the model are
+   renamed, outer constants no node reads any more are dropped, and the opsets the body needs
+   are imported by the model.
 
-A branch that no calibration sample takes, or whose quantization fails, stays float and the
-report says why. Loop and Scan bodies carry state between iterations that cannot be fed from
-outside; they stay float.
+A carried value is quantized at the start of each iteration and dequantized at its end, on
+one set of parameters for every iteration: one requantization per iteration at most. A body
+that no calibration sample runs, or whose quantization fails, stays float and the report says
+why.
 """
 
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,9 +40,16 @@ import numpy as np
 import onnx
 from onnx import helper
 
+from onnxq.calibrate.dataset import DatasetManager, Feed
 from onnxq.core.errors import OnnxqError
-from onnxq.io.graph import graphs_of
+from onnxq.io.graph import graphs_of, names_read, tensor_array
 from onnxq.io.session import make_session
+
+#: the nodes whose bodies are quantized as models of their own
+BODY_OPS = ("If", "Loop", "Scan")
+#: iterations one Loop is driven for at most per sample (a Loop with neither a trip count nor
+#: a condition input ends only when its body says so)
+MAX_ITERATIONS = 10_000
 
 
 @dataclass
@@ -43,6 +61,8 @@ class BranchResult:
     quantized: int = 0
     nodes: int = 0
     samples: int = 0
+    #: a Loop or Scan body: the iterations those samples ran (one calibration feed each)
+    iterations: int = 0
     reason: str = ""
     decisions: list[Any] = field(default_factory=list)
 
@@ -80,22 +100,39 @@ def free_variables(graph: onnx.GraphProto) -> list[str]:
 
 
 def has_branches(model: onnx.ModelProto) -> bool:
-    """The main graph holds an If node."""
-    return any(n.op_type == "If" for n in model.graph.node)
+    """The main graph holds an If, Loop or Scan node."""
+    return any(n.op_type in BODY_OPS for n in model.graph.node)
+
+
+def _constants(model: onnx.ModelProto) -> dict[str, onnx.TensorProto]:
+    return {t.name: t for t in model.graph.initializer}
+
+
+def dynamic_free_variables(model: onnx.ModelProto, body: onnx.GraphProto) -> list[str]:
+    """The free variables of a Loop or Scan ``body`` that are not constants of ``model``."""
+    consts = _constants(model)
+    return [n for n in free_variables(body) if n not in consts]
 
 
 def branch_model(
     parent: onnx.ModelProto, body: onnx.GraphProto, sample: dict[str, np.ndarray]
 ) -> onnx.ModelProto:
-    """A standalone model of ``body``: its free variables become graph inputs.
+    """A standalone model of ``body``: its own inputs and free variables become graph inputs.
 
     Their element type and rank come from a calibration ``sample``; every dimension is
     symbolic, since a declared size (silero-vad's state is [2, 0, 128]) would let constant
-    folding decide the nested Ifs once for every input.
+    folding decide the nested Ifs once for every input. A body with inputs of its own (Loop,
+    Scan) holds the outer constants it reads as initializers, so its weights are constants
+    the pipeline can quantize.
     """
     graph = copy.deepcopy(body)
+    own = [i.name for i in body.input]
     del graph.input[:]
-    for name in free_variables(body):
+    consts = _constants(parent) if own else {}
+    for name in own + free_variables(body):
+        if name in consts:
+            graph.initializer.append(copy.deepcopy(consts[name]))
+            continue
         value = np.asarray(sample[name])
         elem = helper.np_dtype_to_tensor_dtype(value.dtype)
         dims = [f"{name}_dim{i}" for i in range(value.ndim)]
@@ -119,15 +156,123 @@ def branch_model(
 def outer_values(
     model: onnx.ModelProto, names: list[str], feeds: Iterable[dict[str, np.ndarray]]
 ) -> list[dict[str, np.ndarray]]:
-    """``names`` computed by the float ``model`` on every feed (graph inputs read from it)."""
+    """``names`` computed by the float ``model`` on every feed (graph inputs read from it).
+
+    Constants of ``model`` are read from it.
+    """
     inputs = {i.name for i in model.graph.input}
-    wanted = [n for n in names if n not in inputs]
+    consts = {n: tensor_array(t) for n, t in _constants(model).items() if n in names}
+    wanted = [n for n in names if n not in inputs and n not in consts]
     session = make_session(model, optimize=False, expose=wanted)
     rows = []
     for feed in feeds:
         got = dict(zip(wanted, session.run(wanted, feed), strict=True)) if wanted else {}
+        got.update(consts)
         rows.append({n: (np.asarray(feed[n]) if n in inputs else got[n]) for n in names})
     return rows
+
+
+def _scalar_like(value: Any, declared: onnx.ValueInfoProto, dtype: Any) -> np.ndarray:
+    """``value`` as the body input ``declared`` takes it: a scalar, or of the rank it declares."""
+    tt = declared.type.tensor_type
+    rank = len(tt.shape.dim) if tt.HasField("shape") else 0
+    return np.asarray(value, dtype).reshape([1] * rank)
+
+
+def _attr(node: onnx.NodeProto, name: str, default: Any) -> Any:
+    for a in node.attribute:
+        if a.name == name:
+            return helper.get_attribute_value(a)
+    return default
+
+
+def body_iterations(
+    node: onnx.NodeProto, session: Any, row: dict[str, np.ndarray], free: list[str]
+) -> Iterator[Feed]:
+    """The inputs of ``node``'s body on each iteration it runs for one sample.
+
+    ``session``: the float body model's session; ``row``: the node's inputs and the body's
+    dynamic free variables ``free`` on that sample. The body runs as onnxruntime runs it: a
+    Loop until its trip count or condition stops it, its carried values fed back; a Scan once
+    per slice of its scan inputs, its states fed back.
+    """
+    body = dict(graphs_of(node))["body"]
+    own = list(body.input)
+    outer = {n: row[n] for n in free}
+    if node.op_type == "Loop":
+        trips = node.input[0] if node.input else ""
+        cond_in = node.input[1] if len(node.input) > 1 else ""
+        limit = int(np.asarray(row[trips]).reshape(-1)[0]) if trips else MAX_ITERATIONS
+        cond = bool(np.asarray(row[cond_in]).reshape(-1)[0]) if cond_in else True
+        carried = [row[n] for n in node.input[2:]]
+        fetch = [o.name for o in body.output[: 1 + len(carried)]]
+        i = 0
+        while cond and i < min(limit, MAX_ITERATIONS):
+            feed = {
+                own[0].name: _scalar_like(i, own[0], np.int64),
+                own[1].name: _scalar_like(cond, own[1], np.bool_),
+                **{v.name: c for v, c in zip(own[2:], carried, strict=True)},
+                **outer,
+            }
+            yield feed
+            got = session.run(fetch, feed)
+            cond, carried = bool(np.asarray(got[0]).reshape(-1)[0]), got[1:]
+            i += 1
+        return
+    scans = int(_attr(node, "num_scan_inputs", 0))
+    states = [row[n] for n in node.input[: len(node.input) - scans]]
+    inputs = [row[n] for n in node.input[len(node.input) - scans :]]
+    axes = list(_attr(node, "scan_input_axes", [0] * scans))
+    directions = list(_attr(node, "scan_input_directions", [0] * scans))
+    steps = np.asarray(inputs[0]).shape[axes[0] % np.ndim(inputs[0])] if inputs else 0
+    fetch = [o.name for o in body.output[: len(states)]]
+    for t in range(steps):
+        slices = [
+            np.take(x, steps - 1 - t if d else t, axis=a % np.ndim(x))
+            for x, a, d in zip(inputs, axes, directions, strict=True)
+        ]
+        feed = {
+            **{v.name: s for v, s in zip(own[: len(states)], states, strict=True)},
+            **{v.name: s for v, s in zip(own[len(states) :], slices, strict=True)},
+            **outer,
+        }
+        yield feed
+        states = list(session.run(fetch, feed)) if states else []
+
+
+class Iterations(DatasetManager):
+    """A Loop or Scan body's calibration feeds: its inputs on every iteration, every sample.
+
+    Computed afresh on each read (the float body run iteration by iteration), so memory holds
+    one iteration's values whatever the number of iterations.
+    """
+
+    def __init__(
+        self, node: onnx.NodeProto, body: onnx.ModelProto, free: list[str], rows: list[Feed]
+    ):
+        """``body``: the float body model (:func:`branch_model`); ``free``: its dynamic free
+        variables; ``rows``: per sample, the node's inputs and those variables."""
+        super().__init__()
+        self.node = node
+        self.model = body
+        self.free = free
+        self.rows = rows
+        #: iterations the last complete read gave
+        self.count = 0
+        self._session: Any = None
+
+    def _raw(self) -> Iterator[Feed]:
+        if self._session is None:
+            self._session = make_session(self.model, optimize=False)
+        count = 0
+        for row in self.rows:
+            for feed in body_iterations(self.node, self._session, row, self.free):
+                count += 1
+                yield feed
+        self.count = count
+
+    def describe(self) -> str:
+        return f"the iterations of {self.node.op_type} '{self.node.name}'"
 
 
 def _rename(graph: onnx.GraphProto, mapping: dict[str, str]) -> None:
@@ -156,49 +301,68 @@ def quantize_branches(
     float_model: onnx.ModelProto,
     result: onnx.ModelProto,
     feeds: list[dict[str, np.ndarray]],
-    quantize: Callable[[onnx.ModelProto, list[dict[str, np.ndarray]]], tuple[onnx.ModelProto, Any]],
+    quantize: Callable[[onnx.ModelProto, Any], tuple[onnx.ModelProto, Any]],
 ) -> tuple[onnx.ModelProto, list[BranchResult]]:
-    """``result`` with the branches of its top-level If nodes quantized (see the module doc).
+    """``result`` with the bodies of its top-level If, Loop and Scan nodes quantized.
 
-    ``float_model`` is the preprocessed float model whose If nodes ``result`` kept; ``quantize``
-    quantizes a branch model with the caller's options.
+    ``float_model`` is the preprocessed float model whose nodes ``result`` kept; ``quantize``
+    quantizes a body model with the caller's options, on a list of feeds or a DatasetManager
+    (see the module doc).
     """
-    ifs = [n for n in float_model.graph.node if n.op_type == "If"]
+    holders = [n for n in float_model.graph.node if n.op_type in BODY_OPS]
     out = copy.deepcopy(result)
     by_name = {n.name: n for n in out.graph.node}
     report: list[BranchResult] = []
     needed: list[str] = []
-    for node in ifs:
-        needed.append(node.input[0])
+    for node in holders:
+        needed += [n for n in node.input if n]
         for _, body in graphs_of(node):
-            needed += [n for n in free_variables(body) if n not in needed]
+            needed += free_variables(body)
     values = outer_values(float_model, list(dict.fromkeys(needed)), feeds)
-    for node in ifs:
+    inlined: set[str] = set()
+    for node in holders:
         target = by_name.get(node.name)
         for attr_name, body in graphs_of(node):
             res = BranchResult(node.name, attr_name, nodes=len(body.node))
             report.append(res)
             if target is None:
-                res.reason = "the If node is not in the quantized model"
+                res.reason = f"the {node.op_type} node is not in the quantized model"
                 continue
-            taken = attr_name == "then_branch"
-            names = free_variables(body)
-            samples = [
-                {n: row[n] for n in names}
-                for row in values
-                if bool(np.asarray(row[node.input[0]]).reshape(-1)[0]) == taken
-            ]
-            res.samples = len(samples)
-            if not samples:
-                res.reason = "no calibration sample takes this branch, so it stays float"
-                continue
+            if node.op_type == "If":
+                taken = attr_name == "then_branch"
+                names = free_variables(body)
+                rows = [
+                    {n: row[n] for n in names}
+                    for row in values
+                    if bool(np.asarray(row[node.input[0]]).reshape(-1)[0]) == taken
+                ]
+                res.samples = len(rows)
+                if not rows:
+                    res.reason = "no calibration sample takes this branch, so it stays float"
+                    continue
+                model, data = branch_model(float_model, body, rows[0]), rows
+            else:
+                why = _unsupported(node)
+                if why:
+                    res.reason = f"stays float: {why}"
+                    continue
+                free = dynamic_free_variables(float_model, body)
+                rows = [{n: row[n] for n in [*node.input, *free] if n} for row in values]
+                first = _first_iteration(node, rows, free)
+                if first is None:
+                    res.reason = "no calibration sample runs an iteration, so it stays float"
+                    continue
+                model = branch_model(float_model, body, first)
+                data = Iterations(node, model, free, rows)
+                res.samples = len(rows)
             try:
-                qbranch, qreport = quantize(branch_model(float_model, body, samples[0]), samples)
+                qbranch, qreport = quantize(model, data)
             except OnnxqError as exc:
                 res.reason = f"stays float: {exc}"
                 continue
             res.decisions = list(qreport.decisions)
             res.quantized = len(qreport.quantized_nodes)
+            res.iterations = data.count if isinstance(data, Iterations) else 0
             if res.quantized == 0:
                 res.reason = "nothing in it is worth quantizing (see its node reasons)"
                 continue
@@ -207,13 +371,49 @@ def quantize_branches(
                 res.reason = "its outputs changed names while quantizing; it stays float"
                 continue
             del graph.input[:]
+            graph.input.extend(copy.deepcopy(list(body.input)))
+            if node.op_type != "If":
+                inlined |= set(free_variables(body)) - set(free_variables(graph))
             outer = all_names(out.graph) - all_names(_branch_of(target, attr_name))
             clashes = {n for n in all_names(graph) - all_names(body) if n in outer}
             if clashes:
                 _rename(graph, {n: f"{n}__{node.name}_{attr_name}" for n in sorted(clashes)})
             _replace_branch(target, attr_name, graph)
             _merge_opsets(out, qbranch)
+    _drop_unread(out.graph, inlined)
     return out, report
+
+
+def _unsupported(node: onnx.NodeProto) -> str:
+    """Why onnxq cannot drive ``node``'s body, or ''."""
+    if node.op_type == "Scan" and not any(a.name == "num_scan_inputs" for a in node.attribute):
+        return "a Scan without num_scan_inputs"
+    if node.op_type == "Scan" and len(node.input) and not node.input[0] and _attr(
+        node, "num_scan_inputs", 0
+    ) == len(node.input):
+        return "a Scan of opset 8 (sequence_lens) is not driven"
+    return ""
+
+
+def _first_iteration(node: onnx.NodeProto, rows: list[Feed], free: list[str]) -> Feed | None:
+    """The body's inputs on the first iteration any sample runs (their dtypes and ranks type
+    the body model), or None. No body run is needed for it."""
+    for row in rows:
+        feed = next(body_iterations(node, None, row, free), None)
+        if feed is not None:
+            return feed
+    return None
+
+
+def _drop_unread(graph: onnx.GraphProto, names: set[str]) -> None:
+    """Remove the initializers among ``names`` that no node of ``graph`` reads any more."""
+    if not names:
+        return
+    read = names_read(graph.node) | {o.name for o in graph.output}
+    keep = [t for t in graph.initializer if t.name not in names or t.name in read]
+    if len(keep) < len(graph.initializer):
+        del graph.initializer[:]
+        graph.initializer.extend(keep)
 
 
 def _branch_of(node: onnx.NodeProto, name: str) -> onnx.GraphProto:

@@ -1,0 +1,309 @@
+"""Loop and Scan bodies quantized as models of their own, calibrated on every iteration that runs.
+
+Each result is run in onnxruntime against the float model.
+"""
+
+from __future__ import annotations
+
+import tracemalloc
+
+import numpy as np
+import onnx
+import pytest
+from helpers import rng, run
+from onnx import TensorProto
+from onnx import helper as h
+from onnx import numpy_helper as nh
+
+import onnxq
+from onnxq.io.session import make_session
+from onnxq.post.subgraphs import Iterations, body_iterations, branch_model
+
+D, H = 16, 32
+F = TensorProto.FLOAT
+
+
+def _weights(seed: int, gain: float = 0.8) -> dict[str, np.ndarray]:
+    g = rng(seed)
+    return {
+        "wx": (g.normal(0, 1, (D, H)) / np.sqrt(D)).astype(np.float32),
+        "wh": (g.normal(0, 1, (H, H)) * gain / np.sqrt(H)).astype(np.float32),
+        "b": g.normal(0, 0.1, H).astype(np.float32),
+        "wo": (g.normal(0, 1, (H, 4)) / np.sqrt(H)).astype(np.float32),
+    }
+
+
+def _step(x_t: str, h_in: str, h_out: str) -> list[onnx.NodeProto]:
+    """h_out = tanh(x_t·wx + h_in·wh + b): the weights are outer constants the body reads."""
+    return [
+        h.make_node("MatMul", [x_t, "wx"], ["a"], name="input_mm"),
+        h.make_node("MatMul", [h_in, "wh"], ["c"], name="hidden_mm"),
+        h.make_node("Add", ["a", "c"], ["s"], name="sum"),
+        h.make_node("Add", ["s", "b"], ["s2"], name="bias"),
+        h.make_node("Tanh", ["s2"], [h_out], name="tanh"),
+    ]
+
+
+def _zero_state() -> list[onnx.NodeProto]:
+    return [
+        h.make_node("Shape", ["x"], ["shape"]),
+        h.make_node("Gather", ["shape", "first"], ["n"], axis=0),
+        h.make_node("Concat", ["n", "hidden"], ["dims"], axis=0),
+        h.make_node("ConstantOfShape", ["dims"], ["h0"], value=nh.from_array(np.zeros(1, np.float32))),
+    ]
+
+
+def _model(nodes: list[onnx.NodeProto], steps: int, weights: dict[str, np.ndarray], outputs: list) -> onnx.ModelProto:
+    inits = {**weights, "first": np.array([0], np.int64), "hidden": np.array([H], np.int64)}
+    inits["steps"] = np.array(steps, np.int64)
+    graph = h.make_graph(
+        nodes,
+        "rnn",
+        [h.make_tensor_value_info("x", F, ["N", steps, D])],
+        outputs,
+        [nh.from_array(v, k) for k, v in inits.items()],
+    )
+    model = h.make_model(graph, opset_imports=[h.make_opsetid("", 17)])
+    model.ir_version = 8
+    onnx.checker.check_model(model)
+    return model
+
+
+def loop_rnn(steps: int, gain: float = 0.8) -> onnx.ModelProto:
+    """A tanh RNN as a Loop (step i gathers x[:, i]), its states as a scan output, then a head."""
+    body = h.make_graph(
+        [
+            h.make_node("Gather", ["x", "i"], ["x_t"], axis=1, name="row"),
+            *_step("x_t", "h_in", "h_out"),
+            h.make_node("Identity", ["cond_in"], ["cond_out"], name="cond"),
+            h.make_node("Identity", ["h_out"], ["h_each"], name="each"),
+        ],
+        "body",
+        [
+            h.make_tensor_value_info("i", TensorProto.INT64, []),
+            h.make_tensor_value_info("cond_in", TensorProto.BOOL, []),
+            h.make_tensor_value_info("h_in", F, ["N", H]),
+        ],
+        [
+            h.make_tensor_value_info("cond_out", TensorProto.BOOL, []),
+            h.make_tensor_value_info("h_out", F, ["N", H]),
+            h.make_tensor_value_info("h_each", F, ["T", "N", H]),
+        ],
+    )
+    nodes = [
+        *_zero_state(),
+        h.make_node("Loop", ["steps", "", "h0"], ["h_last", "states"], body=body, name="rnn"),
+        h.make_node("MatMul", ["h_last", "wo"], ["y"], name="head"),
+    ]
+    outputs = [
+        h.make_tensor_value_info("y", F, ["N", 4]),
+        h.make_tensor_value_info("states", F, [steps, "N", H]),
+    ]
+    return _model(nodes, steps, _weights(1, gain), outputs)
+
+
+def scan_rnn(steps: int, reverse: bool = False) -> onnx.ModelProto:
+    """The same RNN as a Scan over axis 1 of x (optionally last step first)."""
+    body = h.make_graph(
+        _step("x_t", "h_in", "h_out") + [h.make_node("Identity", ["h_out"], ["h_each"])],
+        "body",
+        [h.make_tensor_value_info("h_in", F, ["N", H]), h.make_tensor_value_info("x_t", F, ["N", D])],
+        [h.make_tensor_value_info("h_out", F, ["N", H]), h.make_tensor_value_info("h_each", F, ["N", H])],
+    )
+    nodes = [
+        *_zero_state(),
+        h.make_node(
+            "Scan",
+            ["h0", "x"],
+            ["h_last", "states"],
+            body=body,
+            num_scan_inputs=1,
+            scan_input_axes=[1],
+            scan_input_directions=[1 if reverse else 0],
+            name="rnn",
+        ),
+        h.make_node("MatMul", ["h_last", "wo"], ["y"], name="head"),
+    ]
+    outputs = [
+        h.make_tensor_value_info("y", F, ["N", 4]),
+        h.make_tensor_value_info("states", F, [steps, "N", H]),
+    ]
+    return _model(nodes, steps, _weights(2), outputs)
+
+
+def growing_loop(steps: int) -> onnx.ModelProto:
+    """A Loop whose body's range grows with the iteration: y_i = ((i + 1) · x) · wx."""
+    body = h.make_graph(
+        [
+            h.make_node("Add", ["i", "one"], ["i1"]),
+            h.make_node("Cast", ["i1"], ["k"], to=TensorProto.FLOAT),
+            h.make_node("Mul", ["x2", "k"], ["xk"], name="grow"),
+            h.make_node("MatMul", ["xk", "wx"], ["y_i"], name="mm"),
+            h.make_node("Identity", ["cond_in"], ["cond_out"]),
+        ],
+        "body",
+        [
+            h.make_tensor_value_info("i", TensorProto.INT64, []),
+            h.make_tensor_value_info("cond_in", TensorProto.BOOL, []),
+        ],
+        [
+            h.make_tensor_value_info("cond_out", TensorProto.BOOL, []),
+            h.make_tensor_value_info("y_i", F, ["N", H]),
+        ],
+    )
+    nodes = [
+        h.make_node("Relu", ["x"], ["x2"]),
+        h.make_node("Loop", ["steps", ""], ["ys"], body=body, name="grow_loop"),
+    ]
+    weights = {"wx": _weights(3)["wx"], "one": np.array(1, np.int64)}
+    graph_in = [h.make_tensor_value_info("x", F, ["N", D])]
+    inits = {**weights, "steps": np.array(steps, np.int64)}
+    graph = h.make_graph(
+        nodes,
+        "grow",
+        graph_in,
+        [h.make_tensor_value_info("ys", F, [steps, "N", H])],
+        [nh.from_array(v, k) for k, v in inits.items()],
+    )
+    model = h.make_model(graph, opset_imports=[h.make_opsetid("", 17)])
+    model.ir_version = 8
+    onnx.checker.check_model(model)
+    return model
+
+
+def _feeds(steps: int, n: int = 40, shape: tuple[int, ...] | None = None) -> list[dict[str, np.ndarray]]:
+    g = rng(7)
+    shape = shape or (1, steps, D)
+    return [{"x": g.normal(0, 1, shape).astype(np.float32)} for _ in range(n)]
+
+
+def _sqnr(ref: np.ndarray, got: np.ndarray) -> float:
+    return float(10 * np.log10(np.sum(ref**2) / max(np.sum((ref - got) ** 2), 1e-30)))
+
+
+def _body(model: onnx.ModelProto) -> onnx.GraphProto:
+    node = next(n for n in model.graph.node if n.op_type in ("Loop", "Scan"))
+    return next(a.g for a in node.attribute if a.name == "body")
+
+
+def _eval_feed(steps: int) -> dict[str, np.ndarray]:
+    return {"x": rng(99).normal(0, 1, (8, steps, D)).astype(np.float32)}
+
+
+@pytest.mark.parametrize("fmt", ["qoperator", "qdq"])
+def test_loop_body_quantized_and_its_state_holds_through_100_iterations(fmt):
+    model = loop_rnn(100)
+    q, report = onnxq.quantize(model, _feeds(100, 24), format=fmt, progress=False)
+    onnx.checker.check_model(q)
+    body_ops = [n.op_type for n in _body(q).node]
+    if fmt == "qoperator":
+        assert body_ops.count("MatMulIntegerToFloat") + body_ops.count("QLinearMatMul") == 2
+    else:
+        assert body_ops.count("DequantizeLinear") >= 4  # two weights, two activations
+    # the body holds its weights; the outer float copies no node reads are gone
+    assert {"wx", "wh", "b"}.isdisjoint(t.name for t in q.graph.initializer)
+    d = next(d for d in report.decisions if d.node == "rnn")
+    assert d.quantized and "2,400 iterations" in d.reason, d.reason
+    assert any(d.node.startswith("rnn/body/") and d.quantized for d in report.decisions)
+    feed = _eval_feed(100)
+    (y_ref, s_ref), (y_got, s_got) = run(model, feed), run(q, feed)
+    # the carried state after 100 requantized iterations, and every state on the way
+    assert _sqnr(s_ref[-1], s_got[-1]) > 25
+    assert _sqnr(s_ref, s_got) > 25
+    assert _sqnr(y_ref, y_got) > 25
+
+
+def test_scan_body_quantized_in_either_direction():
+    for reverse in (False, True):
+        model = scan_rnn(30, reverse)
+        q, report = onnxq.quantize(model, _feeds(30, 16), progress=False)
+        body_ops = [n.op_type for n in _body(q).node]
+        assert body_ops.count("MatMulIntegerToFloat") + body_ops.count("QLinearMatMul") == 2
+        d = next(d for d in report.decisions if d.node == "rnn")
+        assert "480 iterations" in d.reason, d.reason
+        feed = _eval_feed(30)
+        (y_ref, s_ref), (y_got, s_got) = run(model, feed), run(q, feed)
+        assert _sqnr(s_ref, s_got) > 25 and _sqnr(y_ref, y_got) > 25
+
+
+def test_body_calibrated_on_every_iteration_not_the_first():
+    # the last iteration's values are 8x the first's: calibrated on the first alone, every
+    # later iteration would clip (SQNR near 0 dB on the last one)
+    model = growing_loop(8)
+    q, _ = onnxq.quantize(model, _feeds(8, 24, (1, D)), progress=False)
+    assert "MatMulIntegerToFloat" in [n.op_type for n in _body(q).node] or "QLinearMatMul" in [
+        n.op_type for n in _body(q).node
+    ]
+    feed = {"x": rng(5).normal(0, 1, (8, D)).astype(np.float32)}
+    ref, got = run(model, feed)[0], run(q, feed)[0]
+    assert _sqnr(ref[7], got[7]) > 25
+    assert _sqnr(ref[0], got[0]) > 15  # on a grid 8x its range: about 2 dB less than the last
+
+
+def test_loop_stops_where_its_condition_says():
+    # a Loop with no trip count that ends when its counter reaches 5: the driver gives the
+    # body's inputs for iterations 0..4 only, as onnxruntime runs it
+    body = h.make_graph(
+        [
+            h.make_node("Add", ["k_in", "one"], ["k_out"]),
+            h.make_node("Less", ["k_out", "five"], ["cond_out"]),
+            h.make_node("Mul", ["v_in", "two"], ["v_out"]),
+        ],
+        "body",
+        [
+            h.make_tensor_value_info("i", TensorProto.INT64, []),
+            h.make_tensor_value_info("cond_in", TensorProto.BOOL, []),
+            h.make_tensor_value_info("k_in", F, []),
+            h.make_tensor_value_info("v_in", F, ["N"]),
+        ],
+        [
+            h.make_tensor_value_info("cond_out", TensorProto.BOOL, []),
+            h.make_tensor_value_info("k_out", F, []),
+            h.make_tensor_value_info("v_out", F, ["N"]),
+        ],
+        [nh.from_array(np.array(1, np.float32), "one"), nh.from_array(np.array(5, np.float32), "five"),
+         nh.from_array(np.array(2, np.float32), "two")],
+    )
+    node = h.make_node("Loop", ["", "go", "k0", "v0"], ["k", "v"], body=body, name="l")
+    parent = h.make_model(h.make_graph([node], "g", [], []), opset_imports=[h.make_opsetid("", 17)])
+    row = {"go": np.array(True), "k0": np.array(0, np.float32), "v0": np.ones(3, np.float32)}
+    feeds = list(body_iterations(node, make_session(branch_model(parent, body, _first(node, row))), row, []))
+    assert [int(f["i"]) for f in feeds] == [0, 1, 2, 3, 4]
+    assert [float(f["v_in"][0]) for f in feeds] == [1, 2, 4, 8, 16]
+
+
+def _first(node: onnx.NodeProto, row: dict) -> dict:
+    return next(body_iterations(node, None, row, []))
+
+
+def test_iterations_hold_one_iteration_in_memory():
+    # the driver's peak allocation does not grow with the number of iterations
+    peaks = []
+    for steps in (10, 400):
+        model = scan_rnn(steps)
+        node = model.graph.node[4]
+        body = _body(model)
+        row = {"h0": np.zeros((64, H), np.float32), "x": np.ones((64, steps, D), np.float32)}
+        data = Iterations(node, branch_model(model, body, _first(node, row)), [], [row])
+        tracemalloc.start()
+        count = sum(1 for _ in data.batches())
+        peaks.append(tracemalloc.get_traced_memory()[1])
+        tracemalloc.stop()
+        assert count == steps
+    assert peaks[1] < 1.5 * peaks[0] + (1 << 16), peaks
+
+
+def test_fakequantize_output_leaves_the_body_float_with_its_reason():
+    pytest.importorskip("openvino")
+    model = loop_rnn(10)
+    q, report = onnxq.quantize(model, _feeds(10, 8), format="openvino", progress=False)
+    assert not any(n.domain for n in _body(q).node)
+    d = next(d for d in report.decisions if d.node == "rnn")
+    assert not d.quantized and "FakeQuantize output covers the main graph only" in d.reason
+
+
+def test_quantizing_a_loop_is_deterministic():
+    model = loop_rnn(12)
+    a, _ = onnxq.quantize(model, _feeds(12, 8), progress=False)
+    b, _ = onnxq.quantize(model, _feeds(12, 8), progress=False)
+    assert a.SerializeToString() == b.SerializeToString()
