@@ -47,6 +47,7 @@ from onnxq.passes.manager import op_histogram
 from onnxq.passes.verify import verify
 from onnxq.prepare.kind import KINDS
 from onnxq.report import mark_carried
+from onnxq.post.subgraphs import declared_bodies
 from onnxq.simulate.compare import compare
 from onnxq.tools import zoo
 
@@ -873,6 +874,22 @@ def _debug(args: argparse.Namespace) -> int:
     return 0
 
 
+def _body_decisions(quantizer: Quantizer, options: Any) -> list[Any]:
+    """What quantize would do inside each If branch and Loop/Scan body, named NODE/BODY/NODE."""
+    from dataclasses import replace
+
+    out = []
+    for node, attr, body in declared_bodies(quantizer.float_model):
+        try:
+            inner = Quantizer(body, options.patterns, options.quantizer_config())
+            found = mark_carried(inner, options=options)
+        except OnnxqError as exc:
+            _warn(f"{node.op_type} '{node.name}' {attr}: not explained: {exc}")
+            continue
+        out += [replace(d, node=f"{node.name}/{attr}/{d.node}") for d in found]
+    return out
+
+
 def _inspect(args: argparse.Namespace) -> int:
 
     if args.target_file:
@@ -885,7 +902,7 @@ def _inspect(args: argparse.Namespace) -> int:
     for w in quantizer.warnings:
         _warn(w)
     hist = op_histogram(quantizer.float_model)
-    decisions = mark_carried(quantizer, options=options)
+    decisions = mark_carried(quantizer, options=options) + _body_decisions(quantizer, options)
     if args.json:
         from dataclasses import asdict
 

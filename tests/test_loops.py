@@ -307,3 +307,62 @@ def test_quantizing_a_loop_is_deterministic():
     a, _ = onnxq.quantize(model, _feeds(12, 8), progress=False)
     b, _ = onnxq.quantize(model, _feeds(12, 8), progress=False)
     assert a.SerializeToString() == b.SerializeToString()
+
+
+def test_if_nested_in_a_loop_body_is_quantized_on_the_iterations_that_take_each_branch():
+    # odd iterations multiply by wx, even ones by -2·wx: each branch calibrated on its own
+    # iterations, both int8
+    w = _weights(4)["wx"]
+
+    def branch(name: str, scale: float) -> onnx.GraphProto:
+        return h.make_graph(
+            [h.make_node("MatMul", ["x_t", f"w_{name}"], [f"y_{name}"], name=f"mm_{name}")],
+            name,
+            [],
+            [h.make_tensor_value_info(f"y_{name}", F, ["N", H])],
+            [nh.from_array((w * scale).astype(np.float32), f"w_{name}")],
+        )
+
+    body = h.make_graph(
+        [
+            h.make_node("Gather", ["x", "i"], ["x_t"], axis=1),
+            h.make_node("Mod", ["i", "two"], ["odd_i"]),
+            h.make_node("Cast", ["odd_i"], ["odd"], to=TensorProto.BOOL),
+            h.make_node("If", ["odd"], ["y_i"], then_branch=branch("odd", 1.0), else_branch=branch("even", -2.0), name="pick"),
+            h.make_node("Identity", ["cond_in"], ["cond_out"]),
+        ],
+        "body",
+        [h.make_tensor_value_info("i", TensorProto.INT64, []), h.make_tensor_value_info("cond_in", TensorProto.BOOL, [])],
+        [h.make_tensor_value_info("cond_out", TensorProto.BOOL, []), h.make_tensor_value_info("y_i", F, ["N", H])],
+    )
+    graph = h.make_graph(
+        [h.make_node("Loop", ["steps", ""], ["ys"], body=body, name="alt")],
+        "alt",
+        [h.make_tensor_value_info("x", F, ["N", 6, D])],
+        [h.make_tensor_value_info("ys", F, [6, "N", H])],
+        [nh.from_array(np.array(6, np.int64), "steps"), nh.from_array(np.array(2, np.int64), "two")],
+    )
+    model = h.make_model(graph, opset_imports=[h.make_opsetid("", 17)])
+    model.ir_version = 8
+    q, report = onnxq.quantize(model, _feeds(6, 16), progress=False)
+    onnx.checker.check_model(q)
+    inner = next(n for n in _body(q).node if n.op_type == "If")
+    for a in inner.attribute:
+        assert {n.op_type for n in a.g.node} & {"MatMulIntegerToFloat", "QLinearMatMul"}, a.name
+    d = next(d for d in report.decisions if d.node == "alt")
+    assert d.quantized and "96 iterations" in d.reason, d.reason
+    feed = _eval_feed(6)
+    assert _sqnr(run(model, feed)[0], run(q, feed)[0]) > 30
+
+
+def test_inspect_explains_the_nodes_of_a_loop_body(tmp_path, capsys):
+    from onnxq.cli import main
+
+    path = tmp_path / "loop.onnx"
+    onnx.save(loop_rnn(5), str(path))
+    assert main(["inspect", str(path), "--explain"]) == 0
+    out = capsys.readouterr().out
+    # the body's MatMuls are matched; its Tanh stays float with its reason
+    assert "rnn/body/input_mm" in out and "rnn/body/hidden_mm" in out
+    assert "rnn/body/tanh" in out
+    assert "calibrated on every iteration" in out

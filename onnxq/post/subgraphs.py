@@ -153,6 +153,37 @@ def branch_model(
     return model
 
 
+def declared_bodies(
+    model: onnx.ModelProto,
+) -> Iterator[tuple[onnx.NodeProto, str, onnx.ModelProto]]:
+    """Each body of the top-level If, Loop and Scan nodes as a standalone model, typed without
+    data: its own inputs as it declares them, its free variables as the outer graph's shape
+    inference types them (float of unknown shape where it cannot). For ``inspect``, which
+    explains what ``quantize`` would do inside each body."""
+    holders = [n for n in model.graph.node if n.op_type in BODY_OPS]
+    if not holders:
+        return
+    try:
+        inferred = onnx.shape_inference.infer_shapes(model).graph
+    except Exception:  # an untypeable outer graph: its values stay of unknown shape
+        inferred = model.graph
+    known = {v.name: v for v in [*inferred.input, *inferred.value_info, *inferred.output]}
+    for node in holders:
+        for attr_name, body in graphs_of(node):
+            graph = copy.deepcopy(body)
+            consts = _constants(model) if node.op_type != "If" else {}
+            for name in free_variables(body):
+                if name in consts:
+                    graph.initializer.append(copy.deepcopy(consts[name]))
+                elif name in known:
+                    graph.input.append(copy.deepcopy(known[name]))
+                else:
+                    graph.input.append(helper.make_tensor_value_info(name, onnx.TensorProto.FLOAT, None))
+            body_model = helper.make_model(graph, opset_imports=list(model.opset_import))
+            body_model.ir_version = model.ir_version
+            yield node, attr_name, body_model
+
+
 def outer_values(
     model: onnx.ModelProto, names: list[str], feeds: Iterable[dict[str, np.ndarray]]
 ) -> list[dict[str, np.ndarray]]:
