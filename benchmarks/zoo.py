@@ -227,8 +227,9 @@ def markdown(results: list[dict[str, Any]], runs: int, batch: int = 1) -> str:
         "# onnxq scoreboard",
         "",
         f"Machine: {platform.processor() or platform.machine()}, {mp.cpu_count()} cores, "
-        f"onnxruntime {ort.__version__}, Python {platform.python_version()}. Latency: batch {batch}, "
-        f"median of {runs} runs after warm-up, variants interleaved; ratio = variant / fp32 at "
+        f"onnxruntime {ort.__version__}, Python {platform.python_version()}. "
+        f"Latency: batch {batch}, median of {runs} runs after warm-up, variants interleaved; "
+        "ratio = variant / fp32 at "
         "the same thread count (below 1: faster). Peak RSS: the whole quantization process.",
         "",
         "| model | metric | variant | metric value | Δ vs fp32 | ms 1 thread | × fp32 "

@@ -1,7 +1,8 @@
 """Train the zoo's small models with PyTorch and write them as ONNX built with onnx.helper.
 
     pip install torch==2.13.0 scikit-learn onnx
-    python -m models.train all          # or digits-mlp | digits-cnn | fashion-cnn | digits-gru-loop | fashion-lstm-scan
+    python -m models.train all          # or digits-mlp | digits-cnn | fashion-cnn |
+                                        #    digits-gru-loop | fashion-lstm-scan
 
 The graphs are written node by node (no exporter), so the files are reproducible from the
 trained weights and use opset 13. Seeds are fixed; results vary only with the torch build.
@@ -266,7 +267,12 @@ def _rnn_weights(net: RowRNN, gates: int) -> dict[str, np.ndarray]:
     r = net.rnn
     wi, wh = arr(r.weight_ih_l0).T.copy(), arr(r.weight_hh_l0).T.copy()
     bi, bh = arr(r.bias_ih_l0), arr(r.bias_hh_l0)
-    out = {"rnn.Wi": wi, "rnn.Wh": wh, "fc.W": arr(net.fc.weight).T.copy(), "fc.B": arr(net.fc.bias)}
+    out = {
+        "rnn.Wi": wi,
+        "rnn.Wh": wh,
+        "fc.W": arr(net.fc.weight).T.copy(),
+        "fc.B": arr(net.fc.bias),
+    }
     if gates == 4:
         out["rnn.B"] = bi + bh
     else:
@@ -279,7 +285,9 @@ def _zeros_state(hidden: int, name: str) -> list[onnx.NodeProto]:
     return [
         h.make_node("Shape", ["image"], [f"{name}_shape"], name=f"{name}/shape"),
         h.make_node("Gather", [f"{name}_shape", "first"], [f"{name}_n"], axis=0, name=f"{name}/n"),
-        h.make_node("Concat", [f"{name}_n", "hidden"], [f"{name}_dims"], axis=0, name=f"{name}/dims"),
+        h.make_node(
+            "Concat", [f"{name}_n", "hidden"], [f"{name}_dims"], axis=0, name=f"{name}/dims"
+        ),
         h.make_node(
             "ConstantOfShape",
             [f"{name}_dims"],
@@ -382,7 +390,9 @@ def fashion_lstm_scan() -> None:
         h.make_node("MatMul", ["h_in", "rnn.Wh"], ["gh"], name="lstm/hidden_MatMul"),
         h.make_node("Add", ["gx", "gh"], ["g0"], name="lstm/gates_add"),
         h.make_node("Add", ["g0", "rnn.B"], ["g"], name="lstm/gates_bias"),
-        h.make_node("Split", ["g", "quarters"], ["gi", "gf", "gg", "go"], axis=1, name="lstm/split"),
+        h.make_node(
+            "Split", ["g", "quarters"], ["gi", "gf", "gg", "go"], axis=1, name="lstm/split"
+        ),
         h.make_node("Sigmoid", ["gi"], ["ig"], name="lstm/input_gate"),
         h.make_node("Sigmoid", ["gf"], ["fg"], name="lstm/forget_gate"),
         h.make_node("Tanh", ["gg"], ["cand"], name="lstm/candidate"),

@@ -45,9 +45,9 @@ from onnxq.options import (
 from onnxq.passes.load import quantized_ops, raise_for_output, refuse_quantized
 from onnxq.passes.manager import op_histogram
 from onnxq.passes.verify import verify
+from onnxq.post.subgraphs import declared_bodies
 from onnxq.prepare.kind import KINDS
 from onnxq.report import mark_carried
-from onnxq.post.subgraphs import declared_bodies
 from onnxq.simulate.compare import compare
 from onnxq.tools import zoo
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import difflib
 import os
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
@@ -425,7 +425,17 @@ def resolve(
         tgt.symmetric_activations if symmetric_activations is None else symmetric_activations
     )
     unsigned = tgt.unsigned_after_relu if unsigned_after_relu is None else unsigned_after_relu
-    user = config if isinstance(config, UserConfig) or config is None else UserConfig.load(config)
+    if isinstance(config, Mapping):  # the TOML document as a dict
+        user: UserConfig | None = UserConfig.from_dict(dict(config), "config")
+    elif isinstance(config, UserConfig) or config is None:
+        user = config
+    elif isinstance(config, str | os.PathLike):
+        user = UserConfig.load(config)
+    else:
+        raise ConfigError(
+            f"config is a {type(config).__name__}; give a TOML file's path, its contents as a "
+            "dict, or a UserConfig"
+        )
     _check(fmt, activation_dtype, symmetric, unsigned, cli)
     bits, notes, warnings = _weight_bits(weight_bits, tgt, fmt, activation_dtype, unsigned, user)
     if rest.get("callback") is None and rest.get("load_ranges") is None:

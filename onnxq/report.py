@@ -243,7 +243,7 @@ def build_report(state: State) -> QuantizeReport:
         ops_after=op_histogram(state.model),
         values={k: v.tolist() for k, v in state.values.items()},
         rescales=rescales(state.model) if o.output_format.from_requantized else [],
-        constraints=sol.shared + [str(r) for r in sol.rescales],
+        constraints=sol.shared + [str(r) for r in sol.rescales] + sol.merged,
         warnings=nonfinite_warnings(state.calibrator.report.nonfinite)
         + list(state.calibrator.report.outliers)
         + list(q.warnings)
@@ -448,8 +448,10 @@ def explain_constraints(decisions: list[Decision], solution: Any) -> None:
 
 
 def branch_decisions(quantizer: Quantizer, branches: list[Any]) -> list[Decision]:
-    """The If, Loop and Scan nodes' decisions say what became of each body; body nodes are
-    listed too."""
+    """The If, Loop and Scan nodes' decisions say what became of each body.
+
+    The body nodes are listed too.
+    """
     out: list[Decision] = []
     by_if: dict[str, list[str]] = {}
     loops: set[str] = set()

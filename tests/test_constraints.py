@@ -152,10 +152,141 @@ def test_solver_is_deterministic():
 
 def test_unknown_shared_scale_op_is_refused(tmp_path):
     with pytest.raises(ConfigError, match="shared_scale_ops"):
-        Target("bad", format="qdq", shared_scale_ops=("Add",))
+        Target("bad", format="qdq", shared_scale_ops=("Conv",))
     f = tmp_path / "t.toml"
     f.write_text('[target.cat]\nformat = "qdq"\nshared_scale_ops = ["Concat"]\n')
     from onnxq.annotate.targets import load_targets
 
     (t,) = load_targets(f)
     assert t.shared_scale_ops == ("Concat",)
+
+
+# -- one test per conflict kind, each checked in onnxruntime ----------------------------------
+
+
+def _convs(spec: list[tuple[str, str, str, float]], outputs: list[str], extra=()):
+    """Convs (name, input, output, weight gain) on x (3 channels) and ``extra`` nodes."""
+    gen = np.random.default_rng(21)
+    nodes, inits = [], {}
+    for name, src, dst, gain in spec:
+        cin = 3 if src == "x" else 4
+        inits[f"W_{name}"] = (gen.normal(0, 0.3, (4, cin, 3, 3)) * gain).astype(np.float32)
+        nodes.append(H.make_node("Conv", [src, f"W_{name}"], [dst], name=name, pads=[1, 1, 1, 1]))
+    nodes[len(spec) : len(spec)] = list(extra)
+    order = {n.output[0]: i for i, n in enumerate(nodes)}
+    nodes.sort(key=lambda n: max([order.get(i, -1) for i in n.input] + [-1]))
+    model = make_model(nodes, [("x", ["N", 3, 8, 8])], [(o, None) for o in outputs], inits)
+    data = {"x": np.random.default_rng(22).normal(0, 1, (32, 3, 8, 8)).astype(np.float32)}
+    return model, data
+
+
+def _sqnr(model, q, data) -> list[float]:
+    x = {"x": data["x"][:8]}
+    return [
+        float(10 * np.log10(np.sum(r**2) / np.sum((r - g) ** 2)))
+        for r, g in zip(run(model, x), run(q, x, exact=True), strict=True)
+    ]
+
+
+def test_two_calibrations_of_one_tensor_keep_the_written_grid_with_its_cost():
+    # conv1 writes 'a' with MSE ranges, conv2 reads it configured for MinMax: one grid, the
+    # writer's, which conv2's QLinearConv reads as written; the report gives conv2's cost
+    model, data = _convs([("conv1", "x", "a", 1.0), ("conv2", "a", "y", 1.0)], ["y"])
+    config = {"node": {"conv2": {"method": "minmax"}}}
+    q, report = onnxq.quantize(model, data, config=config, recipe="fixed", progress=False)
+    line = next(c for c in report.constraints if "calibrated twice" in c)
+    assert "'a'" in line and "conv 'conv2'" in line and "dB" in line, line
+    assert report.calibration.conflicts == []
+    inits = {i.name: onnx.numpy_helper.to_array(i) for i in q.graph.initializer}
+    conv2 = next(n for n in q.graph.node if n.name == "conv2_quant")
+    assert float(inits[conv2.input[1]]) == report.values["a_scale"]
+    _, alone = onnxq.quantize(model, data, recipe="fixed", progress=False)
+    assert report.values["a_scale"] == alone.values["a_scale"]  # conv1's MSE grid
+    assert min(_sqnr(model, q, data)) > 30
+
+
+def test_a_tensor_feeding_two_concats_joins_one_and_is_rescaled_into_the_other():
+    # t and u (gain 0.1) meet in cat1; t and v (gain 5) meet in cat2. One grid for both Concats
+    # would be 34 dB coarser for cat1's reader: t joins cat1, its edge into cat2 is rescaled
+    cat1 = H.make_node("Concat", ["t", "u"], ["c1"], name="cat1", axis=1)
+    cat2 = H.make_node("Concat", ["t", "v"], ["c2"], name="cat2", axis=1)
+    spec = [
+        ("conv_t", "x", "t", 0.1),
+        ("conv_u", "x", "u", 0.1),
+        ("conv_v", "x", "v", 5.0),
+        ("head1", "c1", "y1", 1.0),
+        ("head2", "c2", "y2", 1.0),
+    ]
+    gen = np.random.default_rng(23)
+    model, data = _convs(spec, ["y1", "y2"], [cat1, cat2])
+    for name in ("W_head1", "W_head2"):  # the heads read 8 channels
+        t = next(i for i in model.graph.initializer if i.name == name)
+        t.CopyFrom(
+            onnx.numpy_helper.from_array(gen.normal(0, 0.3, (4, 8, 3, 3)).astype(np.float32), name)
+        )
+    q, report = onnxq.quantize(model, data, target="tensorrt", progress=False)
+    assert report.rescales == ["t"], report.rescales
+    line = next(c for c in report.constraints if "rescale of 't' into 'cat2'" in c)
+    assert "dB coarser" in line and "bound 6.02 dB" in line
+    assert any("'t', 'u'" in c and "same-scale Concat 'cat1'" in c for c in report.constraints)
+    y1, y2 = _sqnr(model, q, data)
+    assert y1 > 30 and y2 > 30  # one grid for both: cat1 34 dB coarser, y1 at 6 dB
+
+
+def test_tensorrt_add_reads_both_inputs_on_one_grid():
+    add = H.make_node("Add", ["a", "b"], ["s"], name="add")
+    model, data = _convs(
+        [("conv1", "x", "a", 1.0), ("conv2", "x", "b", 3.0), ("conv3", "s", "y", 1.0)], ["y"], [add]
+    )
+    q, report = onnxq.quantize(model, data, target="tensorrt", progress=False)
+    ins, _ = _params_around(q, "Add")
+    assert len(ins) == 2 and len(set(ins)) == 1, ins
+    assert report.rescales == []
+    assert any("same-scale Add 'add'" in c for c in report.constraints)
+    assert min(_sqnr(model, q, data)) > 25
+    # without TensorRT's rule each input keeps its own grid
+    free = Target("free-qdq2", format="qdq", activation_dtype="int8", symmetric_activations=True)
+    q2, _ = onnxq.quantize(model, data, target=free, progress=False)
+    ins2, _ = _params_around(q2, "Add")
+    assert len(set(ins2)) == 2
+
+
+def test_add_input_read_elsewhere_is_rescaled_not_coarsened():
+    # 'a' (gain 0.1) is also read by conv4: one grid with b (gain 8) would be 38 dB coarser for
+    # it, so a's edge into the Add is rescaled and conv4 reads a on a's own grid
+    add = H.make_node("Add", ["a", "b"], ["s"], name="add")
+    model, data = _convs(
+        [
+            ("conv1", "x", "a", 0.1),
+            ("conv2", "x", "b", 8.0),
+            ("conv3", "s", "y", 1.0),
+            ("conv4", "a", "y2", 1.0),
+        ],
+        ["y", "y2"],
+        [add],
+    )
+    q, report = onnxq.quantize(model, data, target="tensorrt", progress=False)
+    assert report.rescales == ["a"], report.rescales
+    ins, _ = _params_around(q, "Add")
+    assert len(set(ins)) == 1, ins  # the Add still reads one grid
+    y, y2 = _sqnr(model, q, data)
+    assert y > 25 and y2 > 30
+
+
+def test_fixed_grid_input_of_an_add_is_rescaled_onto_the_calibrated_grid():
+    # Add(Sigmoid(conv1), conv2) under TensorRT: the Sigmoid writes its fixed grid (1/127); the
+    # calibrated input's range (±20) cannot fit it, so the Sigmoid's edge is rescaled and the
+    # Add reads both inputs on the wider grid (no value clips)
+    sig = H.make_node("Sigmoid", ["c1"], ["a"], name="sig")
+    add = H.make_node("Add", ["a", "b"], ["s"], name="add")
+    model, data = _convs(
+        [("conv1", "x", "c1", 1.0), ("conv2", "x", "b", 4.0), ("conv3", "s", "y", 1.0)],
+        ["y"],
+        [sig, add],
+    )
+    q, report = onnxq.quantize(model, data, target="tensorrt", progress=False)
+    assert report.rescales == ["a"], report.rescales
+    assert any("fixed grid" in c and "'a'" in c for c in report.constraints)
+    ins, _ = _params_around(q, "Add")
+    assert len(set(ins)) == 1 and ins[0][0] > 1 / 127
+    assert min(_sqnr(model, q, data)) > 25

@@ -16,8 +16,10 @@ from onnx import helper as h
 from onnx import numpy_helper as nh
 
 import onnxq
+from onnxq.calibrate.iterations import Iterations
+from onnxq.io.bodies import body_iterations
 from onnxq.io.session import make_session
-from onnxq.post.subgraphs import Iterations, body_iterations, branch_model
+from onnxq.post.subgraphs import branch_model
 
 D, H = 16, 32
 F = TensorProto.FLOAT
@@ -49,11 +51,15 @@ def _zero_state() -> list[onnx.NodeProto]:
         h.make_node("Shape", ["x"], ["shape"]),
         h.make_node("Gather", ["shape", "first"], ["n"], axis=0),
         h.make_node("Concat", ["n", "hidden"], ["dims"], axis=0),
-        h.make_node("ConstantOfShape", ["dims"], ["h0"], value=nh.from_array(np.zeros(1, np.float32))),
+        h.make_node(
+            "ConstantOfShape", ["dims"], ["h0"], value=nh.from_array(np.zeros(1, np.float32))
+        ),
     ]
 
 
-def _model(nodes: list[onnx.NodeProto], steps: int, weights: dict[str, np.ndarray], outputs: list) -> onnx.ModelProto:
+def _model(
+    nodes: list[onnx.NodeProto], steps: int, weights: dict[str, np.ndarray], outputs: list
+) -> onnx.ModelProto:
     inits = {**weights, "first": np.array([0], np.int64), "hidden": np.array([H], np.int64)}
     inits["steps"] = np.array(steps, np.int64)
     graph = h.make_graph(
@@ -107,8 +113,14 @@ def scan_rnn(steps: int, reverse: bool = False) -> onnx.ModelProto:
     body = h.make_graph(
         _step("x_t", "h_in", "h_out") + [h.make_node("Identity", ["h_out"], ["h_each"])],
         "body",
-        [h.make_tensor_value_info("h_in", F, ["N", H]), h.make_tensor_value_info("x_t", F, ["N", D])],
-        [h.make_tensor_value_info("h_out", F, ["N", H]), h.make_tensor_value_info("h_each", F, ["N", H])],
+        [
+            h.make_tensor_value_info("h_in", F, ["N", H]),
+            h.make_tensor_value_info("x_t", F, ["N", D]),
+        ],
+        [
+            h.make_tensor_value_info("h_out", F, ["N", H]),
+            h.make_tensor_value_info("h_each", F, ["N", H]),
+        ],
     )
     nodes = [
         *_zero_state(),
@@ -171,7 +183,9 @@ def growing_loop(steps: int) -> onnx.ModelProto:
     return model
 
 
-def _feeds(steps: int, n: int = 40, shape: tuple[int, ...] | None = None) -> list[dict[str, np.ndarray]]:
+def _feeds(
+    steps: int, n: int = 40, shape: tuple[int, ...] | None = None
+) -> list[dict[str, np.ndarray]]:
     g = rng(7)
     shape = shape or (1, steps, D)
     return [{"x": g.normal(0, 1, shape).astype(np.float32)} for _ in range(n)]
@@ -261,13 +275,18 @@ def test_loop_stops_where_its_condition_says():
             h.make_tensor_value_info("k_out", F, []),
             h.make_tensor_value_info("v_out", F, ["N"]),
         ],
-        [nh.from_array(np.array(1, np.float32), "one"), nh.from_array(np.array(5, np.float32), "five"),
-         nh.from_array(np.array(2, np.float32), "two")],
+        [
+            nh.from_array(np.array(1, np.float32), "one"),
+            nh.from_array(np.array(5, np.float32), "five"),
+            nh.from_array(np.array(2, np.float32), "two"),
+        ],
     )
     node = h.make_node("Loop", ["", "go", "k0", "v0"], ["k", "v"], body=body, name="l")
     parent = h.make_model(h.make_graph([node], "g", [], []), opset_imports=[h.make_opsetid("", 17)])
     row = {"go": np.array(True), "k0": np.array(0, np.float32), "v0": np.ones(3, np.float32)}
-    feeds = list(body_iterations(node, make_session(branch_model(parent, body, _first(node, row))), row, []))
+    feeds = list(
+        body_iterations(node, make_session(branch_model(parent, body, _first(node, row))), row, [])
+    )
     assert [int(f["i"]) for f in feeds] == [0, 1, 2, 3, 4]
     assert [float(f["v_in"][0]) for f in feeds] == [1, 2, 4, 8, 16]
 
@@ -328,19 +347,35 @@ def test_if_nested_in_a_loop_body_is_quantized_on_the_iterations_that_take_each_
             h.make_node("Gather", ["x", "i"], ["x_t"], axis=1),
             h.make_node("Mod", ["i", "two"], ["odd_i"]),
             h.make_node("Cast", ["odd_i"], ["odd"], to=TensorProto.BOOL),
-            h.make_node("If", ["odd"], ["y_i"], then_branch=branch("odd", 1.0), else_branch=branch("even", -2.0), name="pick"),
+            h.make_node(
+                "If",
+                ["odd"],
+                ["y_i"],
+                then_branch=branch("odd", 1.0),
+                else_branch=branch("even", -2.0),
+                name="pick",
+            ),
             h.make_node("Identity", ["cond_in"], ["cond_out"]),
         ],
         "body",
-        [h.make_tensor_value_info("i", TensorProto.INT64, []), h.make_tensor_value_info("cond_in", TensorProto.BOOL, [])],
-        [h.make_tensor_value_info("cond_out", TensorProto.BOOL, []), h.make_tensor_value_info("y_i", F, ["N", H])],
+        [
+            h.make_tensor_value_info("i", TensorProto.INT64, []),
+            h.make_tensor_value_info("cond_in", TensorProto.BOOL, []),
+        ],
+        [
+            h.make_tensor_value_info("cond_out", TensorProto.BOOL, []),
+            h.make_tensor_value_info("y_i", F, ["N", H]),
+        ],
     )
     graph = h.make_graph(
         [h.make_node("Loop", ["steps", ""], ["ys"], body=body, name="alt")],
         "alt",
         [h.make_tensor_value_info("x", F, ["N", 6, D])],
         [h.make_tensor_value_info("ys", F, [6, "N", H])],
-        [nh.from_array(np.array(6, np.int64), "steps"), nh.from_array(np.array(2, np.int64), "two")],
+        [
+            nh.from_array(np.array(6, np.int64), "steps"),
+            nh.from_array(np.array(2, np.int64), "two"),
+        ],
     )
     model = h.make_model(graph, opset_imports=[h.make_opsetid("", 17)])
     model.ir_version = 8

@@ -192,6 +192,7 @@ def test_tensorrt_gives_each_consumer_its_own_qdq_pair():
             "qdq",
             "int8",
             symmetric_activations=True,
+            shared_scale_ops=("Concat", "Add"),
             runtime="tensorrt",
             weight_bits=8,
         )

@@ -11,7 +11,7 @@ patterns worth quantizing for one runtime. ``--target NAME`` picks one; explicit
     symmetric_activations = true
     weight_bits = 8                 # or "auto" (the default): 7 where onnxruntime would clip
     patterns = ["conv", "conv+bias", "gemm", "gemm+bias"]
-    shared_scale_ops = ["Concat"]   # inputs and output of a Concat share one scale
+    shared_scale_ops = ["Concat", "Add"]  # ports that share one scale (onnxq.core.constraints)
     int16_activations = true        # runs int16 activations with int8 weights (a16w8)
 
 A target with ``int16_activations`` (QDQ format only) is one whose runtime runs a layer with
@@ -28,12 +28,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from onnxq.annotate.config import load_toml
+from onnxq.core.constraints import SHAREABLE
 from onnxq.core.errors import ConfigError
 from onnxq.io.text import shown
 from onnxq.lower.formats import FORMATS
 
-#: ops whose scale sharing onnxq.solve.constraints can enforce
-SHAREABLE_OPS = frozenset({"Concat"})
+#: ops whose scale sharing onnxq.solve.constraints can enforce (onnxq.core.constraints)
+SHAREABLE_OPS = SHAREABLE
 RUNTIMES = ("onnxruntime", "tensorrt", "openvino", "other")
 
 
@@ -105,7 +106,7 @@ BUILTIN = (
         "int8",
         symmetric_activations=True,
         dedicated_qdq_pairs=True,
-        shared_scale_ops=("Concat",),
+        shared_scale_ops=("Concat", "Add", "MaxPool", "Resize", "Pad", "Slice", "Split", "Gather"),
         runtime="tensorrt",
         weight_bits=8,
     ),

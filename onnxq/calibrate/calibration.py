@@ -8,8 +8,8 @@
 * :class:`CalibrationInfo` — what a callback sees of one pattern: placeholder names, observers,
   and ``get_(un)quantized_layer_inputs/outputs(feeds)`` backed by onnxruntime sessions.
 * :class:`Calibrator` — runs the pass and the callbacks in topological order; one set of
-  parameters per tensor: the first pattern to set a shared placeholder wins, later different
-  values are reported as conflicts.
+  parameters per tensor: the first pattern to set a shared placeholder wins; a later different
+  scale is handed to constraint solving (onnxq.solve.constraints), which reports its cost.
 """
 
 from __future__ import annotations
@@ -205,6 +205,9 @@ class CalibrationReport:
     observer_bytes: int = 0
     nonfinite: dict[str, int] = field(default_factory=dict)
     conflicts: list[str] = field(default_factory=list)
+    #: (scale placeholder, who asked, value) for each calibration of a port after the first:
+    #: constraint solving keeps one grid and reports the cost (onnxq.solve.constraints)
+    asks: list[tuple[str, str, Any]] = field(default_factory=list)
     #: batches whose values dwarf the rest's (onnxq.calibrate.statistics.outlier_batches)
     outliers: list[str] = field(default_factory=list)
 
@@ -313,7 +316,7 @@ class Calibrator:
         """
         self.default_callback = callback
         self.values, self.ranges, self._fixed = {}, {}, set()
-        self.report.conflicts = []
+        self.report.conflicts, self.report.asks = [], []
         self._choose(self.quantizer.records_in_order())
         return dict(self.values)
 
@@ -363,10 +366,13 @@ class Calibrator:
             if name in self.values and not (fixed and name not in self._fixed):
                 same = np.array_equal(self.values[name], arr.astype(self.values[name].dtype))
                 if not same and name not in self._fixed:
-                    self.report.conflicts.append(
-                        f"{rec.label} '{rec.node}' asked {name}={arr.tolist()}, kept "
-                        f"{self.values[name].tolist()} set by an earlier pattern"
-                    )
+                    if known[name].kind == "scale":  # solving keeps one grid and costs it
+                        self.report.asks.append((name, f"{rec.label} '{rec.node}'", arr))
+                    elif known[name].kind != "zero_point":
+                        self.report.conflicts.append(
+                            f"{rec.label} '{rec.node}' asked {name}={arr.tolist()}, kept "
+                            f"{self.values[name].tolist()} set by an earlier pattern"
+                        )
                 continue
             if fixed:
                 self._fixed.add(name)

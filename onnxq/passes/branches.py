@@ -11,6 +11,7 @@ from typing import Any
 
 import onnx
 
+from onnxq.calibrate.iterations import Iterations
 from onnxq.options import QuantizeOptions
 from onnxq.passes.defaults import settle
 from onnxq.passes.manager import PassResult, State
@@ -21,8 +22,10 @@ BranchQuantizer = Callable[[onnx.ModelProto, Any, QuantizeOptions], Any]
 
 
 class Branches:
-    """Quantize each If branch and Loop/Scan body with the call's options (``quantize`` is the
-    API's driver)."""
+    """Quantize each If branch and Loop/Scan body with the call's options.
+
+    ``quantize`` is the API's driver.
+    """
 
     name = "branches"
 
@@ -51,6 +54,8 @@ class Branches:
         def run(model: onnx.ModelProto, samples: Any) -> Any:
             return self.quantize(model, samples, options)
 
-        state.model, state.branches = quantize_branches(q.float_model, state.model, feeds, run)
+        state.model, state.branches = quantize_branches(
+            q.float_model, state.model, feeds, run, Iterations
+        )
         done = sum(1 for b in state.branches if b.quantized)
         return PassResult(f"{done} of {len(state.branches)} bodies quantized")

@@ -6,6 +6,7 @@ model's kind (read by the load pass) are always listed and decide when they run.
 
 from __future__ import annotations
 
+from onnxq.core.constraints import SAME_SCALE
 from onnxq.options import QuantizeOptions
 from onnxq.passes import bias_correction, rounding
 from onnxq.passes.annotate import Annotate
@@ -23,7 +24,7 @@ from onnxq.passes.load import Load
 from onnxq.passes.lower import Lower
 from onnxq.passes.manager import Pass
 from onnxq.passes.materialize import Materialize
-from onnxq.passes.requantize import Requantize, ShareConcatScales
+from onnxq.passes.requantize import Requantize, ShareScales
 from onnxq.passes.rounding import WeightRounding
 from onnxq.passes.save import Save
 from onnxq.passes.smoothquant import SmoothQuant
@@ -48,8 +49,8 @@ def build(options: QuantizeOptions, quantize_branch: BranchQuantizer) -> list[Pa
     passes += [Annotate(), Calibrate(requests, (rounding.taps, bias_correction.taps))]
     passes.append(Choose(Solve(), WeightRounding(), BiasCorrection()))
     passes += [Materialize(), Requantize()]
-    if "Concat" in options.target.shared_scale_ops and fmt.from_requantized:
-        passes.append(ShareConcatScales())
+    if set(options.target.shared_scale_ops) & set(SAME_SCALE) and fmt.from_requantized:
+        passes.append(ShareScales())
     if fmt.from_requantized:
         passes.append(FloatOutputs())
     passes += [Lower(), Int4Weights(), Branches(quantize_branch), Verify(), Check(), Save()]

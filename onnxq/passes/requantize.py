@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from onnxq.passes.manager import PassResult, State, release
 from onnxq.post.requantize import Requantizer
-from onnxq.solve.constraints import share_concat_scales
+from onnxq.solve.constraints import share_scales
 
 
 class Requantize:
@@ -28,12 +28,16 @@ class Requantize:
         )
 
 
-class ShareConcatScales:
-    """Every QLinearConcat reads its inputs at its output's scale (targets that need it)."""
+class ShareScales:
+    """Every QLinear op under a same-scale rule reads its tied inputs on one grid.
 
-    name = "share-concat-scales"
+    For targets that ask for it.
+    """
+
+    name = "share-scales"
 
     def run(self, state: State) -> PassResult:
-        """Requantize the Concat inputs that solving left on other scales."""
-        state.model, changed = share_concat_scales(state.model)
-        return PassResult(f"{len(changed)} Concat inputs requantized" if changed else "")
+        """Requantize the inputs that solving rescaled."""
+        shared = set(state.options.target.shared_scale_ops)
+        state.model, changed = share_scales(state.model, shared, state.solution.rescales)
+        return PassResult(f"{len(changed)} inputs requantized" if changed else "")

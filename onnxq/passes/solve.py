@@ -18,11 +18,14 @@ class Solve:
     def run(self, state: State) -> PassResult:
         """Resolve the constraints."""
         shared = set(state.options.target.shared_scale_ops)
-        solution = solve(state.quantizer, state.values, shared)
+        asks = state.calibrator.report.asks if state.calibrator is not None else []
+        solution = solve(state.quantizer, state.values, shared, asks)
         state.values, state.solution = solution.values, solution
         parts = []
         if solution.shared:
             parts.append(f"{len(solution.shared)} shared-scale groups")
         if solution.rescales:
             parts.append(f"{len(solution.rescales)} rescales")
+        if solution.merged:
+            parts.append(f"{len(solution.merged)} conflicts merged")
         return PassResult(", ".join(parts))

@@ -40,16 +40,13 @@ import numpy as np
 import onnx
 from onnx import helper
 
-from onnxq.calibrate.dataset import DatasetManager, Feed
 from onnxq.core.errors import OnnxqError
+from onnxq.io.bodies import first_iteration, scan_attr
 from onnxq.io.graph import graphs_of, names_read, tensor_array
 from onnxq.io.session import make_session
 
 #: the nodes whose bodies are quantized as models of their own
 BODY_OPS = ("If", "Loop", "Scan")
-#: iterations one Loop is driven for at most per sample (a Loop with neither a trip count nor
-#: a condition input ends only when its body says so)
-MAX_ITERATIONS = 10_000
 
 
 @dataclass
@@ -156,10 +153,12 @@ def branch_model(
 def declared_bodies(
     model: onnx.ModelProto,
 ) -> Iterator[tuple[onnx.NodeProto, str, onnx.ModelProto]]:
-    """Each body of the top-level If, Loop and Scan nodes as a standalone model, typed without
-    data: its own inputs as it declares them, its free variables as the outer graph's shape
-    inference types them (float of unknown shape where it cannot). For ``inspect``, which
-    explains what ``quantize`` would do inside each body."""
+    """Each body of the top-level If, Loop and Scan nodes as a model, typed without data.
+
+    Its own inputs as it declares them, its free variables as the outer graph's shape inference
+    types them (float of unknown shape where it cannot). For ``inspect``, which explains what
+    ``quantize`` would do inside each body.
+    """
     holders = [n for n in model.graph.node if n.op_type in BODY_OPS]
     if not holders:
         return
@@ -178,7 +177,9 @@ def declared_bodies(
                 elif name in known:
                     graph.input.append(copy.deepcopy(known[name]))
                 else:
-                    graph.input.append(helper.make_tensor_value_info(name, onnx.TensorProto.FLOAT, None))
+                    graph.input.append(
+                        helper.make_tensor_value_info(name, onnx.TensorProto.FLOAT, None)
+                    )
             body_model = helper.make_model(graph, opset_imports=list(model.opset_import))
             body_model.ir_version = model.ir_version
             yield node, attr_name, body_model
@@ -201,109 +202,6 @@ def outer_values(
         got.update(consts)
         rows.append({n: (np.asarray(feed[n]) if n in inputs else got[n]) for n in names})
     return rows
-
-
-def _scalar_like(value: Any, declared: onnx.ValueInfoProto, dtype: Any) -> np.ndarray:
-    """``value`` as the body input ``declared`` takes it: a scalar, or of the rank it declares."""
-    tt = declared.type.tensor_type
-    rank = len(tt.shape.dim) if tt.HasField("shape") else 0
-    return np.asarray(value, dtype).reshape([1] * rank)
-
-
-def _attr(node: onnx.NodeProto, name: str, default: Any) -> Any:
-    for a in node.attribute:
-        if a.name == name:
-            return helper.get_attribute_value(a)
-    return default
-
-
-def body_iterations(
-    node: onnx.NodeProto, session: Any, row: dict[str, np.ndarray], free: list[str]
-) -> Iterator[Feed]:
-    """The inputs of ``node``'s body on each iteration it runs for one sample.
-
-    ``session``: the float body model's session; ``row``: the node's inputs and the body's
-    dynamic free variables ``free`` on that sample. The body runs as onnxruntime runs it: a
-    Loop until its trip count or condition stops it, its carried values fed back; a Scan once
-    per slice of its scan inputs, its states fed back.
-    """
-    body = dict(graphs_of(node))["body"]
-    own = list(body.input)
-    outer = {n: row[n] for n in free}
-    if node.op_type == "Loop":
-        trips = node.input[0] if node.input else ""
-        cond_in = node.input[1] if len(node.input) > 1 else ""
-        limit = int(np.asarray(row[trips]).reshape(-1)[0]) if trips else MAX_ITERATIONS
-        cond = bool(np.asarray(row[cond_in]).reshape(-1)[0]) if cond_in else True
-        carried = [row[n] for n in node.input[2:]]
-        fetch = [o.name for o in body.output[: 1 + len(carried)]]
-        i = 0
-        while cond and i < min(limit, MAX_ITERATIONS):
-            feed = {
-                own[0].name: _scalar_like(i, own[0], np.int64),
-                own[1].name: _scalar_like(cond, own[1], np.bool_),
-                **{v.name: c for v, c in zip(own[2:], carried, strict=True)},
-                **outer,
-            }
-            yield feed
-            got = session.run(fetch, feed)
-            cond, carried = bool(np.asarray(got[0]).reshape(-1)[0]), got[1:]
-            i += 1
-        return
-    scans = int(_attr(node, "num_scan_inputs", 0))
-    states = [row[n] for n in node.input[: len(node.input) - scans]]
-    inputs = [row[n] for n in node.input[len(node.input) - scans :]]
-    axes = list(_attr(node, "scan_input_axes", [0] * scans))
-    directions = list(_attr(node, "scan_input_directions", [0] * scans))
-    steps = np.asarray(inputs[0]).shape[axes[0] % np.ndim(inputs[0])] if inputs else 0
-    fetch = [o.name for o in body.output[: len(states)]]
-    for t in range(steps):
-        slices = [
-            np.take(x, steps - 1 - t if d else t, axis=a % np.ndim(x))
-            for x, a, d in zip(inputs, axes, directions, strict=True)
-        ]
-        feed = {
-            **{v.name: s for v, s in zip(own[: len(states)], states, strict=True)},
-            **{v.name: s for v, s in zip(own[len(states) :], slices, strict=True)},
-            **outer,
-        }
-        yield feed
-        states = list(session.run(fetch, feed)) if states else []
-
-
-class Iterations(DatasetManager):
-    """A Loop or Scan body's calibration feeds: its inputs on every iteration, every sample.
-
-    Computed afresh on each read (the float body run iteration by iteration), so memory holds
-    one iteration's values whatever the number of iterations.
-    """
-
-    def __init__(
-        self, node: onnx.NodeProto, body: onnx.ModelProto, free: list[str], rows: list[Feed]
-    ):
-        """``body``: the float body model (:func:`branch_model`); ``free``: its dynamic free
-        variables; ``rows``: per sample, the node's inputs and those variables."""
-        super().__init__()
-        self.node = node
-        self.model = body
-        self.free = free
-        self.rows = rows
-        #: iterations the last complete read gave
-        self.count = 0
-        self._session: Any = None
-
-    def _raw(self) -> Iterator[Feed]:
-        if self._session is None:
-            self._session = make_session(self.model, optimize=False)
-        count = 0
-        for row in self.rows:
-            for feed in body_iterations(self.node, self._session, row, self.free):
-                count += 1
-                yield feed
-        self.count = count
-
-    def describe(self) -> str:
-        return f"the iterations of {self.node.op_type} '{self.node.name}'"
 
 
 def _rename(graph: onnx.GraphProto, mapping: dict[str, str]) -> None:
@@ -333,12 +231,15 @@ def quantize_branches(
     result: onnx.ModelProto,
     feeds: list[dict[str, np.ndarray]],
     quantize: Callable[[onnx.ModelProto, Any], tuple[onnx.ModelProto, Any]],
+    iterations: Callable[[onnx.NodeProto, onnx.ModelProto, list[str], list[Any]], Any],
 ) -> tuple[onnx.ModelProto, list[BranchResult]]:
     """``result`` with the bodies of its top-level If, Loop and Scan nodes quantized.
 
     ``float_model`` is the preprocessed float model whose nodes ``result`` kept; ``quantize``
-    quantizes a body model with the caller's options, on a list of feeds or a DatasetManager
-    (see the module doc).
+    quantizes a body model with the caller's options, on a list of feeds or a DatasetManager;
+    ``iterations(node, body model, dynamic free variables, rows)`` gives a Loop or Scan body's
+    feeds, one per iteration (onnxq.calibrate.iterations), with the count of the last read as
+    ``count`` (see the module doc).
     """
     holders = [n for n in float_model.graph.node if n.op_type in BODY_OPS]
     out = copy.deepcopy(result)
@@ -379,12 +280,12 @@ def quantize_branches(
                     continue
                 free = dynamic_free_variables(float_model, body)
                 rows = [{n: row[n] for n in [*node.input, *free] if n} for row in values]
-                first = _first_iteration(node, rows, free)
+                first = first_iteration(node, rows, free)
                 if first is None:
                     res.reason = "no calibration sample runs an iteration, so it stays float"
                     continue
                 model = branch_model(float_model, body, first)
-                data = Iterations(node, model, free, rows)
+                data = iterations(node, model, free, rows)
                 res.samples = len(rows)
             try:
                 qbranch, qreport = quantize(model, data)
@@ -393,7 +294,7 @@ def quantize_branches(
                 continue
             res.decisions = list(qreport.decisions)
             res.quantized = len(qreport.quantized_nodes)
-            res.iterations = data.count if isinstance(data, Iterations) else 0
+            res.iterations = 0 if node.op_type == "If" else int(data.count)
             if res.quantized == 0:
                 res.reason = "nothing in it is worth quantizing (see its node reasons)"
                 continue
@@ -419,21 +320,14 @@ def _unsupported(node: onnx.NodeProto) -> str:
     """Why onnxq cannot drive ``node``'s body, or ''."""
     if node.op_type == "Scan" and not any(a.name == "num_scan_inputs" for a in node.attribute):
         return "a Scan without num_scan_inputs"
-    if node.op_type == "Scan" and len(node.input) and not node.input[0] and _attr(
-        node, "num_scan_inputs", 0
-    ) == len(node.input):
+    if (
+        node.op_type == "Scan"
+        and len(node.input)
+        and not node.input[0]
+        and scan_attr(node, "num_scan_inputs", 0) == len(node.input)
+    ):
         return "a Scan of opset 8 (sequence_lens) is not driven"
     return ""
-
-
-def _first_iteration(node: onnx.NodeProto, rows: list[Feed], free: list[str]) -> Feed | None:
-    """The body's inputs on the first iteration any sample runs (their dtypes and ranks type
-    the body model), or None. No body run is needed for it."""
-    for row in rows:
-        feed = next(body_iterations(node, None, row, free), None)
-        if feed is not None:
-            return feed
-    return None
 
 
 def _drop_unread(graph: onnx.GraphProto, names: set[str]) -> None:

@@ -8,17 +8,31 @@ and one zero-point placeholder) has a value of its own. Kernels constrain those 
   type's minimum, so the port's range must start at 0.
 * **derived**: a carrier (MaxPool, Reshape, Slice, nearest Resize, Split…) moves int8 values
   unchanged, so its output port takes the value of the port it reads from.
-* **same scale**: for targets that ask for it (TensorRT), a Concat's inputs and output share one
-  scale and zero point, covering the union of their ranges, so the runtime can write each input
-  straight into the output buffer.
+* **same scale**: for targets that ask for it, the ports a kernel ties together
+  (onnxq.core.constraints: a Concat's inputs and output, so the runtime writes each input
+  straight into the output buffer; an Add's two inputs under TensorRT) share one scale and zero
+  point, covering the union of their ranges.
 * **multiplier** (bias scale = input scale × weight scale) is derived at materialization.
 
 :func:`solve` runs a work-list over the derived and same-scale constraints in the float model's
-topological order, merging ports into groups (union-find) as long as the group's constraints
-stay satisfiable. A port whose constraints conflict with its group's (a fixed grid too narrow
-for the shared range, a Relu-folded output in a group with negative values, another dtype) is
-not merged: the edge gets a rescale, a DQ→Q requantize the report names. The result is
-deterministic: the order is the model's, ties keep the first member.
+topological order, merging ports into groups (union-find; a group's value covers its members'
+ranges, so a range moves up to the producers as well as down to the readers). Where two
+constraints meet in conflict the pass decides, and the report lists each decision with its
+measured cost:
+
+* a port whose constraints cannot hold in the group (a fixed grid too narrow for the shared
+  range, a Relu-folded output in a group with negative values, another dtype) is not merged:
+  its edge into the kernel is rescaled (a DequantizeLinear → QuantizeLinear pair);
+* a port whose grid would grow coarser for readers outside the kernel by more than
+  ``MERGE_BOUND_DB`` (the widths of the calibrated ranges: a grid twice as wide has steps twice
+  as large, 6.02 dB more rounding noise) is rescaled on that edge too; within the bound it
+  joins, and its cost is listed (a port read by nothing else joins at no cost);
+* two calibrations of one port (a writer and a reader, or two readers, configured with other
+  methods) are one grid: the first in graph order, the writer's where a quantized op writes
+  it, is kept (a QLinear reader reads the grid its input is written on; a rescale would round
+  twice); the report gives each other's cost.
+
+The result is deterministic: the order is the model's, ties keep the first member.
 """
 
 from __future__ import annotations
@@ -32,6 +46,8 @@ import onnx
 import onnx_graphsurgeon as gs
 
 from onnxq.annotate.quantizer import Quantizer
+from onnxq.core.constraints import MERGE_BOUND_DB, SAME_SCALE
+from onnxq.core.optable import BY_QOP
 from onnxq.core.qparams import params_from_range, qrange
 from onnxq.core.specs import PatternRecord, QTensor
 from onnxq.io.graph import GraphEditor, constant_value, export_model, import_graph
@@ -51,15 +67,22 @@ class _Group:
     fixed_by: str = ""
     zero_at_min: str = ""  # the Relu-folded port's tensor, if any
     shared: bool = False  # joined by a same-scale constraint (else: value of its source)
+    #: the kernels whose same-scale rule made this group (for the report)
+    kernels: list[str] = field(default_factory=list)
 
 
 @dataclass
 class Rescale:
-    """An edge whose constraints conflict: ``node`` reads ``tensor`` through a DQ→Q rescale."""
+    """An edge whose constraints conflict: ``node`` reads ``tensor`` through a DQ→Q rescale.
+
+    ``scale`` and ``zero_point``: the placeholders of the grid it is rescaled to.
+    """
 
     tensor: str
     node: str
     reason: str
+    scale: str = ""
+    zero_point: str = ""
 
     def __str__(self) -> str:
         return f"rescale of '{self.tensor}' into '{self.node}': {self.reason}"
@@ -73,6 +96,23 @@ class Solution:
     #: one line per group of two or more ports joined by a same-scale constraint
     shared: list[str] = field(default_factory=list)
     rescales: list[Rescale] = field(default_factory=list)
+    #: one line per conflict resolved by a merge, with its cost
+    merged: list[str] = field(default_factory=list)
+
+
+def _width(ranges: list[tuple[float, float]]) -> float:
+    return max(r[1] for r in ranges) - min(r[0] for r in ranges)
+
+
+def coarser_db(wide: float, narrow: float) -> float:
+    """How much more rounding noise a grid over a range ``wide`` wide has, in dB.
+
+    Against a grid over a range ``narrow`` wide: steps grow with the width, noise power with the
+    step².
+    """
+    if narrow <= 0 or wide <= narrow:
+        return 0.0
+    return float(20 * np.log10(wide / narrow))
 
 
 def implied_range(scale: float, zero_point: int, dtype: str) -> tuple[float, float]:
@@ -82,10 +122,17 @@ def implied_range(scale: float, zero_point: int, dtype: str) -> tuple[float, flo
 
 
 class _Solver:
-    def __init__(self, quantizer: Quantizer, values: dict[str, np.ndarray], shared_ops: set[str]):
+    def __init__(
+        self,
+        quantizer: Quantizer,
+        values: dict[str, np.ndarray],
+        shared_ops: set[str],
+        asks: list[tuple[str, str, np.ndarray]] = (),  # type: ignore[assignment]
+    ):
         self.q = quantizer
         self.values = dict(values)
         self.shared_ops = shared_ops
+        self.asks = list(asks)
         self.parent: dict[str, str] = {}
         self.groups: dict[str, _Group] = {}
         self.ports: dict[str, QTensor] = {}
@@ -190,6 +237,7 @@ class _Solver:
                 self._derive(rec, writers, tensors)
             else:
                 self._share(rec)
+        self._asked()
         self._assign()
         return self.solution
 
@@ -208,25 +256,104 @@ class _Solver:
                 self.merge(root, port, derived=True)
 
     def _share(self, rec: PatternRecord) -> None:
-        """One scale for a Concat's inputs and output; conflicting inputs get a rescale."""
-        out = self.find(rec.outputs[0].scale)
-        joined = 0
-        for qt in rec.inputs:
+        """The ports the kernel's same-scale rule ties share one value, or are rescaled.
+
+        The anchor is the output ("all": every input lands in it) or, for "inputs", the input
+        with the widest range; each other port joins it unless a hard conflict or the cost
+        bound stops it (see the module doc).
+        """
+        rule = SAME_SCALE[str(rec.pattern.shares_scale)]
+        inputs = [qt for qt in rec.inputs if qt.role == "activation"]
+        if rule.ports == "all":
+            members = [rec.outputs[0], *inputs]
+        else:
+            members = sorted(inputs, key=lambda qt: self._anchor_rank(qt))
+        kernel = f"{rule.op} '{rec.nodes[0]}'"
+        anchor = self.find(members[0].scale)
+        self.groups[anchor].kernels.append(kernel)
+        widened = False
+        for qt in members[1:]:
             port = self.find(qt.scale)
-            if port == out:
+            anchor = self.find(anchor)
+            if port == anchor:
                 continue
-            why = self.conflict(self.groups[out], self.groups[port])
+            a, b = self.groups[anchor], self.groups[port]
+            why = self.conflict(a, b)
+            union = _width(a.ranges + b.ranges)
+            cost = coarser_db(union, _width(b.ranges)) if self._read_elsewhere(b, rec) else 0.0
+            if rule.ports == "inputs" and self._read_elsewhere(a, rec):
+                cost = max(cost, coarser_db(union, _width(a.ranges)))
+            if not why and cost > MERGE_BOUND_DB:
+                why = (
+                    f"one grid with {kernel} would be {cost:.1f} dB coarser for the other "
+                    f"readers of '{qt.tensor}' (bound {MERGE_BOUND_DB} dB)"
+                )
             if why:
-                self.solution.rescales.append(Rescale(qt.tensor, rec.nodes[0], why))
+                head = self.ports[anchor]
+                self.solution.rescales.append(
+                    Rescale(qt.tensor, rec.nodes[0], why, head.scale, head.zero_point)
+                )
+                if rule.ports == "inputs" and not a.fixed:  # the shared grid holds it too
+                    a.ranges = a.ranges + b.ranges
+                    widened = True
                 continue
-            self.merge(out, port)
-            joined += 1
-        if joined:
-            self.groups[out].shared = True
+            if cost > 0:
+                self.solution.merged.append(
+                    f"'{qt.tensor}' joins the grid of {kernel}: {cost:.1f} dB coarser for its "
+                    f"other readers (within the {MERGE_BOUND_DB} dB bound)"
+                )
+            self.merge(anchor, port)
+            widened = True
+        if widened:
+            self.groups[self.find(anchor)].shared = True
+
+    def _anchor_rank(self, qt: QTensor) -> float:
+        """Widest range first: the shared grid then holds every member without clipping.
+
+        A narrower fixed grid is rescaled onto it.
+        """
+        return -_width(self.groups[self.find(qt.scale)].ranges)
+
+    def _read_elsewhere(self, g: _Group, rec: PatternRecord) -> bool:
+        """Whether a port of ``g`` is read by anything but ``rec``'s nodes.
+
+        A graph output counts: such readers see the group's grid.
+        """
+        tensors = self.q.float_graph.tensors()
+        outputs = {t.name for t in self.q.float_graph.outputs}
+        inside = set(rec.nodes)
+        for p in g.ports:
+            name = self.ports[p].tensor
+            if name in outputs:
+                return True
+            t = tensors.get(name)
+            if t is not None and any(n.name not in inside for n in t.outputs):
+                return True
+        return False
+
+    def _asked(self) -> None:
+        """Each second calibration of one port: its grid and what keeping the first costs it."""
+        for placeholder, who, value in self.asks:
+            qt = next((q for q in self.ports.values() if q.scale == placeholder), None)
+            if qt is None:
+                continue
+            kept = float(np.asarray(self.values[placeholder]).reshape(-1)[0])
+            asked = float(np.asarray(value).reshape(-1)[0])
+            cost = coarser_db(kept, asked)
+            if cost > 0:
+                what = f"{cost:.1f} dB coarser than it asked"
+            else:
+                what = (
+                    f"a grid {coarser_db(asked, kept):.1f} dB finer than it asked (its range clips)"
+                )
+            self.solution.merged.append(
+                f"'{qt.tensor}' calibrated twice: {who} asked scale {asked:.6g}; one grid, the "
+                f"first in graph order ({kept:.6g}), is kept: {what}"
+            )
 
     def _assign(self) -> None:
         for root, g in sorted(self.groups.items(), key=lambda kv: kv[1].ports[0]):
-            if len(g.ports) == 1:
+            if len(g.ports) == 1 and not g.shared:
                 continue
             if g.fixed is not None:
                 s, z = g.fixed
@@ -247,32 +374,52 @@ class _Solver:
             if g.shared:
                 names = ", ".join(f"'{self.ports[p].tensor}'" for p in g.ports)
                 self.solution.shared.append(
-                    f"{names} share scale {s:.6g}, zero point {z} (same-scale Concat)"
+                    f"{names} share scale {s:.6g}, zero point {z} "
+                    f"(same-scale {', '.join(g.kernels)})"
                 )
 
 
 def solve(
-    quantizer: Quantizer, values: dict[str, np.ndarray], shared_ops: set[str] | frozenset[str]
+    quantizer: Quantizer,
+    values: dict[str, np.ndarray],
+    shared_ops: set[str] | frozenset[str],
+    asks: list[tuple[str, str, np.ndarray]] | None = None,
 ) -> Solution:
-    """Resolve the constraints on ``values`` (calibrated placeholders); see the module doc."""
-    return _Solver(quantizer, values, set(shared_ops)).run()
+    """Resolve the constraints on ``values`` (calibrated placeholders); see the module doc.
+
+    ``asks``: (scale placeholder, who asked, value) for each calibration of a port after the
+    first (onnxq.calibrate.calibration), resolved and costed in the report.
+    """
+    return _Solver(quantizer, values, set(shared_ops), asks or []).run()
 
 
-def share_concat_scales(model: onnx.ModelProto) -> tuple[onnx.ModelProto, list[str]]:
-    """Make every QLinearConcat read its inputs at its output's scale and zero point.
+def share_scales(
+    model: onnx.ModelProto, shared_ops: set[str] | frozenset[str], rescales: list[Rescale]
+) -> tuple[onnx.ModelProto, list[str]]:
+    """Make every QLinear op under a same-scale rule read its tied inputs on one grid.
 
-    Inputs quantized otherwise (the rescales :func:`solve` decided on) are requantized by an
-    explicit DequantizeLinear → QuantizeLinear pair in front of the Concat. Returns the model
-    and the tensors rescaled.
+    A Concat ("all") reads every input at its output's scale and zero point; an Add under an
+    "inputs" rule reads the input :func:`solve` rescaled at the grid of the group it did not
+    join. Inputs on another grid are requantized by an explicit DequantizeLinear →
+    QuantizeLinear pair in front of the op. Returns the model and the tensors rescaled.
     """
     graph = import_graph(model)
     editor = GraphEditor(graph)
+    tensors = graph.tensors()
+    into = {f"{r.node}_quant": r for r in rescales if r.scale}
     rescaled = []
     for node in list(graph.nodes):
-        if node.op != "QLinearConcat":
+        spec = BY_QOP.get(node.op)
+        rule = SAME_SCALE.get(spec.float_op) if spec is not None else None
+        if spec is None or rule is None or rule.op not in shared_ops:
             continue
-        ys, yz = node.inputs[0], node.inputs[1]
-        for pos in range(2, len(node.inputs), 3):
+        if rule.ports == "all":
+            ys, yz = node.inputs[spec.output], node.inputs[spec.output + 1]
+        elif node.name in into and into[node.name].scale in tensors:
+            ys, yz = tensors[into[node.name].scale], tensors[into[node.name].zero_point]
+        else:
+            continue
+        for pos in spec.triple_positions(len(node.inputs)):
             x, s, z = node.inputs[pos : pos + 3]
             if _same(s, ys) and _same(z, yz):
                 continue
