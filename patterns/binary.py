@@ -17,6 +17,7 @@ class AddPattern(BinaryPattern):
     name = "add"
     op_type = "Add"
     qop = "QLinearAdd"
+    shares_scale = "Add"
 
 
 class MulPattern(BinaryPattern):
