@@ -306,6 +306,9 @@ class QuantizeOptions:
     progress: bool | None = None
     output: str | os.PathLike[str] | None = None
     latency_check: bool = False
+    #: the model is a body of a larger model (an If branch, a Loop/Scan body): ``--config``
+    #: and ``exclude`` may name nodes of the other graphs
+    body: bool = False
     #: bias correction after solving: "auto" (fast for CNNs), "none" or "fast"
     bias_correction: str = "auto"
     #: SmoothQuant before annotation: "auto" (on for transformers), "on" or "off"
@@ -358,6 +361,7 @@ class QuantizeOptions:
             format=self.format,
             target=self.target.name,
             int16_activations=self.target.int16_activations,
+            body=self.body,
         )
 
     def kept_float(self, model: Any) -> set[str]:
@@ -392,7 +396,9 @@ class QuantizeOptions:
 
     def for_branches(self) -> QuantizeOptions:
         """The options an If branch is quantized with: the same choices, nothing written."""
-        return replace(self, output=None, save_ranges=None, progress=False, latency_check=False)
+        return replace(
+            self, output=None, save_ranges=None, progress=False, latency_check=False, body=True
+        )
 
 
 def resolve(

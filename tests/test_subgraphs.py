@@ -186,3 +186,16 @@ def test_nested_copies_of_an_outer_constant_are_hoisted():
     assert model.ByteSize() < before - 60 * 64 * 4
     f = {"x": np.ones((1, 64), np.float32), "c": np.array(True)}
     np.testing.assert_array_equal(run(model, f)[0], np.full((1, 64), 64, np.float32))
+
+
+def test_config_reaches_a_branch_node_and_a_main_node_entry_leaves_branches_alone():
+    # before, any [node] entry made every branch's own quantization fail ("names nodes that
+    # are not in the model") and the branches stayed float
+    # the branch's nodes by the names `inspect` gives them
+    model, data = if_model(), feeds(1) + feeds(2)
+    config = {"node": {"Conv_then_y": {"keep_float": True}}}
+    q, _ = onnxq.quantize(model, data, config=config, progress=False)
+    assert _branch_ops(q, "then_branch").count("QLinearConv") == 1
+    assert _branch_ops(q, "else_branch").count("QLinearConv") == 2
+    q2, _ = onnxq.quantize(model, data, config={"node": {"Equal_cond": {}}}, progress=False)
+    assert _branch_ops(q2, "then_branch").count("QLinearConv") == 2

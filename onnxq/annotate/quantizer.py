@@ -64,6 +64,36 @@ from onnxq.prepare.preprocess import preprocess, unique_names
 ACTIVATION_DTYPES = ("uint8", "int8", "int16")
 
 
+def _names(graph: gs.Graph, top: bool = True) -> list[tuple[str, str]]:
+    """(name, op) of the nodes of ``graph`` and of the If/Loop/Scan bodies nested in it.
+
+    A body's unnamed nodes by the name its own preprocessing gives them when it is quantized
+    (onnxq.prepare.preprocess: op and first output, made unique within the body), the name
+    ``inspect`` shows.
+    """
+    nodes = list(graph.nodes)
+    bases = [n.name or f"{n.op}_{n.outputs[0].name if n.outputs else 'node'}" for n in nodes]
+    out = list(zip([n.name for n in nodes] if top else unique_names(bases), [n.op for n in nodes]))
+    for n in nodes:
+        for v in n.attrs.values():
+            if isinstance(v, gs.Graph):
+                out += _names(v, top=False)
+    return out
+
+
+def all_node_names(graph: gs.Graph) -> set[str]:
+    """Node names of ``graph``, its bodies included.
+
+    ``--config`` and ``--exclude`` reach them: each body is quantized with the call's options.
+    """
+    return {name for name, _ in _names(graph)}
+
+
+def all_op_types(graph: gs.Graph) -> set[str]:
+    """Op types of ``graph``, its bodies included."""
+    return {op for _, op in _names(graph)}
+
+
 @dataclass(frozen=True)
 class QuantizerConfig:
     """What the user asks for. Validated on creation."""
@@ -86,6 +116,9 @@ class QuantizerConfig:
     #: the target runs int16 activations next to its symmetric 8-bit ones
     #: (Target.int16_activations)
     int16_activations: bool = False
+    #: the model is a body of a larger model: ``user`` and ``exclude`` may name nodes of the
+    #: other graphs (the outer model checked them)
+    body: bool = False
 
     def __post_init__(self) -> None:
         if self.activation_dtype not in ACTIVATION_DTYPES:
@@ -252,13 +285,13 @@ class Quantizer:
     def _resolve_user(self, graph: gs.Graph, kept: dict[str, str]) -> None:
         """Apply --config to every node; requests the target cannot run are ignored (warned)."""
         user = self.config.user
-        missing = user.unknown_nodes({n.name for n in graph.nodes})
+        missing = [] if self.config.body else user.unknown_nodes(all_node_names(graph))
         if missing:
             raise ConfigError(
                 f"{user.path} names node(s) {shown(str(missing))} that are not in the "
                 "model; `onnxq inspect MODEL` lists node names"
             )
-        absent = user.unknown_op_types({n.op for n in graph.nodes})
+        absent = set() if self.config.body else user.unknown_op_types(all_op_types(graph))
         if absent:
             self.warnings.append(
                 f"{user.path} configures op type(s) {shown(str(absent))} that the model does "
@@ -394,8 +427,8 @@ class Quantizer:
     # bookkeeping
 
     def _check_exclusions(self, graph: gs.Graph) -> None:
-        names = {n.name for n in graph.nodes}
-        missing = [e for e in self.config.exclude if e not in names]
+        names = all_node_names(graph)
+        missing = [] if self.config.body else [e for e in self.config.exclude if e not in names]
         if missing:
             raise ConfigError(
                 f"--exclude names node(s) {missing} that are not in the model; "

@@ -76,6 +76,25 @@ from onnxq.simulate.sensitivity import BUDGET_S, GroupScore, Ranking, db, fix, f
 MAX_GROUPS = 32
 #: batches the default metric and the cross-runtime check run on
 CHECK_BATCHES = 32
+#: groups inside If/Loop/Scan bodies measured one by one, at most
+MAX_BODY_GROUPS = 16
+
+
+@dataclass
+class BodyGroup:
+    """A group inside an If branch or a Loop/Scan body, measured with it alone float."""
+
+    #: the node holding the body, the body's attribute, the group's node inside it
+    holder: str
+    body: str
+    node: str
+    #: the metric with this group float (every other group as quantize leaves it)
+    metric: float
+
+    @property
+    def name(self) -> str:
+        """As the report names it."""
+        return f"{self.holder}/{self.body}/{self.node}"
 
 
 @dataclass
@@ -131,6 +150,9 @@ class DebugResult:
     noise: float | None = None
     #: fp32 latency per batch (1 thread, the steps' batches)
     fp32_ms: float = 0.0
+    #: groups inside If/Loop/Scan bodies, each measured with it float (the emulation behind
+    #: the ranking covers the main graph), best first
+    body_groups: list[BodyGroup] = field(default_factory=list)
 
     def kind(self, group: GroupScore) -> str:
         """What ``group`` went back to: "float" or "int16"."""
@@ -185,6 +207,16 @@ class DebugResult:
             self.ranking.table(),
             "",
         ]
+        if self.body_groups:
+            lines.append(
+                f"inside If/Loop/Scan bodies, each group measured with it alone float "
+                f"({self.config_hint}):"
+            )
+            lines += [
+                f"  {g.name}: {g.metric:.4f} ({g.metric - self.int8:+.4f})"
+                for g in self.body_groups
+            ]
+            lines.append("")
         if self.fixed is None:
             lines.append(
                 "nothing to fix: int8 loses nothing on this metric"
@@ -231,6 +263,11 @@ class DebugResult:
         return "\n".join(lines)
 
     @property
+    def config_hint(self) -> str:
+        """How a body group is returned to float by hand."""
+        return '[node."NODE"] keep_float = true in --config, NODE as named after the body\'s name'
+
+    @property
     def fixed_ms(self) -> float:
         """Latency per batch of the bisection step the fix applies (0 without a fix)."""
         k = len(self.chosen)
@@ -271,6 +308,10 @@ class DebugResult:
             "int16_nodes_fixed": self.int16_nodes_fixed,
             "seconds": round(self.seconds, 3),
             "ranking": self.ranking.to_dict(),
+            "body_groups": [
+                {"node": g.name, "metric": g.metric, "gain": g.metric - self.int8}
+                for g in self.body_groups
+            ],
             "cross_check": self.check.to_dict(),
             "notes": self.notes,
         }
@@ -366,7 +407,20 @@ def debug(
     check = cross_check(
         emulation, state.quantizer.float_model, int8_model, check_feeds, state.options.target.name
     )
+    inside = [
+        (b.node, b.branch, d.node)
+        for b in state.branches
+        for d in b.decisions
+        if d.quantized and d.pattern not in ("", "requantize", "branches")
+    ]
     del state, emulation
+    body_groups = []
+    if int8 < fp32:
+        for holder, body, node in inside[:MAX_BODY_GROUPS]:
+            config = UserConfig.from_dict({"node": {node: fix_entry("float")}}, "debug")
+            trial = quantize_state(source, feeds, config=config, **kw)
+            body_groups.append(BodyGroup(holder, body, node, metric(trial.model)))
+        body_groups.sort(key=lambda g: -g.metric)
     target_name = target or "ort-cpu"
     loss = fp32 - int8
     timing = check_feeds[:4]
@@ -483,6 +537,7 @@ def debug(
         parts,
         noise,
         fp32_ms,
+        body_groups,
     )
     if report is not None:
         write_text_atomic(report, _html(result, source, int8_model, int8_report, check_feeds))
