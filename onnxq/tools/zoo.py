@@ -63,6 +63,7 @@ MODEL_KEYS = {
     "notes",
     "inputs",
     "requires",
+    "sdist",
 }
 BAR_KEYS = {"max_loss", "min_quantized"}
 
@@ -266,7 +267,7 @@ def load_manifest(path: str | os.PathLike[str] | None = None) -> Manifest:
         model = (
             Asset(table["file"], table.get("sha256"))
             if "file" in table
-            else Asset(table["path"], table["sha256"])
+            else Asset(table["path"], table["sha256"], None, bool(table.get("sdist")))
         )
         models[name] = ZooModel(
             name=name,

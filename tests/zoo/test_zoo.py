@@ -306,3 +306,41 @@ def test_text_scenes_are_stride_multiples_and_calibration_differs_from_evaluatio
         assert 320 <= height <= 640 and 320 <= width <= 640
     assert not any(np.array_equal(a["x"], b["x"]) for a in cal for b in ev)
     assert np.array_equal(cal[0]["x"], recipe.calibration(1)[0]["x"])  # fixed seed
+
+
+def test_face_windows_are_the_float_pnets_proposals_on_other_photographs(tmp_path):
+    # a toy P-Net: one 12x12 window per 2 pixels, its face score the window's mean brightness;
+    # R-Net's windows are then the brightest 12-pixel squares, cut from the photograph
+    from onnx import TensorProto
+    from onnx import helper as h
+
+    from models.recipes import FaceCandidates
+
+    nodes = [
+        h.make_node("Transpose", ["x"], ["t"], perm=[0, 3, 1, 2]),
+        h.make_node("AveragePool", ["t"], ["m"], kernel_shape=[12, 12], strides=[2, 2]),
+        h.make_node("ReduceMean", ["m"], ["g"], axes=[1], keepdims=1),
+        h.make_node("Concat", ["g", "g"], ["two"], axis=1),
+        h.make_node("Transpose", ["two"], ["prob"], perm=[0, 2, 3, 1]),
+        h.make_node("Identity", ["prob"], ["box"]),
+    ]
+    graph = h.make_graph(
+        nodes,
+        "toy_pnet",
+        [h.make_tensor_value_info("x", TensorProto.FLOAT, ["N", "H", "W", 3])],
+        [
+            h.make_tensor_value_info("box", TensorProto.FLOAT, None),
+            h.make_tensor_value_info("prob", TensorProto.FLOAT, None),
+        ],
+    )
+    path = tmp_path / "pnet.onnx"
+    onnx.save(h.make_model(graph, opset_imports=[h.make_opsetid("", 13)]), str(path))
+    recipe = FaceCandidates(path, {}, {"stage": "rnet"})
+    cal, ev = recipe._windows("calibration"), recipe._windows("evaluation")
+    assert cal.shape[1:] == (24, 24, 3) and ev.shape[1:] == (24, 24, 3)
+    assert len(cal) > 100 and -1.0 <= cal.min() and cal.max() <= 1.0
+    # the brightest windows come first per photograph and scale: bright, and not the same
+    assert cal[:32].mean() > cal.mean()
+    assert not any(np.array_equal(a, b) for a in cal[:16] for b in ev[:16])
+    feeds = recipe.calibration(5)
+    assert len(feeds) == 5 and all(f[recipe.input].shape == (1, 24, 24, 3) for f in feeds)
