@@ -403,14 +403,17 @@ def test_inspect_explains_the_nodes_of_a_loop_body(tmp_path, capsys):
     assert "calibrated on every iteration" in out
 
 
-def test_debug_measures_the_groups_inside_a_loop_body():
+def test_debug_measures_the_groups_inside_a_loop_body(tmp_path):
     from onnxq.tools.debug import debug
 
     model = loop_rnn(20, gain=1.2)
-    result = debug(model, _feeds(20, 8), budget=5, output=None)
+    page = tmp_path / "debug.html"
+    result = debug(model, _feeds(20, 8), budget=5, output=tmp_path / "fix.toml", report=page)
     names = [g.name for g in result.body_groups]
     assert sorted(names) == ["rnn/body/hidden_mm", "rnn/body/input_mm"], names
     for g in result.body_groups:  # each measured: a quantization with that MatMul float
         assert g.metric != result.int8
     assert "inside If/Loop/Scan bodies" in result.summary()
     assert {r["node"] for r in result.to_dict()["body_groups"]} == set(names)
+    text = page.read_text()
+    assert "Groups inside If branches and Loop/Scan bodies" in text and "rnn/body/input_mm" in text

@@ -626,6 +626,18 @@ def _html(
             ],
         ),
     )
+    if result.body_groups:
+        page.add(
+            "Groups inside If branches and Loop/Scan bodies",
+            "Each measured by a full quantization with that group alone float (the emulation "
+            "behind the ranking covers the main graph); the fix leaves them out: "
+            + result.config_hint
+            + ".",
+            html.table(
+                ["group", "metric with it float", "against int8"],
+                [(g.name, g.metric, g.metric - result.int8) for g in result.body_groups],
+            ),
+        )
     if len(result.steps) > 1:
         page.add(
             "Accuracy and latency of the bisection's steps",
