@@ -29,7 +29,7 @@ def test_committed_models_give_the_reference_values_and_outputs():
     )
     assert done.returncode == 0, done.stdout + done.stderr[-2000:]
     lines = [ln for ln in done.stdout.splitlines() if ln.startswith(("digits", "fashion"))]
-    assert len(lines) == 12, done.stdout  # 3 models x 4 settings
+    assert len(lines) == 20, done.stdout  # 5 models x 4 settings
 
 
 def test_the_check_fails_on_a_changed_scale(tmp_path):
