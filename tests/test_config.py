@@ -38,6 +38,18 @@ def test_priority_global_op_regex_name():
     assert cfg.resolve("fc", "Gemm").keep_float
 
 
+def test_config_as_a_dict_is_the_toml_document_and_another_type_is_refused(tmp_path):
+    toml = tmp_path / "c.toml"
+    toml.write_text('[op_type.Gemm]\nkeep_float = true\n')
+    from_file, _ = onnxq.quantize(CNN, {"input": X}, config=str(toml), progress=False)
+    from_dict, _ = onnxq.quantize(
+        CNN, {"input": X}, config={"op_type": {"Gemm": {"keep_float": True}}}, progress=False
+    )
+    assert from_file.SerializeToString() == from_dict.SerializeToString()
+    with pytest.raises(ConfigError, match="config is a int; give a TOML file's path"):
+        onnxq.quantize(CNN, {"input": X}, config=42, progress=False)
+
+
 def test_config_drives_quantization(tmp_path):
     toml = tmp_path / "c.toml"
     toml.write_text(
