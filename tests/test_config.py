@@ -40,7 +40,7 @@ def test_priority_global_op_regex_name():
 
 def test_config_as_a_dict_is_the_toml_document_and_another_type_is_refused(tmp_path):
     toml = tmp_path / "c.toml"
-    toml.write_text('[op_type.Gemm]\nkeep_float = true\n')
+    toml.write_text("[op_type.Gemm]\nkeep_float = true\n")
     from_file, _ = onnxq.quantize(CNN, {"input": X}, config=str(toml), progress=False)
     from_dict, _ = onnxq.quantize(
         CNN, {"input": X}, config={"op_type": {"Gemm": {"keep_float": True}}}, progress=False
