@@ -417,3 +417,18 @@ def test_debug_measures_the_groups_inside_a_loop_body(tmp_path):
     assert {r["node"] for r in result.to_dict()["body_groups"]} == set(names)
     text = page.read_text()
     assert "Groups inside If branches and Loop/Scan bodies" in text and "rnn/body/input_mm" in text
+
+
+def test_sequential_bias_correction_runs_past_a_scan():
+    # the correction cuts the model into pieces at each biased layer; a piece holding the
+    # Scan declared the body's own names (its step's 'a', 'c', ...) as inputs: onnxruntime
+    # refused the piece ("'a' has been used as output names multiple times")
+    model = scan_rnn(12)
+    head = next(n for n in model.graph.node if n.name == "head")
+    head.output[0] = "y_mm"
+    model.graph.node.append(h.make_node("Add", ["y_mm", "head_b"], ["y"], name="head_bias"))
+    model.graph.initializer.append(nh.from_array(np.full(4, 0.1, np.float32), "head_b"))
+    q, report = onnxq.quantize(model, _feeds(12, 16), bias_correction="sequential", progress=False)
+    assert "sequential" in report.summary()
+    feed = _eval_feed(12)
+    assert _sqnr(run(model, feed)[0], run(q, feed)[0]) > 25

@@ -647,12 +647,18 @@ def graphs_of(node: onnx.NodeProto) -> Iterator[tuple[str, onnx.GraphProto]]:
 
 
 def names_read(nodes: Iterable[onnx.NodeProto]) -> set[str]:
-    """Every tensor name ``nodes`` read, those their bodies read included (no empty names)."""
+    """Every tensor name ``nodes`` read from their graph (no empty names).
+
+    A body's reads count where they reach outside it: a name the body defines itself (its
+    inputs, initializers and node outputs: a Scan step's ``gx``) is not read from the graph.
+    """
     names: set[str] = set()
     for node in nodes:
         names.update(i for i in node.input if i)
         for _, body in graphs_of(node):
-            names |= names_read(body.node)
+            own = {i.name for i in body.input} | {t.name for t in body.initializer}
+            own |= {o for n in body.node for o in n.output}
+            names |= names_read(body.node) - own
     return names
 
 
