@@ -305,6 +305,20 @@ def _head(state: str) -> list[onnx.NodeProto]:
     ]
 
 
+def _save_rnn(name: str, nodes: list, inits: dict, net: RowRNN, sample: np.ndarray) -> None:
+    """A row RNN's graph: image (N, 1, 28, 28) in, logits (N, 10) out, checked against ``net``."""
+    f = TensorProto.FLOAT
+    save(
+        nodes,
+        inits,
+        h.make_tensor_value_info("image", f, ["N", 1, 28, 28]),
+        h.make_tensor_value_info("logits", f, ["N", 10]),
+        HERE / f"{name}.onnx",
+        name,
+        (net, sample),
+    )
+
+
 def _train_rnn(cell: str, data: str, hidden: int, epochs: int) -> tuple[RowRNN, np.ndarray]:
     xtr, ytr, xte, yte = datasets.digits() if data == "digits" else datasets.fashion()
     torch.manual_seed(0)
@@ -364,15 +378,7 @@ def digits_gru_loop() -> None:
         *_head("h_last"),
     ]
     inits["channel"] = np.array([1], np.int64)
-    save(
-        nodes,
-        inits,
-        h.make_tensor_value_info("image", f, ["N", 1, 28, 28]),
-        h.make_tensor_value_info("logits", f, ["N", 10]),
-        HERE / "digits_gru_loop.onnx",
-        "digits_gru_loop",
-        (net, sample),
-    )
+    _save_rnn("digits_gru_loop", nodes, inits, net, sample)
 
 
 def fashion_lstm_scan() -> None:
@@ -431,15 +437,7 @@ def fashion_lstm_scan() -> None:
         ),
         *_head("h_last"),
     ]
-    save(
-        nodes,
-        inits,
-        h.make_tensor_value_info("image", f, ["N", 1, 28, 28]),
-        h.make_tensor_value_info("logits", f, ["N", 10]),
-        HERE / "fashion_lstm_scan.onnx",
-        "fashion_lstm_scan",
-        (net, sample),
-    )
+    _save_rnn("fashion_lstm_scan", nodes, inits, net, sample)
 
 
 def demo_data() -> None:

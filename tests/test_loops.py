@@ -143,6 +143,19 @@ def scan_rnn(steps: int, reverse: bool = False) -> onnx.ModelProto:
     return _model(nodes, steps, _weights(2), outputs)
 
 
+def _counted_io() -> tuple[list, list]:
+    """A Loop body's inputs and outputs with no carried value: (i, cond) -> (cond, y_i)."""
+    inputs = [
+        h.make_tensor_value_info("i", TensorProto.INT64, []),
+        h.make_tensor_value_info("cond_in", TensorProto.BOOL, []),
+    ]
+    outputs = [
+        h.make_tensor_value_info("cond_out", TensorProto.BOOL, []),
+        h.make_tensor_value_info("y_i", F, ["N", H]),
+    ]
+    return inputs, outputs
+
+
 def growing_loop(steps: int) -> onnx.ModelProto:
     """A Loop whose body's range grows with the iteration: y_i = ((i + 1) · x) · wx."""
     body = h.make_graph(
@@ -154,14 +167,7 @@ def growing_loop(steps: int) -> onnx.ModelProto:
             h.make_node("Identity", ["cond_in"], ["cond_out"]),
         ],
         "body",
-        [
-            h.make_tensor_value_info("i", TensorProto.INT64, []),
-            h.make_tensor_value_info("cond_in", TensorProto.BOOL, []),
-        ],
-        [
-            h.make_tensor_value_info("cond_out", TensorProto.BOOL, []),
-            h.make_tensor_value_info("y_i", F, ["N", H]),
-        ],
+        *_counted_io(),
     )
     nodes = [
         h.make_node("Relu", ["x"], ["x2"]),
@@ -358,14 +364,7 @@ def test_if_nested_in_a_loop_body_is_quantized_on_the_iterations_that_take_each_
             h.make_node("Identity", ["cond_in"], ["cond_out"]),
         ],
         "body",
-        [
-            h.make_tensor_value_info("i", TensorProto.INT64, []),
-            h.make_tensor_value_info("cond_in", TensorProto.BOOL, []),
-        ],
-        [
-            h.make_tensor_value_info("cond_out", TensorProto.BOOL, []),
-            h.make_tensor_value_info("y_i", F, ["N", H]),
-        ],
+        *_counted_io(),
     )
     graph = h.make_graph(
         [h.make_node("Loop", ["steps", ""], ["ys"], body=body, name="alt")],

@@ -32,7 +32,7 @@ def _scalar_like(value: Any, declared: onnx.ValueInfoProto, dtype: Any) -> np.nd
     return np.asarray(value, dtype).reshape([1] * rank)
 
 
-def scan_attr(node: onnx.NodeProto, name: str, default: Any) -> Any:
+def _attr(node: onnx.NodeProto, name: str, default: Any) -> Any:
     """Attribute ``name`` of ``node``, or ``default``."""
     for a in node.attribute:
         if a.name == name:
@@ -73,11 +73,11 @@ def body_iterations(
             cond, carried = bool(np.asarray(got[0]).reshape(-1)[0]), got[1:]
             i += 1
         return
-    scans = int(scan_attr(node, "num_scan_inputs", 0))
+    scans = int(_attr(node, "num_scan_inputs", 0))
     states = [row[n] for n in node.input[: len(node.input) - scans]]
     inputs = [row[n] for n in node.input[len(node.input) - scans :]]
-    axes = list(scan_attr(node, "scan_input_axes", [0] * scans))
-    directions = list(scan_attr(node, "scan_input_directions", [0] * scans))
+    axes = list(_attr(node, "scan_input_axes", [0] * scans))
+    directions = list(_attr(node, "scan_input_directions", [0] * scans))
     steps = np.asarray(inputs[0]).shape[axes[0] % np.ndim(inputs[0])] if inputs else 0
     fetch = [o.name for o in body.output[: len(states)]]
     for t in range(steps):

@@ -41,7 +41,7 @@ import onnx
 from onnx import helper
 
 from onnxq.core.errors import OnnxqError
-from onnxq.io.bodies import first_iteration, scan_attr
+from onnxq.io.bodies import first_iteration
 from onnxq.io.graph import graphs_of, names_read, tensor_array
 from onnxq.io.session import make_session
 
@@ -260,6 +260,7 @@ def quantize_branches(
             if target is None:
                 res.reason = f"the {node.op_type} node is not in the quantized model"
                 continue
+            data: Any  # an If branch's feeds, or a Loop/Scan body's Iterations
             if node.op_type == "If":
                 taken = attr_name == "then_branch"
                 names = free_variables(body)
@@ -273,11 +274,7 @@ def quantize_branches(
                     res.reason = "no calibration sample takes this branch, so it stays float"
                     continue
                 model, data = branch_model(float_model, body, rows[0]), rows
-            else:
-                why = _unsupported(node)
-                if why:
-                    res.reason = f"stays float: {why}"
-                    continue
+            else:  # preprocessing raised the opset past Scan-8's batched form
                 free = dynamic_free_variables(float_model, body)
                 rows = [{n: row[n] for n in [*node.input, *free] if n} for row in values]
                 first = first_iteration(node, rows, free)
@@ -314,20 +311,6 @@ def quantize_branches(
             _merge_opsets(out, qbranch)
     _drop_unread(out.graph, inlined)
     return out, report
-
-
-def _unsupported(node: onnx.NodeProto) -> str:
-    """Why onnxq cannot drive ``node``'s body, or ''."""
-    if node.op_type == "Scan" and not any(a.name == "num_scan_inputs" for a in node.attribute):
-        return "a Scan without num_scan_inputs"
-    if (
-        node.op_type == "Scan"
-        and len(node.input)
-        and not node.input[0]
-        and scan_attr(node, "num_scan_inputs", 0) == len(node.input)
-    ):
-        return "a Scan of opset 8 (sequence_lens) is not driven"
-    return ""
 
 
 def _drop_unread(graph: onnx.GraphProto, names: set[str]) -> None:

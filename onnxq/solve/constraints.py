@@ -133,6 +133,8 @@ class _Solver:
         self.values = dict(values)
         self.shared_ops = shared_ops
         self.asks = list(asks)
+        self._tensors = quantizer.float_graph.tensors()
+        self._outputs = {t.name for t in quantizer.float_graph.outputs}
         self.parent: dict[str, str] = {}
         self.groups: dict[str, _Group] = {}
         self.ports: dict[str, QTensor] = {}
@@ -222,7 +224,7 @@ class _Solver:
             for qt in rec.outputs:
                 self.add_port(qt, rec, output=True)
         writers = {qt.tensor: qt for rec in records for qt in rec.outputs}
-        tensors = self.q.float_graph.tensors()
+        tensors = self._tensors
         work: deque[tuple[str, PatternRecord]] = deque()
         for rec in records:
             for qt in rec.inputs:
@@ -319,14 +321,12 @@ class _Solver:
 
         A graph output counts: such readers see the group's grid.
         """
-        tensors = self.q.float_graph.tensors()
-        outputs = {t.name for t in self.q.float_graph.outputs}
         inside = set(rec.nodes)
         for p in g.ports:
             name = self.ports[p].tensor
-            if name in outputs:
+            if name in self._outputs:
                 return True
-            t = tensors.get(name)
+            t = self._tensors.get(name)
             if t is not None and any(n.name not in inside for n in t.outputs):
                 return True
         return False
@@ -334,7 +334,7 @@ class _Solver:
     def _asked(self) -> None:
         """Each second calibration of one port: its grid and what keeping the first costs it."""
         for placeholder, who, value in self.asks:
-            qt = next((q for q in self.ports.values() if q.scale == placeholder), None)
+            qt = self.ports.get(placeholder)  # ports are keyed by their scale placeholder
             if qt is None:
                 continue
             kept = float(np.asarray(self.values[placeholder]).reshape(-1)[0])
