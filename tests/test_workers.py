@@ -137,6 +137,42 @@ def test_a_pair_sum_keeps_an_owned_first_term_and_copies_a_lent_one():
     np.testing.assert_array_equal(c.value(), [2.0, 2.0, 2.0])
 
 
+def test_a_pair_sum_of_one_term_holds_no_second_array_and_gives_the_same_bits():
+    # lo is made with the second term: a Hessian gathered in one block was two float64 arrays
+    term = np.array([[-0.0, 1.5], [2.0**-60, -3.0]])
+    one = PairSum()
+    one.add(term.copy(), own=True)
+    assert one.lo is None
+    np.testing.assert_array_equal(one.value(), term + np.zeros_like(term))
+    assert not np.signbit(one.value()[0, 0])  # as hi + zeros made it
+    # merged either way round with a sum of several terms: the same as adding one by one
+    many = [R.standard_normal((2, 2)) * 10.0 ** R.integers(-8, 9) for _ in range(5)]
+    whole = PairSum()
+    for t in [term, *many]:
+        whole.add(t)
+    for first_single in (True, False):
+        a, b = PairSum(), PairSum()
+        a.add(term)
+        for t in many:
+            b.add(t)
+        merged, other = (a, b) if first_single else (b, a)
+        merged.merge(other)
+        np.testing.assert_allclose(merged.value(), whole.value(), rtol=1e-15)
+    empty = PairSum()
+    empty.merge(b)
+    np.testing.assert_array_equal(empty.value(), b.value())
+
+
+def test_a_hessian_multiplies_its_last_rows_when_they_arrive():
+    # not held until the Hessian is taken: every layer's buffer was alive to the end
+    obs = HessianObserver(None, groups=1, inputs=4, batches=3)
+    x = R.standard_normal((2, 5, 4)).astype(np.float32)
+    for i in range(3):
+        obs.observe(x, index=i, block=0)
+        assert bool(obs._pending) == (i < 2)
+    assert obs.rows == 30
+
+
 @pytest.mark.parametrize("conv", [None, ConvShape((3, 3), (1, 1), (1, 1), (1, 1, 1, 1), 4)])
 def test_a_hessian_split_by_blocks_is_the_one_pass_hessian(conv):
     shape = (3, 4, 12, 12) if conv is not None else (3, 10, 24)

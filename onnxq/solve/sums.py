@@ -14,7 +14,11 @@ import numpy as np
 
 
 class PairSum:
-    """A float64 array sum kept as ``hi + lo`` (see the module doc)."""
+    """A float64 array sum kept as ``hi + lo`` (see the module doc).
+
+    ``lo`` is made with the second term: a sum of one term (a Hessian gathered in one block of
+    batches) is its term, without an array of zeros beside it.
+    """
 
     def __init__(self) -> None:
         self.hi: np.ndarray | None = None
@@ -27,11 +31,12 @@ class PairSum:
         first term is kept rather than copied.
         """
         term = np.asarray(term, np.float64)
-        if self.hi is None or self.lo is None:
+        if self.hi is None:
             self.hi = term if own and term.flags.writeable else term.copy()
-            self.lo = np.zeros_like(term)
             return
-        if not self.lo.flags.writeable:  # a sum that came back from another process (Ray's
+        if self.lo is None:
+            self.lo = np.zeros_like(self.hi)
+        elif not self.lo.flags.writeable:  # a sum that came back from another process (Ray's
             self.lo = self.lo.copy()  # object store) may hold read-only arrays
         # lo += (hi - (total - virtual)) + (term - virtual), in two scratch arrays: the same
         # operations in the same order as written out, so the same bits (a Hessian of 2304
@@ -47,11 +52,11 @@ class PairSum:
 
     def merge(self, other: PairSum) -> None:
         """Add another sum (a shard's) to this one."""
-        if other.hi is None or other.lo is None:
+        if other.hi is None:
             return
         self.add(other.hi)
-        assert self.lo is not None
-        self.lo = self.lo + other.lo
+        if other.lo is not None:
+            self.lo = other.lo.copy() if self.lo is None else self.lo + other.lo
 
     @property
     def empty(self) -> bool:
@@ -60,6 +65,7 @@ class PairSum:
 
     def value(self) -> np.ndarray:
         """The sum, rounded once to float64."""
-        if self.hi is None or self.lo is None:
+        if self.hi is None:
             raise ValueError("an empty PairSum has no value")
-        return self.hi + self.lo
+        # ``hi + 0.0`` as ``hi + zeros``: the same bits (a -0.0 becomes 0.0 either way)
+        return self.hi + (self.lo if self.lo is not None else 0.0)
