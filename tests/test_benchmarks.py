@@ -1,5 +1,6 @@
 """The benchmarks run: exposure_cost times the tensors calibration observes (its rows)."""
 
+import importlib.util
 import subprocess
 import sys
 from pathlib import Path
@@ -91,6 +92,26 @@ def test_whole_process_compares_with_nncf(tmp_path):
     pytest.importorskip("nncf", reason='pip install -e ".[bench]"')
     rows = _whole_process(tmp_path, "onnxq", "nncf")
     assert rows["nncf"][4] == "1.00×" and rows["onnxq"][4].endswith("×")
+
+
+def test_nncf_runs_without_torch_as_on_a_machine_without_it(tmp_path):
+    # NNCF imports torch whenever it is installed (2.5 s and 310 MiB of its whole process):
+    # its process in the comparison cannot see it
+    from benchmarks.whole_process import without_torch
+
+    nncf = importlib.util.find_spec("nncf") is not None
+    probe = "import sys\ntry:\n    import torch\nexcept ImportError:\n    print('hidden')\n"
+    if nncf:
+        probe += "import nncf\nprint('torch' in sys.modules)\n"
+    done = subprocess.run(
+        [sys.executable, "-c", probe],
+        env=without_torch(tmp_path),
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == (["hidden", "False"] if nncf else ["hidden"])
 
 
 def test_leave_family_out_picks_the_recipe_without_the_family_it_scores():
