@@ -19,6 +19,8 @@ from onnxq.solve.rounding import (
     gptq,
     output_error,
     round_weight,
+    symmetric,
+    upper,
     upper_factor_of_inverse,
 )
 
@@ -399,3 +401,18 @@ def test_a_layer_whose_hessian_overflows_keeps_nearest_rounding():
     _, report = onnxq.quantize(model, {"x": x}, progress=False, rounding="optimized")
     skipped = [v["skipped"] for v in report.rounding.values() if "skipped" in v]
     assert any("too large for their products" in why for why in skipped), report.rounding
+
+
+@pytest.mark.parametrize(("groups", "k"), [(1, 1), (1, 7), (3, 130)])
+def test_a_hessian_keeps_its_upper_triangle_and_gives_back_the_whole_matrix(groups, k):
+    # half the memory while calibrating: the upper triangle of x xᵀ is summed, the lower
+    # one mirrored when the Hessian is taken; the same bits as the whole product
+    x = rng(12).normal(0, 1, (groups, k, 50)).astype(np.float32)
+    whole = np.matmul(x, np.swapaxes(x, 1, 2)).astype(np.float64)
+    packed = whole.reshape(groups, k * k)[:, upper(k)]
+    assert packed.shape == (groups, k * (k + 1) // 2)
+    np.testing.assert_array_equal(symmetric(packed, k), whole)
+    obs = HessianObserver(None, groups=1, inputs=k, batches=1)
+    obs.observe(np.swapaxes(x[0], 0, 1)[None], index=0)
+    assert obs._block_sum is None or obs._block_sum.shape == (1, k * (k + 1) // 2)
+    np.testing.assert_array_equal(obs.hessian(), whole[:1] / 50)

@@ -311,6 +311,26 @@ def dense_patches(x: np.ndarray, cap: int) -> np.ndarray:
     return rows[:: max(1, -(-len(rows) // cap))][:cap].T[None]
 
 
+@functools.lru_cache(maxsize=32)
+def upper(k: int) -> np.ndarray:
+    """Flat indices of the upper triangle (diagonal included) of a ``k × k`` matrix, row by row."""
+    rows, cols = np.triu_indices(k)
+    flat = rows * k + cols
+    flat.setflags(write=False)
+    return flat
+
+
+def symmetric(packed: np.ndarray, k: int) -> np.ndarray:
+    """The (G, k, k) symmetric matrices whose upper triangles :func:`upper` packed."""
+    out = np.empty((packed.shape[0], k * k), packed.dtype)
+    flat = upper(k)
+    out[:, flat] = packed
+    # the lower triangle: entry (i, j), j < i, is the upper one (j, i)
+    rows, cols = np.divmod(flat, k)
+    out[:, cols * k + rows] = packed
+    return out.reshape(-1, k, k)
+
+
 class HessianObserver:
     """Accumulates ``H = E[x xᵀ]`` per group from a layer's input batches.
 
@@ -329,6 +349,7 @@ class HessianObserver:
         self, conv: ConvShape | None, groups: int, inputs: int, batches: int | None = None
     ):
         self.conv = conv
+        self.inputs = inputs
         total = total_rows(groups, inputs)
         per_batch = row_cap(inputs) if not batches else -(-total // batches)
         self.per_batch = int(min(MAX_ROWS, max(1, per_batch)))
@@ -341,7 +362,8 @@ class HessianObserver:
         self._pending: list[np.ndarray] = []
         self._pending_rows = 0
         self._pending_bytes = 0
-        #: the open block's sum of products (float64), added to ``sum`` when the block closes
+        #: the open block's sum of products (float64, the upper triangle: :func:`upper`),
+        #: added to ``sum`` when the block closes
         self._block_sum: np.ndarray | None = None
         self._seen = 0
         self._block: int | None = None
@@ -382,13 +404,18 @@ class HessianObserver:
     def _product(self) -> None:
         """Add the buffered rows' ``x xᵀ`` to the open block's sum.
 
-        A plain float64 sum: within a block the order of the products is fixed.
+        A plain float64 sum: within a block the order of the products is fixed. Only the upper
+        triangle is summed and kept (the product is symmetric: numpy computes ``A Aᵀ`` as one
+        triangle, mirrored): half the memory of every layer's Hessian while calibrating.
         """
         if not self._pending:
             return
         cols = np.concatenate(self._pending, axis=2)
         with np.errstate(over="ignore", invalid="ignore"):  # an overflow is seen by its user
-            product = np.matmul(cols, np.swapaxes(cols, 1, 2))
+            full = np.matmul(cols, np.swapaxes(cols, 1, 2))
+        k = full.shape[-1]
+        product = full.reshape(full.shape[0], k * k)[:, upper(k)]
+        del full
         if self._block_sum is None:
             self._block_sum = product.astype(np.float64)
         elif not self._block_sum.flags.writeable:  # a shard's, back from Ray's object store
@@ -424,6 +451,10 @@ class HessianObserver:
         self._pending = []
 
     def hessian(self) -> np.ndarray | None:
-        """The mean ``x xᵀ`` per group, or None before any batch."""
+        """The mean ``x xᵀ`` per group (G, K, K), or None before any batch."""
         self._flush()
-        return None if self.sum.empty else self.sum.value() / max(self.rows, 1)
+        if self.sum.empty:
+            return None
+        packed = self.sum.value()
+        packed /= max(self.rows, 1)
+        return symmetric(packed, self.inputs)
