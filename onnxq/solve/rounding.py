@@ -94,6 +94,7 @@ def gptq(w: np.ndarray, h: np.ndarray, grid: Grid) -> np.ndarray:
     h = h[np.arange(groups)[:, None, None], order[:, :, None], order[:, None, :]]
     h[:, np.arange(k), np.arange(k)] = np.take_along_axis(diag, order, axis=1)
     u = upper_factor_of_inverse(h)  # its rows give each column's update
+    del h  # the reordered copy (K × K float64 a group) is not read again
     # columns as rows (G, K, M): the loop reads and updates contiguous memory, the same
     # arithmetic element by element (K = 2,304: 0.54 -> 0.43 s)
     wt = np.ascontiguousarray(np.swapaxes(w, 1, 2))
@@ -123,7 +124,9 @@ def upper_factor_of_inverse(h: np.ndarray) -> np.ndarray:
     factoring ``H⁻¹`` (2,304 inputs: about 0.65 → 0.3 s).
     """
     lower = np.linalg.cholesky(h[:, ::-1, ::-1])
-    return np.ascontiguousarray(_lower_inverse(lower)[:, ::-1, ::-1])
+    inverse = _lower_inverse(lower)
+    del lower  # one K × K array fewer alive while the result is copied out
+    return np.ascontiguousarray(inverse[:, ::-1, ::-1])
 
 
 #: size below which a triangular block is inverted directly
@@ -323,12 +326,11 @@ def upper(k: int) -> np.ndarray:
 def symmetric(packed: np.ndarray, k: int) -> np.ndarray:
     """The (G, k, k) symmetric matrices whose upper triangles :func:`upper` packed."""
     out = np.empty((packed.shape[0], k * k), packed.dtype)
-    flat = upper(k)
-    out[:, flat] = packed
-    # the lower triangle: entry (i, j), j < i, is the upper one (j, i)
-    rows, cols = np.divmod(flat, k)
-    out[:, cols * k + rows] = packed
-    return out.reshape(-1, k, k)
+    out[:, upper(k)] = packed
+    out = out.reshape(-1, k, k)
+    for i in range(k - 1):  # the lower triangle, column by column: no index arrays
+        out[:, i + 1 :, i] = out[:, i, i + 1 :]
+    return out
 
 
 class HessianObserver:
