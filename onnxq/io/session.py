@@ -36,8 +36,8 @@ def make_session(
     ``expose`` names inner tensors to add as outputs of the session. They are appended to the
     model only while the session is built, then removed: no second copy of the weights is made.
     Such a session uses no memory arena: the arena keeps the peak of every tensor handed out
-    for as long as the session lives (EfficientNet-Lite1's whole quantize peaked at 1,027 MiB
-    with it, 780 MiB without; same outputs).
+    for as long as the session lives (EfficientNet-Lite1's whole default quantize peaked at
+    1,154 MiB with it, 877 MiB without; same outputs).
 
     ``exact`` selects onnxruntime's exact U8S8 path on CPUs without VNNI (see onnxq.io.hostcheck):
     for onnxq's own layer-by-layer measurements, which must see the quantization error, not the
