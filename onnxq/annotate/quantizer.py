@@ -41,6 +41,7 @@ from onnxq.core.specs import (
 from onnxq.io.graph import (
     GraphEditor,
     constant_value,
+    copy_graph,
     export_model,
     import_graph,
     in_file,
@@ -52,7 +53,7 @@ from onnxq.io.graph import (
 )
 from onnxq.io.text import shown
 from onnxq.lower.formats import Format, get_format
-from onnxq.lower.materialize import materialize
+from onnxq.lower.materialize import materialize, materialize_graph
 from onnxq.lower.qoperator import TemplateWriter
 from onnxq.match.dfpattern import Match
 from onnxq.match.rewrite import Partition, partition
@@ -216,13 +217,14 @@ class Quantizer:
         self._lazy_floats: set[str] = set()
         #: node -> (rule, reason) for groups a rule matched and left float
         self.left_float: dict[str, tuple[str, str]] = {}
-        self._float_graph: gs.Graph | None = None
+        #: the float model as a graph: imported once; the annotation rewrites a copy of it
+        self._float_graph: gs.Graph = import_graph(self.float_model)
         #: scales and zero points of the last materialized model (after bias widening)
         self.final_values: dict[str, np.ndarray] = {}
         #: biases whose weight scale was widened so bias + accumulation fit int32: channels
         self.widened_biases: dict[str, int] = {}
 
-        graph = import_graph(self.float_model)
+        graph = copy_graph(self._float_graph)
         self._check_exclusions(graph)
         self.editor = GraphEditor(graph)
         for p in self.patterns:
@@ -258,6 +260,8 @@ class Quantizer:
         #: the QOperator model with placeholders (onnxq.lower.qoperator writes the records)
         TemplateWriter(graph, self.editor, self.placeholders).write_all(self.records)
         self.template: onnx.ModelProto = export_model(graph, self.float_model)
+        #: the template as a graph (materialize_graph fills a copy of it)
+        self.template_graph: gs.Graph = graph
 
     def _annotate(self, graph: gs.Graph, excluded: set[str], kept: dict[str, str]) -> Partition:
         """Partition ``graph`` into groups and let each group's rule annotate it."""
@@ -444,10 +448,9 @@ class Quantizer:
     def float_graph(self) -> gs.Graph:
         """The float model as a graph, imported once and shared by the stages that read it.
 
-        Read it, never change it (the rewrite works on a graph of its own).
+        Read it, never change it: a stage that rewrites the float graph (the annotation, the
+        FakeQuantize lowering) works on a copy (``float_graph.copy()``).
         """
-        if self._float_graph is None:
-            self._float_graph = import_graph(self.float_model)
         return self._float_graph
 
     def is_left_float(self, node: str) -> bool:
@@ -518,6 +521,13 @@ class Quantizer:
         done = materialize(self, values, constants)
         self.final_values, self.widened_biases = done.values, done.widened
         return done.model
+
+    def materialize_graph(
+        self, values: dict[str, np.ndarray], constants: dict[str, np.ndarray] | None = None
+    ) -> gs.Graph:
+        """:meth:`materialize` as a graph of its own, for the passes that edit it further."""
+        graph, self.final_values, self.widened_biases = materialize_graph(self, values, constants)
+        return graph
 
     def records_in_order(self) -> list[PatternRecord]:
         """Records in the float model's topological order."""

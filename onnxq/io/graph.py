@@ -636,6 +636,26 @@ def import_graph(proto: onnx.ModelProto) -> gs.Graph:
     return graph
 
 
+def copy_graph(graph: gs.Graph) -> gs.Graph:
+    """A copy of ``graph`` to rewrite while ``graph`` stays as it is (weights are shared).
+
+    graphsurgeon's ``Graph.copy`` makes every Variable a tensor: a sequence's type is kept here
+    (its value_info was written as a float tensor, which onnxruntime refuses).
+    """
+    out = graph.copy()
+    kinds = {t.name: t.type for t in _variables(graph)}
+    for t in _variables(out):
+        t.type = kinds.get(t.name, t.type)
+    return out
+
+
+def _variables(graph: gs.Graph) -> Iterator[gs.Variable]:
+    """The Variables of ``graph`` and of the bodies nested in it (repeats included)."""
+    for node in iter_subgraph_nodes(graph):
+        yield from (t for t in (*node.inputs, *node.outputs) if isinstance(t, gs.Variable))
+    yield from (t for t in (*graph.inputs, *graph.outputs) if isinstance(t, gs.Variable))
+
+
 def graphs_of(node: onnx.NodeProto) -> Iterator[tuple[str, onnx.GraphProto]]:
     """The bodies a node holds (If branches, Loop/Scan bodies), each with its attribute name."""
     for attr in node.attribute:
@@ -688,9 +708,14 @@ def hoist_nested_initializers(graph: onnx.GraphProto) -> None:
             del inner.initializer[:]
 
 
+def tidy(graph: gs.Graph) -> None:
+    """Drop what nothing reads and sort the nodes: ``graph`` as :func:`export_model` writes it."""
+    graph.cleanup(remove_unused_graph_inputs=False).toposort()
+
+
 def export_model(graph: gs.Graph, template: onnx.ModelProto | None = None) -> onnx.ModelProto:
     """Export ``graph`` to a ModelProto with every opset domain it uses imported."""
-    graph.cleanup(remove_unused_graph_inputs=False).toposort()
+    tidy(graph)
     opsets: dict[str, int] = {"": int(graph.opset)}
     if template is not None:
         for imp in template.opset_import:

@@ -30,7 +30,14 @@ from onnxq.core.errors import ModelError
 from onnxq.core.optable import CARRIERS
 from onnxq.core.qparams import qrange
 from onnxq.core.specs import QTensor
-from onnxq.io.graph import GraphEditor, constant_value, export_model, import_graph, producer
+from onnxq.io.graph import (
+    GraphEditor,
+    constant_value,
+    copy_graph,
+    export_model,
+    import_graph,
+    producer,
+)
 from onnxq.post.float_outputs import FLOAT_OUTPUT_QOPS, starts_at_zero
 from onnxq.post.requantize import carried_source
 
@@ -74,7 +81,7 @@ def to_fakequantize(
     float biases and weights an algorithm replaced (bias correction, optimized rounding), by
     name.
     """
-    graph = import_graph(quantizer.float_model)
+    graph = copy_graph(quantizer.float_graph)
     tensors = graph.tensors()
     _replace_constants(graph, quantizer, constants or {})
     editor = GraphEditor(graph)

@@ -14,9 +14,11 @@ from typing import Any
 
 import numpy as np
 import onnx
+import onnx_graphsurgeon as gs
 from onnx import numpy_helper
 
 from onnxq.core.errors import CalibrationError
+from onnxq.io.graph import copy_graph
 from onnxq.core.qparams import (
     INT32_MAX,
     QParams,
@@ -50,37 +52,77 @@ def materialize(
     rounding: a rounded weight is the float value of its chosen integers, which quantize back
     to exactly those).
     """
-
-    def constant_of(name: str) -> np.ndarray:
-        return constants[name] if constants and name in constants else q.float_value(name)
-
-    full = {}
-    for name, ph in q.placeholders.items():
-        if ph.kind not in ("scale", "zero_point"):
-            continue
-        value = values.get(name, ph.default())
-        arr = np.asarray(value).astype(np.dtype(ph.dtype)).reshape(ph.shape)
-        full[name] = arr
-    _check_relu_folds(q.records, full)
-    widened = _fit_biases(q, full, constant_of)
-    for bname, b in q.biases.items():
-        s = full[b.input_scale].astype(np.float64) * full[b.weight_scale].astype(np.float64)
-        rounded = np.round(constant_of(b.bias) / s)
-        full[bname] = np.clip(rounded, -(2**31), 2**31 - 1).astype(np.int32)
-    final = {k: v for k, v in full.items() if q.placeholders[k].kind in ("scale", "zero_point")}
+    solved = _Solved(q, values, constants)
     proto = onnx.ModelProto()
     proto.CopyFrom(q.template)
     for init in proto.graph.initializer:
-        w = q.weights.get(init.name)
-        if w is not None:  # derived here, one at a time (never all held beside the model)
-            qp = QParams(full[w.scale], full[w.zero_point], w.axis)
-            init.CopyFrom(numpy_helper.from_array(quantize(constant_of(w.weight), qp), init.name))
-        elif init.name in full:
-            init.CopyFrom(numpy_helper.from_array(full[init.name], init.name))
-        elif constants and init.name in constants:  # a float layer's corrected bias
-            value = np.asarray(constants[init.name], np.float32).reshape(tuple(init.dims))
+        value = solved.value(init.name, tuple(init.dims))
+        if value is not None:  # derived here, one at a time (never all held beside the model)
             init.CopyFrom(numpy_helper.from_array(value, init.name))
-    return Materialized(proto, final, widened)
+    return Materialized(proto, solved.final, solved.widened)
+
+
+def materialize_graph(
+    q: Any, values: dict[str, np.ndarray], constants: dict[str, np.ndarray] | None = None
+) -> tuple[gs.Graph, dict[str, np.ndarray], dict[str, int]]:
+    """:func:`materialize` as a graph: a copy of the annotated graph holding the values.
+
+    Returns the graph, the scales and zero points it holds and the widened biases. The passes
+    after materialize edit this graph, and the pipeline exports it once (the same model as
+    :func:`materialize`'s, imported).
+    """
+    solved = _Solved(q, values, constants)
+    graph = copy_graph(q.template_graph)
+    for t in graph.tensors().values():
+        if isinstance(t, gs.Constant):
+            value = solved.value(t.name, tuple(t.shape))
+            if value is not None:
+                t.values = value
+    return graph, solved.final, solved.widened
+
+
+class _Solved:
+    """The value of every placeholder, quantized weight and int32 bias of one materialization."""
+
+    def __init__(
+        self, q: Any, values: dict[str, np.ndarray], constants: dict[str, np.ndarray] | None
+    ):
+        self.q, self.constants = q, constants or {}
+        full = {}
+        for name, ph in q.placeholders.items():
+            if ph.kind not in ("scale", "zero_point"):
+                continue
+            value = values.get(name, ph.default())
+            arr = np.asarray(value).astype(np.dtype(ph.dtype)).reshape(ph.shape)
+            full[name] = arr
+        _check_relu_folds(q.records, full)
+        #: bias -> how many of its channels had their weight scale widened
+        self.widened = _fit_biases(q, full, self.constant_of)
+        for bname, b in q.biases.items():
+            s = full[b.input_scale].astype(np.float64) * full[b.weight_scale].astype(np.float64)
+            rounded = np.round(self.constant_of(b.bias) / s)
+            full[bname] = np.clip(rounded, -(2**31), 2**31 - 1).astype(np.int32)
+        self.full = full
+        #: scale and zero-point placeholders as written (after bias widening)
+        self.final = {
+            k: v for k, v in full.items() if q.placeholders[k].kind in ("scale", "zero_point")
+        }
+
+    def constant_of(self, name: str) -> np.ndarray:
+        """A float constant as the algorithms left it (or the model's own)."""
+        return self.constants[name] if name in self.constants else self.q.float_value(name)
+
+    def value(self, name: str, shape: tuple[int, ...]) -> np.ndarray | None:
+        """What the template's constant ``name`` (of ``shape``) holds now; None: unchanged."""
+        w = self.q.weights.get(name)
+        if w is not None:
+            qp = QParams(self.full[w.scale], self.full[w.zero_point], w.axis)
+            return quantize(self.constant_of(w.weight), qp)
+        if name in self.full:
+            return self.full[name]
+        if name in self.constants:  # a float layer's corrected bias
+            return np.asarray(self.constants[name], np.float32).reshape(shape)
+        return None
 
 
 def _check_relu_folds(records: Any, full: dict[str, np.ndarray]) -> None:

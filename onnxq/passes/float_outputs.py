@@ -18,6 +18,6 @@ class FloatOutputs:
 
     def run(self, state: State) -> PassResult:
         """Rewrite the nodes; say how many."""
-        state.float_outputs = float_outputs(state.model)
+        state.float_outputs = float_outputs(state.proto())
         n = len(state.float_outputs)
         return PassResult(f"{n} MatMul/Gemm write float (only float ops read them)" if n else "")

@@ -23,7 +23,7 @@ class Lower:
 
     def run(self, state: State) -> PassResult:
         """Lower to ``state.options.format``."""
-        before = op_histogram(state.model)
+        before = op_histogram(state.proto())
         fmt = state.options.output_format
         state.model = fmt.lower(
             state.model, state.quantizer, state.values, state.options, state.constants

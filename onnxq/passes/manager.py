@@ -16,6 +16,7 @@ from typing import Any, Protocol
 
 import onnx
 
+from onnxq.io.graph import export_model
 from onnxq.io.session import free_memory
 from onnxq.options import QuantizeOptions
 
@@ -108,8 +109,11 @@ class State:
     #: the recipe chosen on held-back batches (onnxq.passes.choose): every candidate with its
     #: score, the one chosen and why; or {"skipped": why not}
     choice: dict[str, Any] = field(default_factory=dict)
-    #: the model being produced; empty until materialized
+    #: the model being produced; empty until materialized (then see :meth:`proto`)
     model: onnx.ModelProto = field(default_factory=onnx.ModelProto)
+    #: the model being produced as a graph, from materialize through the passes that edit it
+    #: (requantize, share-scales); None once :meth:`proto` has exported it
+    graph: Any = None
     requantize_stats: Any = None
     #: the If branches' results (onnxq.post.subgraphs.BranchResult)
     branches: list[Any] = field(default_factory=list)
@@ -121,6 +125,22 @@ class State:
     #: what whole-model int4 weight-only quantization did (onnxq.post.weight_only)
     weight_only: Any = None
     records: list[PassRecord] = field(default_factory=list)
+
+    def proto(self) -> onnx.ModelProto:
+        """The model being produced as a ModelProto: the graph exported, once, if it is one.
+
+        The passes from materialize on edit one graph; the first that needs a ModelProto (a
+        lowering, the checks) calls this, and the graph is let go of.
+        """
+        if self.graph is not None:
+            self.model = export_model(self.graph, self.quantizer.template)
+            self.graph = None
+        return self.model
+
+
+def graph_histogram(graph: Any) -> dict[str, int]:
+    """Count of each op type in a graphsurgeon graph's main graph (:func:`op_histogram`)."""
+    return dict(sorted(Counter(n.op for n in graph.nodes).items()))
 
 
 def op_histogram(model: onnx.ModelProto) -> dict[str, int]:

@@ -1,6 +1,6 @@
 """Requantize: fold DQ→Q pairs so int8 stays int8 between ops.
 
-Needs ``state.model`` (materialized). Leaves the folded ``state.model`` and
+Needs ``state.graph`` (materialized). Leaves it folded, and
 ``state.requantize_stats`` (which ops now carry int8, for the decisions).
 """
 
@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from onnxq.passes.manager import PassResult, State, release
 from onnxq.post.requantize import Requantizer
-from onnxq.solve.constraints import share_scales
+from onnxq.prepare.opset import default_opset
+from onnxq.solve.constraints import share_scales_graph
 
 
 class Requantize:
@@ -19,7 +20,7 @@ class Requantize:
     def run(self, state: State) -> PassResult:
         """Fold and carry."""
         requantizer = Requantizer()
-        state.model = requantizer.requantize(state.model)
+        requantizer.requantize_graph(state.graph, default_opset(state.quantizer.template))
         state.requantize_stats = s = requantizer.stats
         release(state)
         return PassResult(
@@ -39,5 +40,5 @@ class ShareScales:
     def run(self, state: State) -> PassResult:
         """Requantize the inputs that solving rescaled."""
         shared = set(state.options.target.shared_scale_ops)
-        state.model, changed = share_scales(state.model, shared, state.solution.rescales)
+        changed = share_scales_graph(state.graph, shared, state.solution.rescales)
         return PassResult(f"{len(changed)} inputs requantized" if changed else "")

@@ -23,7 +23,14 @@ import onnx_graphsurgeon as gs
 
 from onnxq.core.optable import BY_QOP, CARRIERS, PASS_THROUGH
 from onnxq.core.qparams import INT32_MAX, accumulation_bound, qrange
-from onnxq.io.graph import GraphEditor, constant_value, export_model, import_graph, producer
+from onnxq.io.graph import (
+    GraphEditor,
+    constant_value,
+    export_model,
+    import_graph,
+    producer,
+    tidy,
+)
 from onnxq.prepare.opset import default_opset
 
 
@@ -79,7 +86,11 @@ class Requantizer:
     def requantize(self, model: onnx.ModelProto) -> onnx.ModelProto:
         """Return the requantized model (``model`` is not modified)."""
         graph = import_graph(model)
-        opset = default_opset(model)
+        self.requantize_graph(graph, default_opset(model))
+        return export_model(graph, model)
+
+    def requantize_graph(self, graph: gs.Graph, opset: int) -> None:
+        """Requantize ``graph`` in place (``opset``: its ai.onnx opset); leave it tidied."""
         editor = GraphEditor(graph)
         for _ in range(self.max_iterations):
             self.stats.iterations += 1
@@ -89,7 +100,7 @@ class Requantizer:
             editor.finish()
             if not changed:
                 break
-        return export_model(graph, model)
+        tidy(graph)
 
     # ----------------------------------------------------------------------------------------
     def _cross(self, graph: gs.Graph, editor: GraphEditor, opset: int) -> bool:

@@ -145,6 +145,8 @@ def fuse_gelu(model: onnx.ModelProto) -> tuple[onnx.ModelProto, list[list[str]]]
     The float subgraph's values must not escape (an interior tensor read elsewhere keeps the
     subgraph as it is). ``model`` is not modified.
     """
+    if not any(n.op_type == "Erf" for n in model.graph.node):  # no GELU to match
+        return model, []
     graph = import_graph(model)
     fusion = GeluFusion()
     result = rewrite(fusion, graph)

@@ -50,7 +50,7 @@ from onnxq.core.constraints import MERGE_BOUND_DB, SAME_SCALE
 from onnxq.core.optable import BY_QOP
 from onnxq.core.qparams import params_from_range, qrange
 from onnxq.core.specs import PatternRecord, QTensor
-from onnxq.io.graph import GraphEditor, constant_value, export_model, import_graph
+from onnxq.io.graph import GraphEditor, constant_value, export_model, import_graph, tidy
 from onnxq.post.requantize import carried_source
 
 
@@ -404,6 +404,14 @@ def share_scales(
     QuantizeLinear pair in front of the op. Returns the model and the tensors rescaled.
     """
     graph = import_graph(model)
+    rescaled = share_scales_graph(graph, shared_ops, rescales)
+    return export_model(graph, model), rescaled
+
+
+def share_scales_graph(
+    graph: gs.Graph, shared_ops: set[str] | frozenset[str], rescales: list[Rescale]
+) -> list[str]:
+    """:func:`share_scales` on ``graph``, in place (left tidied); the tensors rescaled."""
     editor = GraphEditor(graph)
     tensors = graph.tensors()
     into = {f"{r.node}_quant": r for r in rescales if r.scale}
@@ -434,7 +442,8 @@ def share_scales(
             editor.set_input(node, pos + 2, yz)
             rescaled.append(x.name)
     editor.finish()
-    return export_model(graph, model), rescaled
+    tidy(graph)
+    return rescaled
 
 
 def _float_name(quantized: str) -> str:
