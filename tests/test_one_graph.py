@@ -1,9 +1,9 @@
 """One graph through the pipeline: the float model is imported once per quantize call.
 
-Preprocessing imports the caller's model (and shape inference needs a ModelProto between its
-folds and the annotation); the Quantizer imports the preprocessed model once, and everything
-derived from it (the annotated template, each FakeQuantize lowering and emulation) is a copy
-of that graph. The passes from materialize to share-scales edit one graph, exported once.
+Preprocessing imports the caller's model and hands the graph it edited on, with the shapes
+inference found written into it; everything derived from it (the annotated template, each
+FakeQuantize lowering and emulation) is a copy of that graph. The passes from materialize to
+share-scales edit one graph, exported once.
 """
 
 from __future__ import annotations
@@ -11,14 +11,19 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+import onnx
 import onnx_graphsurgeon as gs
 import pytest
 
 import onnxq
 from onnxq.annotate.quantizer import Quantizer
 from onnxq.api import quantize
-from onnxq.io.graph import export_model
+from onnxq.io.graph import copy_graph, export_model, import_graph
+from onnxq.prepare.preprocess import prepare
 from tests.helpers import DIGITS_CNN
+
+#: the onnx package's PyTorch-converted and real models (140 in onnx 1.17+)
+CORPUS = sorted((Path(onnx.__file__).parent / "backend" / "test" / "data").glob("*/*/model.onnx"))
 
 _DEMO = np.load(Path(onnxq.__file__).parent / "demo" / "digits.npz")
 #: 32 batches: the recipe choice runs (five candidates emulated), and the sequential correction
@@ -28,7 +33,7 @@ DATA = {"input": _DEMO["calib"][:32].astype(np.float32) / 16.0}
 @pytest.mark.parametrize(
     "options", [{}, {"format": "qdq"}, {"format": "openvino"}, {"target": "tensorrt"}]
 )
-def test_two_graph_imports_per_call(monkeypatch: pytest.MonkeyPatch, options: dict) -> None:
+def test_one_graph_import_per_call(monkeypatch: pytest.MonkeyPatch, options: dict) -> None:
     calls: list[int] = []
     real = gs.import_onnx
 
@@ -39,9 +44,34 @@ def test_two_graph_imports_per_call(monkeypatch: pytest.MonkeyPatch, options: di
     monkeypatch.setattr(gs, "import_onnx", counted)
     _, report = quantize(str(DIGITS_CNN), DATA, progress=False, **options)
     assert report.choice.get("candidates"), "the recipe choice did not run"
-    # preprocessing's and the Quantizer's; the emulations, the FakeQuantize lowering and the
-    # passes after materialize import nothing (they were 11 on this call before)
-    assert len(calls) == 2
+    # preprocessing's; the Quantizer, the emulations, the FakeQuantize lowering and the passes
+    # after materialize import nothing (they were 11 on this call before)
+    assert len(calls) == 1
+
+
+def _described(graph: gs.Graph) -> dict[str, tuple]:
+    """What the rules read of each tensor: its class, dtype, shape and type."""
+    return {
+        name: (
+            type(t).__name__,
+            str(t.dtype),
+            None if t.shape is None else tuple(t.shape),
+            getattr(t, "type", None),
+        )
+        for name, t in graph.tensors().items()
+    }
+
+
+def test_preprocessing_hands_on_the_graph_an_import_would_give() -> None:
+    """The graph preprocessing edited, with the inferred shapes, is the import of its model."""
+    assert len(CORPUS) > 100
+    for path in [*CORPUS, DIGITS_CNN]:
+        model, graph = prepare(onnx.load(path))
+        imported = import_graph(model)
+        assert _described(graph) == _described(imported), path
+        assert graph.opset == imported.opset, path
+        ours = export_model(copy_graph(graph), model).SerializeToString()
+        assert ours == export_model(imported, model).SerializeToString(), path
 
 
 def test_materialized_graph_is_the_materialized_model() -> None:

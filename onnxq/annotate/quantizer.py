@@ -43,7 +43,6 @@ from onnxq.io.graph import (
     constant_value,
     copy_graph,
     export_model,
-    import_graph,
     in_file,
     is_file_weight,
     load_model,
@@ -60,7 +59,7 @@ from onnxq.match.rewrite import Partition, partition
 from onnxq.patterns import default_patterns
 from onnxq.patterns.rule import QuantizerPattern
 from onnxq.prepare.opset import default_opset
-from onnxq.prepare.preprocess import preprocess, unique_names
+from onnxq.prepare.preprocess import prepare, unique_names
 
 ACTIVATION_DTYPES = ("uint8", "int8", "int16")
 
@@ -197,7 +196,8 @@ class Quantizer:
         proto = load_model(model) if copy or not isinstance(model, onnx.ModelProto) else model
         del model
         _refuse_shared_names(proto, self.config.exclude)
-        self.float_model: onnx.ModelProto = preprocess(proto)
+        self.float_model: onnx.ModelProto
+        self.float_model, float_graph = prepare(proto)
         del proto
         self.patterns = list(patterns) if patterns is not None else default_patterns()
         self.records: list[PatternRecord] = []
@@ -217,8 +217,9 @@ class Quantizer:
         self._lazy_floats: set[str] = set()
         #: node -> (rule, reason) for groups a rule matched and left float
         self.left_float: dict[str, tuple[str, str]] = {}
-        #: the float model as a graph: imported once; the annotation rewrites a copy of it
-        self._float_graph: gs.Graph = import_graph(self.float_model)
+        #: the float model as a graph (preprocessing's: the one import); the annotation
+        #: rewrites a copy of it
+        self._float_graph: gs.Graph = float_graph
         #: scales and zero points of the last materialized model (after bias widening)
         self.final_values: dict[str, np.ndarray] = {}
         #: biases whose weight scale was widened so bias + accumulation fit int32: channels

@@ -622,17 +622,76 @@ def import_graph(proto: onnx.ModelProto) -> gs.Graph:
     the export writes them back as they came (graphsurgeon keeps a lazy tensor's proto).
     """
     graph = gs.import_onnx(proto)
-    if has_file_weights(proto):
-        for node in iter_subgraph_nodes(graph):
-            for t in node.inputs:
-                values = getattr(t, "_values", None)
-                if (
-                    isinstance(values, LazyValues)
-                    and not isinstance(values, _FileValues)
-                    and is_file_weight(values.tensor)
-                ):
-                    t._values = _FileValues(values.tensor)
-                    t.__class__ = _FileConstant
+    _mark_file_weights(graph, proto)
+    return graph
+
+
+def _mark_file_weights(graph: gs.Graph, proto: onnx.ModelProto) -> None:
+    """The constants of ``graph`` that are file weights of ``proto`` read from their file."""
+    if not has_file_weights(proto):
+        return
+    for node in iter_subgraph_nodes(graph):
+        for t in node.inputs:
+            values = getattr(t, "_values", None)
+            if (
+                isinstance(values, LazyValues)
+                and not isinstance(values, _FileValues)
+                and is_file_weight(values.tensor)
+            ):
+                t._values = _FileValues(values.tensor)
+                t.__class__ = _FileConstant
+
+
+def as_imported(graph: gs.Graph, proto: onnx.ModelProto) -> gs.Graph:
+    """``graph`` (``proto`` was exported from it) made what importing ``proto`` would give.
+
+    No second import: ``proto`` may hold more than the export wrote (value_info that shape
+    inference added). Each Variable takes its dtype, shape and type from ``proto`` as an
+    import reads them (its value_info entries first, then the graph input or output), each
+    Constant reads its values from ``proto``'s initializer (no second copy of a folded
+    weight), and the graph takes ``proto``'s opsets, producer and IR version. A model with
+    bodies (If, Loop, Scan), local functions or sparse initializers, or whose names differ
+    from ``graph``'s, is imported instead.
+    """
+    from onnx_graphsurgeon.importers.onnx_importer import OnnxImporter
+
+    g = proto.graph
+    tensors = graph.tensors()
+    names = {x for n in g.node for x in (*n.input, *n.output) if x}
+    names |= {v.name for v in (*g.input, *g.output)} | {t.name for t in g.initializer}
+    if (
+        proto.functions
+        or g.sparse_initializer
+        or any(True for n in g.node for _ in graphs_of(n))
+        or set(tensors) != names
+    ):
+        return import_graph(proto)
+    inits = {t.name: t for t in g.initializer}
+    entries: dict[str, list[onnx.ValueInfoProto]] = {}
+    for vi in g.value_info:
+        entries.setdefault(vi.name, []).append(vi)
+    for vi in (*g.input, *g.output):
+        if vi.name not in inits:
+            entries.setdefault(vi.name, [vi])
+    for name, t in tensors.items():
+        if isinstance(t, gs.Constant):
+            init = inits[name]
+            t._values = LazyValues(init)
+            t.data_location = int(init.data_location) if init.HasField("data_location") else None
+            t.__dict__.pop("type", None)  # a Variable made constant keeps it; imports have none
+            continue
+        seen = [OnnxImporter.import_tensor(vi) for vi in entries.get(name, [])]
+        first = seen[0] if seen else gs.Variable(name)
+        t.dtype, t.shape, t.type = first.dtype, first.shape, first.type
+        for more in seen[1:]:  # a repeated entry fills what the first left open
+            t.dtype = t.dtype or more.dtype
+            t.shape = t.shape or more.shape
+    graph.opset = OnnxImporter.get_opset(proto)
+    graph.import_domains = OnnxImporter.get_import_domains(proto)
+    graph.producer_name, graph.producer_version = proto.producer_name, proto.producer_version
+    graph.ir_version = proto.ir_version
+    graph.name, graph.doc_string = g.name, g.doc_string
+    _mark_file_weights(graph, proto)
     return graph
 
 

@@ -18,7 +18,6 @@ import onnx_graphsurgeon as gs
 from onnx import numpy_helper
 
 from onnxq.core.errors import CalibrationError
-from onnxq.io.graph import copy_graph
 from onnxq.core.qparams import (
     INT32_MAX,
     QParams,
@@ -28,6 +27,7 @@ from onnxq.core.qparams import (
     quantize,
     widen_for_bias,
 )
+from onnxq.io.graph import copy_graph
 
 
 @dataclass(frozen=True)

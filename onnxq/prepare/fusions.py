@@ -125,18 +125,26 @@ def fuse_hardswish(
     gives up (preprocessing passes the graph it exported ``model`` from), so it is not
     imported again.
     """
+    out, fused, _ = fuse_hardswish_graph(model, graph)
+    return out, fused
+
+
+def fuse_hardswish_graph(
+    model: onnx.ModelProto, graph: gs.Graph | None = None
+) -> tuple[onnx.ModelProto, list[list[str]], gs.Graph]:
+    """:func:`fuse_hardswish`, with the graph the returned model was exported from."""
     fusion = HardSwishFusion()
     graph = graph if graph is not None else import_graph(model)
     if not any(fusion.pattern.match(n.outputs[0]) for n in graph.nodes if n.outputs):
-        return model, []
+        return model, [], graph
     if default_opset(model) < HARDSWISH_OPSET:
         try:
             model = raise_opset(model, HARDSWISH_OPSET, "HardSwish")
         except ModelError:
-            return model, []
+            return model, [], graph
         graph = import_graph(model)
     rewrite(fusion, graph)
-    return export_model(graph, model), fusion.fused
+    return export_model(graph, model), fusion.fused, graph
 
 
 def fuse_gelu(model: onnx.ModelProto) -> tuple[onnx.ModelProto, list[list[str]]]:

@@ -20,6 +20,7 @@ import onnx_graphsurgeon as gs
 
 from onnxq.io.graph import (
     GraphEditor,
+    as_imported,
     constant_value,
     copy_fields,
     export_model,
@@ -29,7 +30,7 @@ from onnxq.io.graph import (
     iter_subgraph_nodes,
     skeleton,
 )
-from onnxq.prepare.fusions import fuse_hardswish
+from onnxq.prepare.fusions import fuse_hardswish_graph
 from onnxq.prepare.opset import default_opset, raise_opset
 
 MIN_OPSET = 10
@@ -38,6 +39,15 @@ TARGET_OPSET = 13
 
 def preprocess(model: onnx.ModelProto) -> onnx.ModelProto:
     """Run every preprocessing pass and return a new model (the argument is not modified)."""
+    return prepare(model)[0]
+
+
+def prepare(model: onnx.ModelProto) -> tuple[onnx.ModelProto, gs.Graph]:
+    """:func:`preprocess`, and the model it returns as a graph: the one import of the model.
+
+    The graph the passes edited is handed on, with the shapes inference found written into it
+    (onnxq.io.graph.as_imported), instead of importing the returned model again.
+    """
     if default_opset(model) < MIN_OPSET:
         model = raise_opset(model, TARGET_OPSET, f"QLinear ops (opset >= {MIN_OPSET})")
     graph = import_graph(model)
@@ -47,7 +57,7 @@ def preprocess(model: onnx.ModelProto) -> onnx.ModelProto:
     _fold_batchnorm(graph)
     _fold_affine(graph)
     out = export_model(graph, model)
-    out, _ = fuse_hardswish(out, graph)
+    out, _, graph = fuse_hardswish_graph(out, graph)
     out.producer_name = model.producer_name
     out.producer_version = model.producer_version
     try:
@@ -55,7 +65,7 @@ def preprocess(model: onnx.ModelProto) -> onnx.ModelProto:
     except Exception as exc:  # shape inference is best effort: patterns cope with unknown shapes
         logging.getLogger("onnxq").info("shape inference failed: %s", exc)
     out.graph.value_info.extend(_symbolic_value_info(out))
-    return out
+    return out, as_imported(graph, out)
 
 
 def _with_weights(inferred: onnx.ModelProto, full: onnx.ModelProto) -> onnx.ModelProto:
