@@ -364,3 +364,23 @@ def test_keep_float_in_a_config_is_exclude_for_smoothquant_too():
     same = excluded.SerializeToString(deterministic=True)
     assert configured.SerializeToString(deterministic=True) == same
     assert plain.SerializeToString(deterministic=True) != same
+
+
+def test_smoothquant_sees_the_prepared_model_a_transposed_weight_folded():
+    """A weight written as Transpose(constant), as some exporters write a Linear layer, is a
+    constant once the prepare pass has folded it: SmoothQuant smooths all three readers."""
+    model = _encoder(outlier=40.0)
+    g = model.graph
+    wq = next(i for i in g.initializer if i.name == "Wq")
+    transposed = nh.from_array(np.ascontiguousarray(nh.to_array(wq).T), "Wq_t")
+    g.initializer.remove(wq)
+    g.initializer.append(transposed)
+    g.node.insert(0, h.make_node("Transpose", ["Wq_t"], ["Wq"], name="wq_transpose", perm=[1, 0]))
+    onnx.checker.check_model(model)
+    q, report = onnxq.quantize(model, _padded(16, 1), progress=False, smoothquant="on")
+    assert report.smoothing["x"]["readers"] == ["query", "key", "value"]
+    assert report.smoothing["x"]["divided_in"]
+    assert "-1 Transpose" in next(p.changed for p in report.passes if p.name == "prepare")
+    feeds = _padded(2, 5)[0]
+    ref, got = run(model, feeds)[0], run(q, feeds)[0]
+    assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < 0.05

@@ -154,7 +154,7 @@ class QuantizerConfig:
         return "" if get_format(self.format).int4 else "FakeQuantize output has 8-bit weights only"
 
 
-def _refuse_shared_names(model: onnx.ModelProto, exclude: Sequence[str]) -> None:
+def refuse_shared_names(model: onnx.ModelProto, exclude: Sequence[str]) -> None:
     """An ``--exclude`` name that several nodes share is ambiguous: refused, with the matches.
 
     Preprocessing gives each node a unique name (``mm``, ``mm_1``, ``mm_2``), so the name
@@ -179,7 +179,9 @@ class Quantizer:
     ``model`` is a path or ModelProto (never modified); ``patterns`` defaults to
     ``onnxq.patterns.default_patterns()``; ``kept_float``: nodes an earlier pass added that stay
     float, with the reason the decisions give (SmoothQuant's Mul by 1/s); ``copy=False``: a
-    ModelProto the caller gives up (it is not copied first; the pipeline's own model).
+    ModelProto the caller gives up (it is not copied first; the pipeline's own model);
+    ``prepared``: ``model`` is preprocessed already (onnxq.prepare.preprocess.prepare) and
+    this is its graph, taken as the float graph instead of preprocessing again.
     """
 
     def __init__(
@@ -189,15 +191,19 @@ class Quantizer:
         config: QuantizerConfig | None = None,
         kept_float: dict[str, str] | None = None,
         copy: bool = True,
+        prepared: gs.Graph | None = None,
     ):
         self.config = config or QuantizerConfig()
         # copy=False: the caller hands its (checked) ModelProto over and keeps no reference,
         # so the preprocessed copy replaces it instead of joining it (a model's worth of memory)
         proto = load_model(model) if copy or not isinstance(model, onnx.ModelProto) else model
         del model
-        _refuse_shared_names(proto, self.config.exclude)
         self.float_model: onnx.ModelProto
-        self.float_model, float_graph = prepare(proto)
+        if prepared is not None:  # preprocessed already (onnxq.passes.prepare), with its graph
+            self.float_model, float_graph = proto, prepared
+        else:
+            refuse_shared_names(proto, self.config.exclude)
+            self.float_model, float_graph = prepare(proto)
         del proto
         self.patterns = list(patterns) if patterns is not None else default_patterns()
         self.records: list[PatternRecord] = []

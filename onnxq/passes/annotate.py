@@ -1,7 +1,9 @@
 """Annotate: match the rules and rewrite each group with placeholder parameters.
 
-Needs ``state.float_model``. Leaves ``state.quantizer``: the preprocessed float model, the
-template with placeholders, the records of what each rule matched and the decisions.
+Needs ``state.float_model`` (and ``state.float_graph``, its graph, unless a float rewrite
+changed the model after preprocessing). Leaves ``state.quantizer``: the preprocessed float
+model, the template with placeholders, the records of what each rule matched and the
+decisions.
 """
 
 from __future__ import annotations
@@ -32,8 +34,14 @@ class Annotate:
     def run(self, state: State) -> PassResult:
         """Build the annotated template."""
         o = state.options
+        graph, state.float_graph = state.float_graph, None
         q = Quantizer(
-            _hand_over(state), o.patterns, o.quantizer_config(), state.float_nodes, copy=False
+            _hand_over(state),
+            o.patterns,
+            o.quantizer_config(),
+            state.float_nodes,
+            copy=False,
+            prepared=graph,  # None: a float rewrite changed the model, preprocessed again
         )
         # graphsurgeon graphs are reference cycles: free the stages' copies now, and hand the
         # pages back (the 2 GB transformer held 1.2x its weights in freed heap otherwise)

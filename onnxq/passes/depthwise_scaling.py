@@ -72,6 +72,7 @@ class DepthwiseScaling:
                 "gain_db": round(choice.gain_db, 2) if apply else 0.0,
             }
             if apply:
+                state.float_graph = None  # rewritten: annotation prepares the model again
                 rewrite(model, c, choice.scales, inits, uses)
                 applied.append(choice.gain_db)
         if not applied:

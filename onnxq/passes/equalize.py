@@ -115,6 +115,7 @@ class Equalize:
             floor = np.maximum(activation_floor(after), activation_floor(before_path))
             links.append(Link(c.first.name, c.second.name, np.ones_like(lo), floor))
         rounds = equalize(layers, links)
+        state.float_graph = None  # the model is rewritten below: annotation prepares it again
         absorbed = _absorb(chains, links, layers, ranges)
         for c, link in zip(chains, links, strict=True):
             if c.clip is not None:

@@ -66,6 +66,9 @@ class State:
     data: Any = None
     #: the float model to annotate (opset raised where the output needs it); empty until loaded
     float_model: onnx.ModelProto = field(default_factory=onnx.ModelProto)
+    #: the preprocessed ``float_model`` as a graph (onnxq.passes.prepare); None when a float
+    #: rewrite changed the model since
+    float_graph: Any = None
     quantizer: Any = None
     dataset: Any = None
     calibrator: Any = None

@@ -24,6 +24,7 @@ from onnxq.passes.load import Load
 from onnxq.passes.lower import Lower
 from onnxq.passes.manager import Pass
 from onnxq.passes.materialize import Materialize
+from onnxq.passes.prepare import Prepare
 from onnxq.passes.requantize import Requantize, ShareScales
 from onnxq.passes.rounding import WeightRounding
 from onnxq.passes.save import Save
@@ -37,7 +38,7 @@ def build(options: QuantizeOptions, quantize_branch: BranchQuantizer) -> list[Pa
     if options.weight_dtype == "int4":  # whole-model weight-only int4: no calibration
         return [Load(raise_opsets=False), WeightOnlyInt4(), Verify(), Save()]
     fmt = options.output_format
-    passes: list[Pass] = [Load()]
+    passes: list[Pass] = [Load(), Prepare()]
     if options.budget is not None:
         passes.append(Budget())
     if options.equalization != "off" and options.load_ranges is None:

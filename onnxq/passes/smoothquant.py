@@ -80,7 +80,10 @@ class SmoothQuant:
             weights = [_as_kn(inits[r.weight], r.transposed) for r in readers[x]]
             rows = np.concatenate(st.rows)
             choice = choose(rows, st.absmax, st.lo, st.hi, weights, state.options.weight_bits)
-            where = _apply(model, x, readers[x], choice) if choice.alpha is not None else ""
+            where = ""
+            if choice.alpha is not None:
+                state.float_graph = None  # rewritten: annotation prepares the model again
+                where = _apply(model, x, readers[x], choice)
             applied += bool(where)
             if where.startswith("Mul"):
                 names = ", ".join(f"'{r.node.name}'" for r in readers[x])

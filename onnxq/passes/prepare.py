@@ -1,0 +1,29 @@
+"""Prepare: the float model preprocessed once, before any float rewrite reads it.
+
+Needs ``state.float_model`` (loaded). Leaves it preprocessed (onnxq.prepare.preprocess: unique
+node names, constant subgraphs folded, BatchNormalization folded into the layer before it,
+HardSwish fused, shapes inferred) and ``state.float_graph``, the same model as the one graph
+the annotation copies (the call's one onnx-graphsurgeon import). The float rewrites after it
+(equalization, SmoothQuant, depthwise scaling) see the folded model; one that changes it lets
+go of the graph, and the annotation preprocesses their result again (new nodes need shapes).
+"""
+
+from __future__ import annotations
+
+from onnxq.annotate.quantizer import refuse_shared_names
+from onnxq.passes.manager import PassResult, State, op_changes, op_histogram
+from onnxq.prepare.preprocess import prepare
+
+
+class Prepare:
+    """Preprocess the float model."""
+
+    name = "prepare"
+
+    def run(self, state: State) -> PassResult:
+        """Fold, fuse, name and infer shapes; keep the graph."""
+        before = op_histogram(state.float_model)
+        # an --exclude name several nodes share is refused before preprocessing renames them
+        refuse_shared_names(state.float_model, state.options.quantizer_config().exclude)
+        state.float_model, state.float_graph = prepare(state.float_model)
+        return PassResult(op_changes(before, op_histogram(state.float_model)))
