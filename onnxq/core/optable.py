@@ -56,6 +56,10 @@ class QOp:
     to_float: Callable[[Attrs], Attrs] | None = None
     #: the output scale is optional: without it the op writes float (QGemm)
     float_output_ok: bool = False
+    #: it can compute in int8 and write float, when only float ops read its result
+    #: (onnxq.post.float_outputs: QGemm without its output pair, QLinearMatMul as
+    #: MatMulIntegerToFloat)
+    writes_float: bool = False
 
     def triple_positions(self, n_inputs: int) -> tuple[int, ...]:
         """Positions of the (tensor, scale, zero point) triples of a node with ``n_inputs``."""
@@ -121,6 +125,7 @@ TABLE: tuple[QOp, ...] = (
         weight_axis=1,
         keeps=(),
         constant_weight=False,
+        writes_float=True,
     ),
     QOp(
         "QGemm",
@@ -134,6 +139,7 @@ TABLE: tuple[QOp, ...] = (
         to_qop=_gemm_to_qgemm,
         to_float=_qgemm_to_gemm,
         float_output_ok=True,
+        writes_float=True,
     ),
     QOp("QLinearAdd", "Add", MS_DOMAIN, (0, 3), 6, keeps=()),
     QOp("QLinearMul", "Mul", MS_DOMAIN, (0, 3), 6, keeps=()),
@@ -147,6 +153,9 @@ TABLE: tuple[QOp, ...] = (
 
 #: the table by QOperator op type
 BY_QOP: dict[str, QOp] = {q.qop: q for q in TABLE}
+
+#: the QOperator ops that can write float (:attr:`QOp.writes_float`)
+FLOAT_OUTPUT_QOPS = frozenset(q.qop for q in TABLE if q.writes_float)
 
 #: integer ops that also mark a model as quantized (onnxruntime's dynamic quantization)
 INTEGER_OPS = frozenset({"MatMulInteger", "ConvInteger"})
@@ -177,3 +186,10 @@ PASS_THROUGH: dict[str, int] = {
 
 #: ops through which int8 data flows unchanged in value (Split has several outputs)
 CARRIERS = frozenset(PASS_THROUGH) | {"Split"}
+
+#: carriers whose onnxruntime kernels take 8-bit integers but not int16
+BYTE_ONLY = frozenset({"MaxPool", "Resize", "Pad"})
+
+#: float layers onnxruntime quantizes by itself when they read a DequantizeLinear output (per
+#: tensor, whatever the model asks: onnxq.post.float_guard; tested: MatMul is not)
+SELF_QUANTIZED_BY_RUNTIME = frozenset({"Conv", "ConvTranspose", "Gemm"})

@@ -27,7 +27,7 @@ import onnx
 import onnx_graphsurgeon as gs
 
 from onnxq.core.errors import ModelError
-from onnxq.core.optable import CARRIERS
+from onnxq.core.optable import CARRIERS, FLOAT_OUTPUT_QOPS
 from onnxq.core.qparams import qrange
 from onnxq.core.specs import QTensor
 from onnxq.io.graph import (
@@ -38,7 +38,7 @@ from onnxq.io.graph import (
     import_graph,
     producer,
 )
-from onnxq.post.float_outputs import FLOAT_OUTPUT_QOPS, starts_at_zero
+from onnxq.post.float_outputs import starts_at_zero
 from onnxq.post.requantize import carried_source
 
 OV_DOMAIN = "org.openvinotoolkit"

@@ -18,10 +18,8 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from onnxq.core.optable import SELF_QUANTIZED_BY_RUNTIME
 from onnxq.io.graph import tensor_array
-
-#: float ops onnxruntime quantizes on its own behind a DequantizeLinear (tested: MatMul is not)
-GUARDED_OPS = frozenset({"Conv", "ConvTranspose", "Gemm"})
 
 
 def guard_float_layers(model: onnx.ModelProto) -> tuple[onnx.ModelProto, list[str]]:
@@ -36,7 +34,7 @@ def guard_float_layers(model: onnx.ModelProto) -> tuple[onnx.ModelProto, list[st
     producer = {o: n for n in g.node for o in n.output}
     todo: list[tuple[onnx.NodeProto, onnx.NodeProto]] = []
     for node in g.node:
-        if node.domain not in ("", "ai.onnx") or node.op_type not in GUARDED_OPS:
+        if node.domain not in ("", "ai.onnx") or node.op_type not in SELF_QUANTIZED_BY_RUNTIME:
             continue
         if len(node.input) < 2 or node.input[0] not in producer:
             continue

@@ -23,11 +23,8 @@ import numpy as np
 import onnx
 from onnx import helper
 
+from onnxq.core.optable import FLOAT_OUTPUT_QOPS, MS_DOMAIN
 from onnxq.io.graph import tensor_array
-
-MS_DOMAIN = "com.microsoft"
-#: the QOperator ops that can write float
-FLOAT_OUTPUT_QOPS = frozenset({"QLinearMatMul", "QGemm"})
 
 
 def float_outputs(model: onnx.ModelProto) -> list[str]:

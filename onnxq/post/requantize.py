@@ -21,7 +21,7 @@ import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
 
-from onnxq.core.optable import BY_QOP, CARRIERS, PASS_THROUGH
+from onnxq.core.optable import BY_QOP, BYTE_ONLY, CARRIERS, PASS_THROUGH
 from onnxq.core.qparams import INT32_MAX, accumulation_bound, qrange
 from onnxq.io.graph import (
     GraphEditor,
@@ -49,10 +49,6 @@ def commutes(node: gs.Node, opset: int) -> bool:
     if node.op == "MaxPool":
         return len(node.outputs) == 1  # no Indices output
     return True
-
-
-#: carriers whose onnxruntime kernels take 8-bit integers but not int16
-BYTE_ONLY = frozenset({"MaxPool", "Resize", "Pad"})
 
 
 def carried_source(t: gs.Tensor) -> gs.Tensor | None:
