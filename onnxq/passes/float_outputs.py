@@ -1,7 +1,7 @@
 """Float outputs: int8 MatMul/Gemm results that only float ops read are written in float.
 
-Needs the requantized QOperator ``state.model`` (runs before the lowering). Leaves
-``state.model`` with those nodes as ``MatMulIntegerToFloat`` or float-output ``QGemm``
+Needs the requantized QOperator ``state.graph`` (runs before the lowering). Leaves
+``state.graph`` with those nodes as ``MatMulIntegerToFloat`` or float-output ``QGemm``
 (onnxq.post.float_outputs), and ``state.float_outputs`` (their names), which the report lists.
 """
 
@@ -18,6 +18,6 @@ class FloatOutputs:
 
     def run(self, state: State) -> PassResult:
         """Rewrite the nodes; say how many."""
-        state.float_outputs = float_outputs(state.proto())
+        state.float_outputs = float_outputs(state.graph)
         n = len(state.float_outputs)
         return PassResult(f"{n} MatMul/Gemm write float (only float ops read them)" if n else "")

@@ -20,103 +20,77 @@ QOperator output has 8-bit operands only).
 from __future__ import annotations
 
 import numpy as np
-import onnx
-from onnx import helper
+import onnx_graphsurgeon as gs
 
 from onnxq.core.optable import FLOAT_OUTPUT_QOPS, MS_DOMAIN
-from onnxq.io.graph import tensor_array
+from onnxq.io.graph import GraphEditor, constant_value
 
 
-def float_outputs(model: onnx.ModelProto) -> list[str]:
-    """Rewrite ``model`` in place; returns the names of the nodes now writing float."""
-    g = model.graph
-    readers: dict[str, list[onnx.NodeProto]] = {}
-    for n in g.node:
-        for x in n.input:
-            readers.setdefault(x, []).append(n)
-    graph_outputs = {o.name for o in g.output}
-    inits = {i.name: i for i in g.initializer}
+def float_outputs(graph: gs.Graph) -> list[str]:
+    """Rewrite ``graph`` in place (through its editor, left tidied); the nodes now writing float."""
+    editor = GraphEditor(graph)
+    graph_outputs = {id(t) for t in graph.outputs}
     changed: list[str] = []
-    drop: set[int] = set()
-    released: set[str] = set()  # constants the rewritten nodes no longer read
-    for n in list(g.node):
-        if n.op_type not in FLOAT_OUTPUT_QOPS or n.output[0] in graph_outputs:
+    for n in list(graph.nodes):
+        if n.op not in FLOAT_OUTPUT_QOPS or not n.outputs or id(n.outputs[0]) in graph_outputs:
             continue
-        users = readers.get(n.output[0], [])
-        if not users or any(u.op_type != "DequantizeLinear" for u in users):
+        users = list(n.outputs[0].outputs)
+        if not users or any(u.op != "DequantizeLinear" for u in users):
             continue  # an int8 reader needs the int8 result
-        if n.op_type == "QGemm" and len(n.input) < 8:
+        if n.op == "QGemm" and len(n.inputs) < 8:
             continue  # already float
-        if _clips_at_zero(n, inits):
+        zp = constant_value(n.inputs[-1] if n.op == "QLinearMatMul" else n.inputs[8])
+        if zp is None or starts_at_zero(zp):
             continue  # a folded (or removed) Relu/Relu6 lives in the output's clipping
-        out = users[0].output[0]
+        out = users[0].outputs[0]
         for u in users[1:]:  # several DQs of one result: their readers read the first
-            for r in readers.get(u.output[0], []):
-                r.input[:] = [out if x == u.output[0] else x for x in r.input]
-        drop.update(id(u) for u in users)
-        released.update(x for x in n.input if x in inits)
-        released.update(x for u in users for x in u.input[1:] if x in inits)
-        if n.op_type == "QGemm":
-            del n.input[7:]
-            n.output[0] = out
+            for reader in list(u.outputs[0].outputs):
+                for i, t in enumerate(reader.inputs):
+                    if t is u.outputs[0]:
+                        editor.set_input(reader, i, out)
+        for u in users:
+            editor.remove_node(u)
+        if n.op == "QGemm":
+            while len(n.inputs) > 7:
+                n.inputs.pop()
         else:
-            _to_integer_to_float(n, out, readers, inits, graph_outputs, drop)
+            out = _integer_to_float(editor, n, out, graph_outputs)
+        n.outputs[0] = out
         changed.append(n.name)
     if changed:
-        kept = [n for n in g.node if id(n) not in drop]
-        del g.node[:]
-        g.node.extend(kept)
-        # the output scale and zero point (and the dropped DQs' constants) nothing reads now:
-        # onnxruntime warned about each at load
-        read = _read_names(g) | graph_outputs
-        dead = {x for x in released if x not in read}
-        if dead:
-            live = [i for i in g.initializer if i.name not in dead]
-            del g.initializer[:]
-            g.initializer.extend(live)
-        if not any(o.domain == MS_DOMAIN for o in model.opset_import):
-            model.opset_import.append(helper.make_opsetid(MS_DOMAIN, 1))
+        editor.finish()
     return changed
 
 
-def _read_names(graph: onnx.GraphProto) -> set[str]:
-    """Every name a node of ``graph`` or of its subgraphs reads."""
-    from onnxq.io.graph import graphs_of
-
-    names: set[str] = set()
-    for node in graph.node:
-        names.update(node.input)
-        for _, sub in graphs_of(node):
-            names |= _read_names(sub)
-    return names
-
-
-def _to_integer_to_float(
-    n: onnx.NodeProto,
-    out: str,
-    readers: dict[str, list[onnx.NodeProto]],
-    inits: dict[str, onnx.TensorProto],
-    graph_outputs: set[str],
-    drop: set[int],
-) -> None:
-    """``QLinearMatMul`` → ``MatMulIntegerToFloat`` writing ``out`` (and its bias Add's output)."""
-    a, a_scale, a_zp, b, b_scale, b_zp = n.input[:6]
+def _integer_to_float(
+    editor: GraphEditor, n: gs.Node, out: gs.Variable, graph_outputs: set[int]
+) -> gs.Variable:
+    """``n`` (QLinearMatMul) as MatMulIntegerToFloat; the tensor it writes (its bias Add's)."""
+    a, a_scale, a_zp, b, b_scale, b_zp = n.inputs[:6]
     inputs = [a, b, a_scale, b_scale, a_zp, b_zp]
-    users = readers.get(out, [])
-    bias = _bias_of(users[0], out, inits) if len(users) == 1 and out not in graph_outputs else None
-    if bias is not None and _columns(inits.get(b)) == int(inits[bias].dims[0]):
-        inputs.append(bias)
-        out = users[0].output[0]
-        drop.add(id(users[0]))
-    name = n.name
-    n.Clear()
-    n.CopyFrom(helper.make_node("MatMulIntegerToFloat", inputs, [out], name=name, domain=MS_DOMAIN))
+    users = list(out.outputs)
+    bias = _bias(users[0], out) if len(users) == 1 and id(out) not in graph_outputs else None
+    weight = constant_value(b)
+    if bias is not None and weight is not None and weight.ndim == 2:
+        if weight.shape[1] == bias.shape[0]:
+            inputs.append(bias)
+            add = users[0]
+            out = add.outputs[0]
+            editor.remove_node(add)
+    n.op, n.domain, n.attrs = "MatMulIntegerToFloat", MS_DOMAIN, {}
+    n.inputs.clear()
+    n.inputs.extend(inputs)
+    return out
 
 
-def _clips_at_zero(n: onnx.NodeProto, inits: dict[str, onnx.TensorProto]) -> bool:
-    """Whether the output grid starts at 0 (see :func:`starts_at_zero`)."""
-    zp = inits.get(n.input[-1] if n.op_type == "QLinearMatMul" else n.input[8])
-    return zp is None or starts_at_zero(tensor_array(zp))
+def _bias(node: gs.Node, x: gs.Tensor) -> gs.Constant | None:
+    """The constant 1-D float operand of an ``Add(x, bias)``, else None."""
+    if node.op != "Add" or len(node.inputs) != 2 or not any(t is x for t in node.inputs):
+        return None
+    other = node.inputs[1] if node.inputs[0] is x else node.inputs[0]
+    if not isinstance(other, gs.Constant) or len(other.shape) != 1:
+        return None
+    return other if other.dtype == np.float32 else None
 
 
 def starts_at_zero(zero_point: np.ndarray) -> bool:
@@ -127,21 +101,3 @@ def starts_at_zero(zero_point: np.ndarray) -> bool:
     """
     zp = np.asarray(zero_point)
     return int(zp.reshape(-1)[0]) == int(np.iinfo(zp.dtype).min)
-
-
-def _bias_of(node: onnx.NodeProto, x: str, inits: dict[str, onnx.TensorProto]) -> str | None:
-    """The constant 1-D float operand of an ``Add(x, bias)``, else None."""
-    if node.op_type != "Add" or len(node.input) != 2 or x not in node.input:
-        return None
-    other = node.input[1] if node.input[0] == x else node.input[0]
-    init = inits.get(other)
-    if init is None or len(init.dims) != 1 or init.data_type != onnx.TensorProto.FLOAT:
-        return None
-    return other
-
-
-def _columns(weight: onnx.TensorProto | None) -> int:
-    """The output columns of a constant [K, N] weight (-1 when not constant)."""
-    if weight is None or len(weight.dims) != 2:
-        return -1
-    return int(weight.dims[1])
