@@ -130,3 +130,29 @@ def test_the_streamed_sums_are_the_float64_sums():
         assert abs(got - want) <= 1e-6 * abs(want)
     assert abs(st.ee - (f64 - q64) @ (f64 - q64)) <= 1e-5 * st.ee
     assert st.count == f.size
+
+
+def test_a_large_batch_runs_in_parts_with_the_same_sums(monkeypatch):
+    """Both models run the next part while this one is folded; parts sum as one batch."""
+    import onnxq.simulate.compare as cmp
+
+    fp32 = onnx.load(str(CNN))
+    q, _ = onnxq.quantize(fp32, {"input": X}, progress=False)
+    whole = compare(fp32, q, as_dataset({"input": X}, model_inputs(fp32), batch_size=32))
+    runs: list[int] = []
+    real = cmp._Both.run
+
+    def counted(self, names, feeds):
+        runs.append(len(feeds["input"]))
+        return real(self, names, feeds)
+
+    monkeypatch.setattr(cmp._Both, "run", counted)
+    monkeypatch.setattr(cmp, "RUN_BYTES", 1 << 20)  # a few samples' tensors
+    split = compare(fp32, q, as_dataset({"input": X}, model_inputs(fp32), batch_size=32))
+    # the first sample measured once, then run as the first part; the rest in parts
+    assert runs[:2] == [1, 1] and len(runs) > 3 and sum(runs[1:]) == 32
+    assert split.samples == whole.samples == 32
+    by_name = {s.name: s for s in split.layers + split.outputs}
+    assert len(by_name) == len(whole.layers + whole.outputs)
+    for a in whole.layers + whole.outputs:
+        assert a.sqnr_db == pytest.approx(by_name[a.name].sqnr_db, rel=1e-5)

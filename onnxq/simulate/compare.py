@@ -24,7 +24,7 @@ import numpy as np
 import onnx
 
 from onnxq.calibrate.dataset import DatasetManager, feed_samples, shared_batch
-from onnxq.calibrate.streaming import outputs_bytes, run_checked
+from onnxq.calibrate.streaming import outputs_bytes, run_ahead, run_checked
 from onnxq.core.optable import BY_QOP
 from onnxq.io.graph import tensor_array
 from onnxq.io.progress import progress
@@ -189,26 +189,17 @@ def compare(
     f_sess = make_session(float_model, expose=list(plan))
     q_fetch = sorted({v[0] for v in plan.values()})
     q_sess = make_session(quant_model, expose=q_fetch)
+    both = _Both(f_sess, list(plan), q_sess, q_fetch)
     samples = 0
-    per_run: int | None = None  # samples per run, once the first sample's outputs are measured
     batches = progress(dataset.batches(), dataset.num_batches(), "comparing")
-    for index, batch in enumerate(batches):
-        # a batch whose exposed tensors would pass RUN_BYTES runs in parts along its batch axis
-        whole = not shared_batch(batch) or feed_samples(batch) <= 1
-        n = 1 if whole else feed_samples(batch)
-        start = 0
-        while start < n:
-            step = n if whole else (per_run or 1)
-            feeds = batch if whole else {k: v[start : start + step] for k, v in batch.items()}
-            f_vals = dict(zip(plan, run_checked(f_sess, list(plan), feeds, index)))
-            q_vals = dict(zip(q_fetch, run_checked(q_sess, q_fetch, feeds, index)))
-            samples += feed_samples(feeds) if feeds else 0
-            for name, q in dequantized(plan, q_inits, q_vals).items():
-                stats[name].add(np.asarray(f_vals[name]), q)
-            if per_run is None and not whole:
-                made = outputs_bytes(f_vals.values()) + outputs_bytes(q_vals.values())
-                per_run = max(1, RUN_BYTES // max(made // step, 1))
-            start += step
+    parts = _Parts(batches, both)
+    # both models run the next part on a thread of their own while this one is folded
+    for feeds, values in run_ahead(both, [], (f for _, f in parts), number=parts.batch):
+        f_vals = dict(zip(plan, values[: len(plan)], strict=True))
+        q_vals = dict(zip(q_fetch, values[len(plan) :], strict=True))
+        samples += feed_samples(feeds) if feeds else 0
+        for name, q in dequantized(plan, q_inits, q_vals).items():
+            stats[name].add(np.asarray(f_vals[name]), q)
     link_inputs(float_model, stats)
     producers = {o: n for n in float_model.graph.node for o in n.output}
     for name, st in stats.items():
@@ -225,8 +216,57 @@ def compare(
 
 
 #: bytes of exposed tensors (both models) one run may hand out: a batch above it is compared in
-#: parts (every tensor of magika for 128 files was 3 GB at once)
-RUN_BYTES = 256 << 20
+#: parts (every tensor of magika for 128 files was 3 GB at once); two parts are alive at once,
+#: the one folded and the one running
+RUN_BYTES = 128 << 20
+
+
+class _Both:
+    """The float and the quantized model's sessions as one: a run of each on the same feeds."""
+
+    def __init__(self, f_sess: Any, f_names: list[str], q_sess: Any, q_names: list[str]):
+        self.f_sess, self.f_names, self.q_sess, self.q_names = f_sess, f_names, q_sess, q_names
+
+    def run(self, names: list[str], feeds: dict[str, Any]) -> list[Any]:
+        """The float model's exposed tensors, then the quantized model's."""
+        return [*self.f_sess.run(self.f_names, feeds), *self.q_sess.run(self.q_names, feeds)]
+
+    def get_inputs(self) -> Any:
+        """The float model's inputs (for the error's batch hint)."""
+        return self.f_sess.get_inputs()
+
+
+class _Parts:
+    """The feeds of each run, with the batch each comes from (:meth:`batch`, for errors).
+
+    A batch whose exposed tensors would pass :data:`RUN_BYTES` runs in parts along its batch
+    axis: its first sample alone, then parts of as many samples as fit, measured on that
+    sample (run once more here, as the parts run ahead of the measurement).
+    """
+
+    def __init__(self, batches: Any, both: _Both):
+        self.batches, self.both = batches, both
+        self.per_run: int | None = None
+        self.sources: list[int] = []
+
+    def batch(self, part: int) -> int:
+        """The batch part ``part`` comes from."""
+        return self.sources[part]
+
+    def __iter__(self) -> Any:
+        for index, batch in enumerate(self.batches):
+            whole = not shared_batch(batch) or feed_samples(batch) <= 1
+            n = 1 if whole else feed_samples(batch)
+            start = 0
+            while start < n:
+                step = n if whole else (self.per_run or 1)
+                feeds = batch if whole else {k: v[start : start + step] for k, v in batch.items()}
+                if self.per_run is None and not whole:
+                    made = outputs_bytes(run_checked(self.both, [], feeds, index))
+                    self.per_run = max(1, RUN_BYTES // max(made // step, 1))
+                self.sources.append(index)
+                yield index, feeds
+                start += step
 
 
 def tensor_plan(
@@ -272,14 +312,19 @@ def dequantized(
     q_inits: dict[str, np.ndarray],
     fetched: dict[str, Any],
 ) -> dict[str, np.ndarray]:
-    """The fetched values of a :func:`tensor_plan` as float (integer ones dequantized)."""
+    """The fetched values of a :func:`tensor_plan` as float (integer ones dequantized).
+
+    In float32, as DequantizeLinear computes: q − z is exact there (8- and 16-bit integers)
+    and the product with the float32 scale is rounded once, the value float64 arithmetic
+    rounded to float32 would give, at a quarter of the temporaries.
+    """
     out = {}
     for name, (q_name, scale_name, zp_name) in plan.items():
         q = np.asarray(fetched[q_name])
         if scale_name is not None:
-            scale = q_inits[scale_name].astype(np.float64)
-            zp = q_inits[zp_name].astype(np.float64) if zp_name in q_inits else 0.0
-            q = (q.astype(np.float64) - zp) * scale
+            scale = q_inits[scale_name].astype(np.float32)
+            zp = q_inits[zp_name].astype(np.float32) if zp_name in q_inits else np.float32(0)
+            q = (q.astype(np.float32) - zp) * scale
         out[name] = q
     return out
 
