@@ -1,6 +1,7 @@
 """Lower: the requantized QOperator model written in the chosen output format.
 
-Needs ``state.model``, ``state.quantizer`` and ``state.constants`` (corrected biases and rounded
+Needs ``state.graph`` (exported here; or ``state.model``), ``state.quantizer`` and
+``state.constants`` (corrected biases and rounded
 weights, which the OpenVINO form, rebuilt from the float model, writes in place of the
 originals). Leaves
 ``state.model`` in the output format
@@ -12,8 +13,16 @@ Cast/Sub/Mul instead, or onnxruntime would quantize their weights per tensor on 
 
 from __future__ import annotations
 
-from onnxq.passes.manager import PassResult, State, op_changes, op_histogram, release
+from onnxq.passes.manager import (
+    PassResult,
+    State,
+    graph_histogram,
+    op_changes,
+    op_histogram,
+    release,
+)
 from onnxq.post.float_guard import guard_float_layers
+from onnxq.prepare.fusions import fuse_gelu_graph
 
 
 class Lower:
@@ -23,10 +32,13 @@ class Lower:
 
     def run(self, state: State) -> PassResult:
         """Lower to ``state.options.format``."""
-        before = op_histogram(state.proto())
         fmt = state.options.output_format
+        graph = state.graph
+        before = graph_histogram(graph) if graph is not None else op_histogram(state.model)
+        if fmt.whole_gelu and graph is not None:  # on the pipeline's graph, not imported again
+            fuse_gelu_graph(graph)
         state.model = fmt.lower(
-            state.model, state.quantizer, state.values, state.options, state.constants
+            state.proto(), state.quantizer, state.values, state.options, state.constants
         )
         guarded: list[str] = []
         if fmt.runtime == "onnxruntime":

@@ -156,11 +156,19 @@ def fuse_gelu(model: onnx.ModelProto) -> tuple[onnx.ModelProto, list[list[str]]]
     if not any(n.op_type == "Erf" for n in model.graph.node):  # no GELU to match
         return model, []
     graph = import_graph(model)
-    fusion = GeluFusion()
-    result = rewrite(fusion, graph)
-    if not result.modified:
+    fused = fuse_gelu_graph(graph)
+    if not fused:
         return model, []
     out = export_model(graph, model)
     if not any(o.domain == MS_DOMAIN for o in out.opset_import):
         out.opset_import.append(onnx.helper.make_opsetid(MS_DOMAIN, 1))
-    return out, fusion.fused
+    return out, fused
+
+
+def fuse_gelu_graph(graph: gs.Graph) -> list[list[str]]:
+    """:func:`fuse_gelu` on ``graph``, in place; the fused groups (none: ``graph`` untouched)."""
+    if not any(n.op == "Erf" for n in graph.nodes):  # no GELU to match
+        return []
+    fusion = GeluFusion()
+    result = rewrite(fusion, graph)
+    return fusion.fused if result.modified else []
