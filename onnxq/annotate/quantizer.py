@@ -456,7 +456,7 @@ class Quantizer:
         """The float model as a graph, imported once and shared by the stages that read it.
 
         Read it, never change it: a stage that rewrites the float graph (the annotation, the
-        FakeQuantize lowering) works on a copy (``float_graph.copy()``).
+        FakeQuantize lowering) works on a copy (onnxq.io.graph.copy_graph).
         """
         return self._float_graph
 

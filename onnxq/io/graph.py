@@ -1122,8 +1122,8 @@ class GraphEditor:
         self.modified = True
 
     def finish(self) -> gs.Graph:
-        """Drop dead nodes and tensors and sort topologically."""
-        self.graph.cleanup(remove_unused_graph_inputs=False).toposort()
+        """Drop dead nodes and tensors and sort topologically (:func:`tidy`)."""
+        tidy(self.graph)
         return self.graph
 
 

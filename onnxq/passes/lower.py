@@ -1,11 +1,9 @@
 """Lower: the requantized QOperator model written in the chosen output format.
 
 Needs ``state.graph`` (exported here; or ``state.model``), ``state.quantizer`` and
-``state.constants`` (corrected biases and rounded
-weights, which the OpenVINO form, rebuilt from the float model, writes in place of the
-originals). Leaves
-``state.model`` in the output format
-(onnxq.lower.formats: QOperator, QDQ or OpenVINO FakeQuantize). For onnxruntime, float
+``state.constants`` (corrected biases and rounded weights, which the OpenVINO form, rebuilt
+from the float model, writes in place of the originals). Leaves ``state.model`` in the output
+format (onnxq.lower.formats: QOperator, QDQ or OpenVINO FakeQuantize). For onnxruntime, float
 Conv/ConvTranspose/Gemm layers behind a DequantizeLinear read their input through
 Cast/Sub/Mul instead, or onnxruntime would quantize their weights per tensor on its own
 (onnxq.post.float_guard).

@@ -115,7 +115,8 @@ class State:
     #: the model being produced; empty until materialized (then see :meth:`proto`)
     model: onnx.ModelProto = field(default_factory=onnx.ModelProto)
     #: the model being produced as a graph, from materialize through the passes that edit it
-    #: (requantize, share-scales); None once :meth:`proto` has exported it
+    #: (requantize, share-scales, float-outputs, lower's GELU fusion); None once :meth:`proto`
+    #: has exported it
     graph: Any = None
     requantize_stats: Any = None
     #: the If branches' results (onnxq.post.subgraphs.BranchResult)

@@ -70,13 +70,13 @@ def _integer_to_float(
     inputs = [a, b, a_scale, b_scale, a_zp, b_zp]
     users = list(out.outputs)
     bias = _bias(users[0], out) if len(users) == 1 and id(out) not in graph_outputs else None
-    weight = constant_value(b)
-    if bias is not None and weight is not None and weight.ndim == 2:
-        if weight.shape[1] == bias.shape[0]:
-            inputs.append(bias)
-            add = users[0]
-            out = add.outputs[0]
-            editor.remove_node(add)
+    # the bias has one value per output column of the constant [K, N] weight (read: its shape)
+    columns = b.shape[1] if isinstance(b, gs.Constant) and len(b.shape) == 2 else -1
+    if bias is not None and columns == bias.shape[0]:
+        add = users[0]
+        inputs.append(bias)
+        out = add.outputs[0]
+        editor.remove_node(add)
     n.op, n.domain, n.attrs = "MatMulIntegerToFloat", MS_DOMAIN, {}
     n.inputs.clear()
     n.inputs.extend(inputs)

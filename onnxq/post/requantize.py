@@ -29,7 +29,6 @@ from onnxq.io.graph import (
     export_model,
     import_graph,
     producer,
-    tidy,
 )
 from onnxq.prepare.opset import default_opset
 
@@ -93,10 +92,9 @@ class Requantizer:
             changed = self._cross(graph, editor, opset)
             changed |= self._drop_relus(graph, editor)
             changed |= self._fold(graph, editor)
-            editor.finish()
+            editor.finish()  # tidied: as an export writes it
             if not changed:
                 break
-        tidy(graph)
 
     # ----------------------------------------------------------------------------------------
     def _cross(self, graph: gs.Graph, editor: GraphEditor, opset: int) -> bool:

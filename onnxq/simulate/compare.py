@@ -194,7 +194,7 @@ def compare(
     batches = progress(dataset.batches(), dataset.num_batches(), "comparing")
     parts = _Parts(batches, both)
     # both models run the next part on a thread of their own while this one is folded
-    for feeds, values in run_ahead(both, [], (f for _, f in parts), number=parts.batch):
+    for feeds, values in run_ahead(both, [], parts, number=parts.batch):
         f_vals = dict(zip(plan, values[: len(plan)], strict=True))
         q_vals = dict(zip(q_fetch, values[len(plan) :], strict=True))
         samples += feed_samples(feeds) if feeds else 0
@@ -265,7 +265,7 @@ class _Parts:
                     made = outputs_bytes(run_checked(self.both, [], feeds, index))
                     self.per_run = max(1, RUN_BYTES // max(made // step, 1))
                 self.sources.append(index)
-                yield index, feeds
+                yield feeds
                 start += step
 
 

@@ -50,7 +50,7 @@ from onnxq.core.constraints import MERGE_BOUND_DB, SAME_SCALE
 from onnxq.core.optable import BY_QOP
 from onnxq.core.qparams import params_from_range, qrange
 from onnxq.core.specs import PatternRecord, QTensor
-from onnxq.io.graph import GraphEditor, constant_value, export_model, import_graph, tidy
+from onnxq.io.graph import GraphEditor, constant_value, export_model, import_graph
 from onnxq.post.requantize import carried_source
 
 
@@ -442,7 +442,6 @@ def share_scales_graph(
             editor.set_input(node, pos + 2, yz)
             rescaled.append(x.name)
     editor.finish()
-    tidy(graph)
     return rescaled
 
 
