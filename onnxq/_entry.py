@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import sys
 
-from onnxq.io.interrupt import INTERRUPTED, install, interrupted
+from onnxq.io.interrupt import install, interrupted, message
 
 
 def run(argv: list[str] | None = None) -> None:
@@ -21,7 +21,7 @@ def run(argv: list[str] | None = None) -> None:
     except BaseException as exc:
         if not (interrupted() or isinstance(exc, KeyboardInterrupt)):
             raise
-        print(INTERRUPTED, file=sys.stderr)
+        print(message(), file=sys.stderr)
         sys.exit(130)
     code = main(argv)
     if code == 130:

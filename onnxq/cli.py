@@ -26,7 +26,7 @@ from onnxq.calibrators import DEFAULT_METHOD, METHODS
 from onnxq.core.errors import ConfigError, OnnxqError
 from onnxq.demo import run_demo
 from onnxq.io.graph import load_model, save_model, write_text_atomic
-from onnxq.io.interrupt import INTERRUPTED, interrupted
+from onnxq.io.interrupt import interrupted, message
 from onnxq.io.loader import load_object
 from onnxq.io.paths import reads_of, refuse_collisions, writes_of
 from onnxq.io.text import TerminalWriter, one_line, shown
@@ -512,11 +512,11 @@ def _main(argv: Sequence[str] | None) -> int:
         parser.print_help()
         return 2
     except KeyboardInterrupt:
-        print(INTERRUPTED, file=sys.stderr)
+        print(message(), file=sys.stderr)
         return 130
     except Exception as exc:
         if interrupted():  # Ctrl-C that surfaced as another error (an import, a run)
-            print(INTERRUPTED, file=sys.stderr)
+            print(message(), file=sys.stderr)
             return 130
         return _failed(exc)
 

@@ -212,3 +212,36 @@ def test_free_memory_collects_for_a_large_model_and_skips_a_small_one(monkeypatc
     assert not collected
     session.free_memory()  # no model: always
     assert collected
+
+
+def test_a_ctrl_c_right_after_the_rename_says_the_file_is_whole(tmp_path, monkeypatch):
+    from onnxq.io import graph
+
+    real = graph.os.replace
+
+    def replace_then_interrupt(src, dst):
+        real(src, dst)
+        raise KeyboardInterrupt  # as if SIGINT landed between the rename and the next line
+
+    monkeypatch.setattr(interrupt, "_written", [])
+    monkeypatch.setattr(graph.os, "replace", replace_then_interrupt)
+    out = tmp_path / "q.onnx"
+    with pytest.raises(KeyboardInterrupt):
+        graph.write_bytes_atomic(out, b"whole")
+    assert out.read_bytes() == b"whole" and not list(tmp_path.glob(".*"))
+    assert interrupt.message() == (
+        f"onnxq: interrupted after writing '{out}' (complete); nothing else was written"
+    )
+
+
+def test_a_ctrl_c_before_the_rename_leaves_nothing_and_says_so(tmp_path, monkeypatch):
+    from onnxq.io import graph
+
+    def interrupt_instead(src, dst):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(interrupt, "_written", [])
+    monkeypatch.setattr(graph.os, "replace", interrupt_instead)
+    with pytest.raises(KeyboardInterrupt):
+        graph.write_bytes_atomic(tmp_path / "q.onnx", b"whole")
+    assert not list(tmp_path.iterdir()) and interrupt.message() == interrupt.INTERRUPTED

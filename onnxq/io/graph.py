@@ -24,6 +24,7 @@ from onnx_graphsurgeon.ir.tensor import LazyValues
 
 from onnxq._version import __version__
 from onnxq.core.errors import ModelError, OutputError
+from onnxq.io import interrupt
 from onnxq.io.text import shown
 
 MS_DOMAIN = "com.microsoft"
@@ -358,6 +359,7 @@ def _save_external(proto: onnx.ModelProto, path: Path, folder: Path) -> None:
         for f in (Path(tmp) / data_name, staged):
             _publish(f)
             os.replace(f, folder / f.name)
+        interrupt.wrote(str(path))
 
 
 #: external data offsets are multiples of this, so onnxruntime can map the weights
@@ -417,9 +419,12 @@ def write_bytes_atomic(path: str | os.PathLike[str], data: bytes) -> None:
             os.fsync(handle.fileno())
         _publish(Path(tmp))
         os.replace(tmp, path)
+        interrupt.wrote(str(path))
     except BaseException as exc:
         if os.path.exists(tmp):
             os.unlink(tmp)
+        elif not isinstance(exc, OSError):  # renamed into place before a Ctrl-C: whole
+            interrupt.wrote(str(path))
         if isinstance(exc, OSError):
             raise _output_error(path, exc) from None
         raise

@@ -14,6 +14,8 @@ from typing import Any
 INTERRUPTED = "onnxq: interrupted; no output written"
 
 _received: list[int] = []
+#: files this process wrote whole (renamed into place) before a Ctrl-C could reach it
+_written: list[str] = []
 
 
 def _on_sigint(signum: int, frame: Any) -> None:
@@ -30,3 +32,20 @@ def install() -> None:
 def interrupted() -> bool:
     """Whether Ctrl-C reached this process (whatever exception it then surfaced as)."""
     return bool(_received)
+
+
+def wrote(path: str) -> None:
+    """Record that ``path`` was written whole (onnxq.io.graph's atomic writes call it)."""
+    _written.append(path)
+
+
+def message() -> str:
+    """The one line for a Ctrl-C: :data:`INTERRUPTED`, or which files were already complete.
+
+    A Ctrl-C can land after the output was renamed into place and before the command ends
+    (printing its summary): the file is then whole, and the line says so.
+    """
+    if not _written:
+        return INTERRUPTED
+    names = ", ".join(f"'{p}'" for p in dict.fromkeys(_written))
+    return f"onnxq: interrupted after writing {names} (complete); nothing else was written"
