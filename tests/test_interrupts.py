@@ -200,18 +200,23 @@ def test_after_ctrl_c_with_a_run_in_flight_the_script_leaves_at_once(monkeypatch
     assert left == [130]
 
 
-def test_free_memory_collects_for_a_large_model_and_skips_a_small_one(monkeypatch):
+def test_free_memory_trims_always_and_collects_only_for_a_large_model(monkeypatch):
     import gc
+    import sys
+    import types
 
     from onnxq.io import session
 
-    collected = []
+    collected, trimmed = [], []
     monkeypatch.setattr(gc, "collect", lambda *a: collected.append(1) or 0)
+    libc = types.SimpleNamespace(malloc_trim=lambda pad: trimmed.append(pad))
+    monkeypatch.setattr(session.ctypes, "CDLL", lambda name: libc)
+    monkeypatch.setattr(sys, "platform", "linux")
     small = onnx.helper.make_model(onnx.helper.make_graph([], "g", [], []))
     session.free_memory(small)
-    assert not collected
+    assert not collected and trimmed == [0]  # the heap is handed back whatever the model
     session.free_memory()  # no model: always
-    assert collected
+    assert collected and trimmed == [0, 0]
 
 
 def test_a_ctrl_c_right_after_the_rename_says_the_file_is_whole(tmp_path, monkeypatch):
