@@ -250,3 +250,16 @@ def test_a_ctrl_c_before_the_rename_leaves_nothing_and_says_so(tmp_path, monkeyp
     with pytest.raises(KeyboardInterrupt):
         graph.write_bytes_atomic(tmp_path / "q.onnx", b"whole")
     assert not list(tmp_path.iterdir()) and interrupt.message() == interrupt.INTERRUPTED
+
+
+def test_every_pass_hands_the_freed_heap_back(monkeypatch):
+    from onnxq.api import quantize
+    from onnxq.passes import manager
+    from tests.helpers import DIGITS_CNN
+
+    trims = []
+    monkeypatch.setattr(manager, "trim_heap", lambda: trims.append(1))
+    data = {"input": np.random.default_rng(0).random((4, 1, 28, 28), np.float32)}
+    _, report = quantize(DIGITS_CNN, data, progress=False)
+    # one per pass of the pipeline (the passes choose runs inside it are recorded too)
+    assert 10 < len(trims) <= len(report.passes)

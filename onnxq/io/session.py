@@ -183,6 +183,16 @@ def free_memory(model: onnx.ModelProto | None = None) -> None:
     if model is None or graph.proto_size(model) >= FREE_MEMORY_BYTES:
         graph.forget_recent()
         gc.collect()
+    trim_heap()
+
+
+def trim_heap() -> None:
+    """Hand the heap pages glibc holds free back to the system (a no-op elsewhere).
+
+    Milliseconds: the pass manager calls it after every pass, once the pass's own arrays are
+    gone (a pass that trims inside still holds its locals then: the sequential bias
+    correction left 814 MB resident on EfficientNet-Lite1 where 351 MB were in use).
+    """
     if sys.platform.startswith("linux"):
         try:
             ctypes.CDLL("libc.so.6").malloc_trim(0)

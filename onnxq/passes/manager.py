@@ -17,7 +17,7 @@ from typing import Any, Protocol
 import onnx
 
 from onnxq.io.graph import export_model
-from onnxq.io.session import free_memory
+from onnxq.io.session import free_memory, trim_heap
 from onnxq.options import QuantizeOptions
 
 #: calibration batches the accuracy check after quantizing runs (their fp32 outputs are kept)
@@ -178,6 +178,7 @@ def run_passes(state: State, passes: Sequence[Pass]) -> State:
     for p in passes:
         start, before = time.perf_counter(), len(state.records)
         result = p.run(state)
+        trim_heap()  # the next pass starts from what is in use, not from this one's peak
         # a pass that runs others (onnxq.passes.choose) records them: its own time is the rest
         nested = sum(r.seconds for r in state.records[before:])
         seconds = time.perf_counter() - start - nested
