@@ -10,12 +10,13 @@ from __future__ import annotations
 import os
 import sys
 
-from onnxq.io.interrupt import install, interrupted, message
+from onnxq.io.interrupt import install, interrupted, message, new_command
 
 
 def run(argv: list[str] | None = None) -> None:
     """Run the command line on ``argv`` (default: the process's); exit with its code."""
     install()
+    new_command()
     try:
         from onnxq.cli import main
     except BaseException as exc:

@@ -26,7 +26,7 @@ from onnxq.calibrators import DEFAULT_METHOD, METHODS
 from onnxq.core.errors import ConfigError, OnnxqError
 from onnxq.demo import run_demo
 from onnxq.io.graph import load_model, save_model, write_text_atomic
-from onnxq.io.interrupt import interrupted, message
+from onnxq.io.interrupt import interrupted, message, new_command
 from onnxq.io.loader import load_object
 from onnxq.io.paths import reads_of, refuse_collisions, writes_of
 from onnxq.io.text import TerminalWriter, one_line, shown
@@ -482,6 +482,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     What it prints on stdout escapes control characters (node names come from the model:
     an ESC or BEL byte in one would drive the terminal).
     """
+    new_command()
     with contextlib.redirect_stdout(TerminalWriter(sys.stdout)):
         return _main(argv)
 

@@ -263,3 +263,12 @@ def test_every_pass_hands_the_freed_heap_back(monkeypatch):
     _, report = quantize(DIGITS_CNN, data, progress=False)
     # one per pass of the pipeline (the passes choose runs inside it are recorded too)
     assert 10 < len(trims) <= len(report.passes)
+
+
+def test_a_later_command_does_not_claim_an_earlier_ones_files(tmp_path, capsys):
+    from onnxq import cli
+    from onnxq.io import graph
+
+    graph.write_bytes_atomic(tmp_path / "earlier.onnx", b"x")  # a command before, same process
+    cli.main(["--version"])
+    assert interrupt.message() == interrupt.INTERRUPTED

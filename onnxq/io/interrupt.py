@@ -34,6 +34,11 @@ def interrupted() -> bool:
     return bool(_received)
 
 
+def new_command() -> None:
+    """Forget the files written so far: a command starts (one process may run many)."""
+    _written.clear()
+
+
 def wrote(path: str) -> None:
     """Record that ``path`` was written whole (onnxq.io.graph's atomic writes call it)."""
     _written.append(path)
