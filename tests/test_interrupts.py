@@ -8,6 +8,7 @@ from __future__ import annotations
 import signal
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import onnx
@@ -272,3 +273,50 @@ def test_a_later_command_does_not_claim_an_earlier_ones_files(tmp_path, capsys):
     graph.write_bytes_atomic(tmp_path / "earlier.onnx", b"x")  # a command before, same process
     cli.main(["--version"])
     assert interrupt.message() == interrupt.INTERRUPTED
+
+
+@pytest.mark.parametrize("external", [False, True])
+def test_ctrl_c_is_held_back_while_the_outputs_are_renamed(tmp_path, monkeypatch, external):
+    from onnxq.io import graph
+
+    real = graph.os.replace
+    blocked = []
+
+    def replace(src, dst):
+        blocked.append(signal.SIGINT in signal.pthread_sigmask(signal.SIG_BLOCK, []))
+        real(src, dst)
+
+    monkeypatch.setattr(graph.os, "replace", replace)
+    weights = np.ones((64, 64), np.float32)
+    init = onnx.numpy_helper.from_array(weights, "w")
+    g = onnx.helper.make_graph([], "g", [], [onnx.helper.make_tensor_value_info("w", 1, [64, 64])])
+    g.initializer.append(init)
+    model = onnx.helper.make_model(g)
+    if external:  # the > 2 GB path: the model and its .data file, renamed together
+        graph._save_external(model, tmp_path / "q.onnx", tmp_path)
+    else:
+        graph.save_model(model, tmp_path / "q.onnx")
+    assert blocked == [True] * (2 if external else 1)
+    assert signal.SIGINT not in signal.pthread_sigmask(signal.SIG_BLOCK, [])  # unblocked after
+
+
+def test_a_ctrl_c_between_the_model_and_its_data_comes_after_both(tmp_path, monkeypatch):
+    from onnxq.io import graph
+
+    real = graph.os.replace
+    renamed = []
+
+    def replace(src, dst):
+        real(src, dst)
+        renamed.append(Path(dst).name)
+        if len(renamed) == 1:  # Ctrl-C after the .data file, before the model
+            signal.raise_signal(signal.SIGINT)
+
+    monkeypatch.setattr(graph.os, "replace", replace)
+    monkeypatch.setattr(interrupt, "_written", [])
+    g = onnx.helper.make_graph([], "g", [], [onnx.helper.make_tensor_value_info("w", 1, [4])])
+    g.initializer.append(onnx.numpy_helper.from_array(np.ones(4, np.float32), "w"))
+    with pytest.raises(KeyboardInterrupt):
+        graph._save_external(onnx.helper.make_model(g), tmp_path / "q.onnx", tmp_path)
+    assert renamed == ["q.onnx.data", "q.onnx"]  # both in place when the interrupt came
+    assert interrupt.message().startswith("onnxq: interrupted after writing")

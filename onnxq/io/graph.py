@@ -358,8 +358,10 @@ def _save_external(proto: onnx.ModelProto, path: Path, folder: Path) -> None:
         write_external(proto, staged, data_name)
         for f in (Path(tmp) / data_name, staged):
             _publish(f)
-            os.replace(f, folder / f.name)
-        interrupt.wrote(str(path))
+        with interrupt.held():  # the two renames together, or neither
+            for f in (Path(tmp) / data_name, staged):
+                os.replace(f, folder / f.name)
+            interrupt.wrote(str(path))
 
 
 #: external data offsets are multiples of this, so onnxruntime can map the weights
@@ -418,8 +420,9 @@ def write_bytes_atomic(path: str | os.PathLike[str], data: bytes) -> None:
             handle.flush()
             os.fsync(handle.fileno())
         _publish(Path(tmp))
-        os.replace(tmp, path)
-        interrupt.wrote(str(path))
+        with interrupt.held():  # renamed and recorded together
+            os.replace(tmp, path)
+            interrupt.wrote(str(path))
     except BaseException as exc:
         if os.path.exists(tmp):
             os.unlink(tmp)

@@ -8,7 +8,10 @@ Imports nothing heavy: the console script installs it before numpy and onnxrunti
 
 from __future__ import annotations
 
+import contextlib
 import signal
+import threading
+from collections.abc import Iterator
 from typing import Any
 
 INTERRUPTED = "onnxq: interrupted; no output written"
@@ -54,3 +57,22 @@ def message() -> str:
         return INTERRUPTED
     names = ", ".join(f"'{p}'" for p in dict.fromkeys(_written))
     return f"onnxq: interrupted after writing {names} (complete); nothing else was written"
+
+
+@contextlib.contextmanager
+def held() -> Iterator[None]:
+    """Ctrl-C held back until the block ends (then raised as usual), on POSIX's main thread.
+
+    For renames that only make sense together: a model over 2 GB and its ``.data`` file are
+    renamed into place one after the other, and a Ctrl-C between the two left an earlier
+    model at that path reading the new weights. Elsewhere the block runs unguarded.
+    """
+    mask = getattr(signal, "pthread_sigmask", None)
+    if mask is None or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    mask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        mask(signal.SIG_UNBLOCK, {signal.SIGINT})
