@@ -314,6 +314,7 @@ def test_a_ctrl_c_between_the_model_and_its_data_comes_after_both(tmp_path, monk
 
     monkeypatch.setattr(graph.os, "replace", replace)
     monkeypatch.setattr(interrupt, "_written", [])
+    monkeypatch.setattr(interrupt, "_received", [])  # the SIGINT sent here is this test's only
     g = onnx.helper.make_graph([], "g", [], [onnx.helper.make_tensor_value_info("w", 1, [4])])
     g.initializer.append(onnx.numpy_helper.from_array(np.ones(4, np.float32), "w"))
     with pytest.raises(KeyboardInterrupt):
