@@ -356,10 +356,11 @@ def _save_external(proto: onnx.ModelProto, path: Path, folder: Path) -> None:
     with tempfile.TemporaryDirectory(prefix=f".{path.name}.", dir=folder) as tmp:
         staged = Path(tmp) / path.name
         write_external(proto, staged, data_name)
-        for f in (Path(tmp) / data_name, staged):
+        files = (Path(tmp) / data_name, staged)  # the weights first, the model that reads them
+        for f in files:
             _publish(f)
         with interrupt.held():  # the two renames together, or neither
-            for f in (Path(tmp) / data_name, staged):
+            for f in files:
                 os.replace(f, folder / f.name)
             interrupt.wrote(str(path))
 
