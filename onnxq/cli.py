@@ -251,8 +251,10 @@ def _quantize_io(q: argparse.ArgumentParser) -> None:
         "--metric",
         default=None,
         metavar="MODULE:FUNCTION",
-        help="with --max-drop: your evaluation, called with a model file's path, returning a "
-        "number (higher is better); default: mean output cosine with fp32, in %%",
+        help="your evaluation, called with a model file's path, returning a number or one per "
+        "sample (higher is better): the recipe choice scores its candidates with it (each "
+        "as the model it writes), and --max-drop its trials (default: held-back output SQNR; "
+        "for --max-drop, mean output cosine with fp32, in %%)",
     )
     _fallback_flag(q, "with --max-drop: ")
     q.add_argument(

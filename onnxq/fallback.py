@@ -26,9 +26,7 @@ that runtime; a group whose own noise the ranking finds in its weights still goe
 
 from __future__ import annotations
 
-import os
 import statistics
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -42,7 +40,6 @@ from onnxq.calibrate.dataset import model_inputs
 from onnxq.calibrate.sources import as_dataset
 from onnxq.core.errors import ConfigError, DataError
 from onnxq.io.graph import load_model, save_model
-from onnxq.io.loader import load_object
 from onnxq.io.openvino import OpenVINOSession
 from onnxq.io.openvino import available as openvino_available
 from onnxq.io.session import make_session
@@ -52,6 +49,7 @@ from onnxq.passes.defaults import settle
 from onnxq.passes.manager import State, run_passes
 from onnxq.passes.pipeline import build
 from onnxq.report import QuantizeReport, build_report
+from onnxq.simulate import metric as simulate_metric
 from onnxq.simulate.emulate import emulate
 from onnxq.simulate.sensitivity import fix, fix_entry, rank
 
@@ -144,28 +142,12 @@ def output_cosine(float_model: onnx.ModelProto, held: list[Any]) -> Metric:
 
 
 def user_metric(ref: str, cli: bool, name: str = "metric") -> Metric:
-    """``module:function`` called with a model file's path; returns higher-is-better."""
-    option = spell(name, cli)
-    fn = load_object(ref, option)
-    if not callable(fn):
-        raise ConfigError(f"{option} {ref!r} is not a function")
+    """``module:function`` called with a model file's path: its score (a per-sample list's mean).
 
-    def metric(model: onnx.ModelProto) -> float:
-        with tempfile.TemporaryDirectory() as tmp:
-            path = os.path.join(tmp, "model.onnx")
-            save_model(model, path)
-            try:
-                value = fn(path)
-            except Exception as exc:  # the user's evaluation failed
-                raise ConfigError(f"{option} {ref!r} raised {type(exc).__name__}: {exc}") from None
-        try:
-            return float(value)
-        except (TypeError, ValueError):
-            raise ConfigError(
-                f"{option} {ref!r} returned {value!r}; it must return a number (higher is better)"
-            ) from None
-
-    return metric
+    ``name``: the option as the caller spells it (``metric``, debug's ``eval``).
+    """
+    scores = simulate_metric.user_metric(ref, spell(name, cli))
+    return lambda model: float(np.mean(scores(model)))
 
 
 def latency_ms(model: onnx.ModelProto, held: list[Any]) -> float:

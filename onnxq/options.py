@@ -348,6 +348,11 @@ class QuantizeOptions:
         """What the output format can hold and how it is lowered."""
         return get_format(self.format)
 
+    @property
+    def choice_metric(self) -> str | None:
+        """The caller's metric when it scores the recipe choice (``max_drop`` unset), or None."""
+        return self.metric if self.max_drop is None else None
+
     def quantizer_config(self) -> QuantizerConfig:
         """The annotation's part of the options."""
         return QuantizerConfig(
@@ -481,10 +486,7 @@ def resolve(
     ):
         raise ConfigError(f"{spell('budget', cli, budget)} must be a number of seconds > 0")
     if rest.get("metric") is not None and max_drop is None:
-        raise ConfigError(
-            f"{spell('metric', cli)} is the metric of the accuracy-driven fallback; add "
-            f"{spell('max_drop', cli)} with the largest drop allowed"
-        )
+        _check_metric_choice(rest, cli)
     if patterns is None and tgt.patterns is not None:
         patterns = target_patterns(tgt)
     fallback = fallback_for(tgt, fmt, activation_dtype, symmetric, fallback, cli)
@@ -571,6 +573,31 @@ def fallback_for(
             "declares int16_activations = true in its [target.NAME] table"
         )
     return fallback
+
+
+def _check_metric_choice(rest: dict[str, Any], cli: bool) -> None:
+    """``metric`` without ``max_drop`` scores the recipe choice: refuse what turns it off.
+
+    What the data decides (too few batches to hold some back) is said in the report instead.
+    """
+    recipe = rest.get("recipe", "auto")
+    off = ""
+    if recipe != "auto":
+        off = f"{spell('recipe', cli, recipe)} pins one recipe"
+    elif all(
+        rest.get(name, "auto") not in ("auto", DEFAULT_METHOD)
+        for name in ("method", "rounding", "bias_correction")
+    ):
+        off = "the method, rounding and bias correction are all set (one candidate)"
+    else:
+        given = [n for n in ("callback", "load_ranges", "ray", "budget") if rest.get(n) is not None]
+        if given:
+            off = f"{spell(given[0], cli)} turns the choice off"
+    if off:
+        raise ConfigError(
+            f"{spell('metric', cli)} scores the recipe choice (or, with {spell('max_drop', cli)}, "
+            f"the accuracy-driven fallback), but {off}; drop one of them"
+        )
 
 
 def _check(fmt: Format, activation_dtype: str, symmetric: bool, unsigned: bool, cli: bool) -> None:

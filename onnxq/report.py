@@ -199,6 +199,10 @@ def choice_line(choice: dict[str, Any]) -> str:
         f"recipe: {choice['chosen']}, chosen on {choice['held_back_samples']} held-back "
         f"samples ({len(rows)} candidates, {choice['seconds']:.1f} s): "
     )
+    if "metric" in choice:
+        return head.replace(
+            f"on {choice['held_back_samples']} held-back samples", f"by {choice['metric']}"
+        ) + _metric_words(chosen, auto, rows, choice["auto"])
     if chosen is auto:
         best = max(rows.values(), key=lambda r: r["sqnr_db"])
         if best is auto:
@@ -210,6 +214,29 @@ def choice_line(choice: dict[str, Any]) -> str:
     return head + (
         f"{chosen['vs_auto_db']:+.2f} dB output SQNR over auto's {choice['auto']} "
         f"(noise ±{chosen['noise_db']:.2f} dB)"
+    )
+
+
+def _metric_words(
+    chosen: dict[str, Any], auto: dict[str, Any], rows: dict[str, Any], auto_name: str
+) -> str:
+    """The end of :func:`choice_line` for a choice scored by the caller's metric."""
+
+    def noise(r: dict[str, Any]) -> str:
+        known = r["metric_noise"]
+        return f"noise ±{known:.4g}" if known is not None else "one score a model: noise unknown"
+
+    if chosen is auto:
+        best = max(rows.values(), key=lambda r: r["metric"])
+        if best is auto:
+            return f"no candidate scored above auto's pick ({auto['metric']:.6g})"
+        return (
+            f"auto's pick kept; the best, {best['recipe']}, was {best['metric_vs_auto']:+.4g}, "
+            f"within the noise ({noise(best)})"
+        )
+    return (
+        f"{chosen['metric']:.6g}, {chosen['metric_vs_auto']:+.4g} over auto's {auto_name} "
+        f"({noise(chosen)})"
     )
 
 
@@ -249,6 +276,7 @@ def build_report(state: State) -> QuantizeReport:
         + list(q.warnings)
         + list(o.warnings)
         + dataset_warnings
+        + ([state.choice["warning"]] if "warning" in state.choice else [])
         + state.check_warnings,
         notes=list(o.notes) + widened_notes(q.widened_biases),
         latency=state.latency,

@@ -211,3 +211,120 @@ def test_a_loaded_range_table_with_data_fits_on_every_batch(tmp_path):
     again, report = onnxq.quantize(model, data, progress=False, load_ranges=table)
     # the table sets the ranges: no split, no candidates (MinMax from histograms never made)
     assert "load_ranges given" in report.choice["skipped"] and again.graph.node
+
+
+def _metric_module(tmp_path, monkeypatch, model) -> None:
+    """``choicemetric``: evaluations of a written model on 64 samples of its own (not calibrated on).
+
+    ``errors`` scores each sample by its squared output error (so the *worst* model wins: a
+    choice SQNR would never make), ``worst`` is their mean, ``constant`` gives every model 1.
+    """
+    onnx.save(model, str(tmp_path / "float.onnx"))
+    np.save(tmp_path / "eval.npy", rng(5).normal(0, 1, (64, 3, 12, 12)).astype(np.float32))
+    (tmp_path / "choicemetric.py").write_text(
+        "import numpy as np, onnxruntime as ort\n"
+        "def errors(path):\n"
+        "    x = np.load('eval.npy')\n"
+        "    f = ort.InferenceSession('float.onnx').run(None, {'x': x})[0]\n"
+        "    q = ort.InferenceSession(path).run(None, {'x': x})[0]\n"
+        "    return ((f - q) ** 2).mean(axis=1)\n"
+        "def worst(path):\n"
+        "    return float(errors(path).mean())\n"
+        "def constant(path):\n"
+        "    return 1\n"
+        "def table(path):\n"
+        "    return [[1.0, 2.0]]\n"
+        "def nan(path):\n"
+        "    return float('nan')\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+
+
+def test_your_metric_scores_each_candidate_as_the_model_it_writes(tmp_path, monkeypatch):
+    model, data = _cnn()
+    _metric_module(tmp_path, monkeypatch, model)
+    q, report = onnxq.quantize(model, data, progress=False, metric="choicemetric:worst")
+    choice = report.choice
+    rows = {c["recipe"]: c for c in choice["candidates"]}
+    assert choice["metric"] == "choicemetric:worst" and len(rows) >= 5
+    assert all(r["metric_noise"] is None for r in rows.values())  # one number: noise unknown
+    # the metric decides, not the held-back SQNR: the candidate with the largest error wins
+    best = max(rows.values(), key=lambda r: r["metric"])
+    assert choice["chosen"] == best["recipe"] != choice["auto"]
+    assert all(r["sqnr_db"] is None for r in rows.values())  # nothing held back
+    # and the model written is the one that was scored
+    import choicemetric
+
+    out = tmp_path / "q.onnx"
+    onnx.save(q, str(out))
+    assert choicemetric.worst(str(out)) == pytest.approx(best["metric"], rel=0, abs=0)
+    line = next(x for x in report.summary().splitlines() if x.startswith("recipe: "))
+    assert "by choicemetric:worst" in line and "noise unknown" in line
+
+
+def test_per_sample_scores_are_judged_against_their_noise(tmp_path, monkeypatch):
+    model, data = _cnn()
+    _metric_module(tmp_path, monkeypatch, model)
+    _, report = onnxq.quantize(model, data, progress=False, metric="choicemetric:errors")
+    rows = report.choice["candidates"]
+    auto = rows[0]
+    assert auto["metric_vs_auto"] == 0.0
+    for r in rows[1:]:
+        assert r["metric_noise"] is not None and r["metric_noise"] > 0
+    best = max(rows, key=lambda r: r["metric"])
+    if best["metric_vs_auto"] > best["metric_noise"]:
+        assert report.choice["chosen"] == best["recipe"]
+    else:
+        assert report.choice["chosen"] == auto["recipe"]
+
+
+def test_a_metric_that_cannot_tell_the_candidates_apart_writes_auto_s_pick(tmp_path, monkeypatch):
+    """Finishing every candidate into a model leaves nothing behind in the pipeline's state."""
+    model, data = _cnn()
+    _metric_module(tmp_path, monkeypatch, model)
+    default, _ = onnxq.quantize(model, data, progress=False, recipe="fixed")
+    q, report = onnxq.quantize(model, data, progress=False, metric="choicemetric:constant")
+    assert report.choice["chosen"] == report.choice["auto"]
+    assert q.SerializeToString() == default.SerializeToString()
+
+
+def test_a_metric_the_choice_cannot_use_is_refused_or_reported(tmp_path, monkeypatch):
+    model, data = _cnn()
+    _metric_module(tmp_path, monkeypatch, model)
+    for pinned, words in (
+        ({"recipe": "fixed"}, "recipe='fixed' pins one recipe"),
+        ({"budget": 60}, "budget turns the choice off"),
+        (
+            {"method": "minmax", "rounding": "nearest", "bias_correction": "fast"},
+            "all set",
+        ),
+    ):
+        with pytest.raises(ConfigError, match=rf"metric scores the recipe choice.*{words}"):
+            onnxq.quantize(model, data, progress=False, metric="choicemetric:worst", **pinned)
+    for bad, words in (("table", r"\[\[1.0, 2.0\]\]"), ("nan", "nan")):
+        with pytest.raises(ConfigError, match=rf"metric 'choicemetric:{bad}' returned {words}; it mus"):
+            onnxq.quantize(model, data, progress=False, metric=f"choicemetric:{bad}")
+    # data that can be read once only (the candidates read it again): said, not ignored
+    once = iter([{"x": data["x"][i : i + 1]} for i in range(40)])
+    _, report = onnxq.quantize(model, once, progress=False, metric="choicemetric:worst")
+    assert any("metric was not used" in w and "read once only" in w for w in report.warnings)
+    from onnxq.cli import main
+
+    npz = tmp_path / "d.npz"
+    np.savez(npz, **data)
+    code = main(["quantize", "float.onnx", "--data", str(npz), "-o", "q.onnx",
+                 "--metric", "choicemetric:worst", "--recipe", "fixed"])  # fmt: skip
+    assert code == 2 and not (tmp_path / "q.onnx").exists()
+
+
+def test_scored_by_your_metric_nothing_is_held_back(tmp_path, monkeypatch):
+    """Your metric reads its own data: every candidate fits on every batch, even 16 of them."""
+    model, data = _cnn(16)
+    _metric_module(tmp_path, monkeypatch, model)
+    _, report = onnxq.quantize(model, data, progress=False, metric="choicemetric:worst")
+    assert report.choice["held_back_batches"] == 0 and report.calibration.samples == 16
+    assert all(c["sqnr_db"] is None for c in report.choice["candidates"])
+    assert report.choice["chosen"] != report.choice["auto"]
+    _, report = onnxq.quantize(model, data, progress=False)
+    assert "16 calibration batches, fewer than the 32" in report.choice["skipped"]

@@ -113,6 +113,10 @@ def sandbox(tmp_path, monkeypatch):
         "    x, y = np.load('test.npz')['input'], np.load('labels.npy')\n"
         "    s = ort.InferenceSession(path, providers=['CPUExecutionProvider'])\n"
         "    return 100 * float((s.run(None, {'input': x})[0].argmax(1) == y).mean())\n"
+        "def accuracy(path):\n"  # usage.md's per-sample metric of the recipe choice
+        "    x, y = np.load('test.npz')['input'], np.load('labels.npy')\n"
+        "    s = ort.InferenceSession(path, providers=['CPUExecutionProvider'])\n"
+        "    return s.run(None, {'input': x})[0].argmax(1) == y\n"
     )
     (tmp_path / "mydata.py").write_text(
         "import numpy as np\n"

@@ -224,7 +224,8 @@ class HeldBack(DatasetManager):
 
     :meth:`batches` yields the batches the passes fit on; :meth:`held` the ones held back,
     which no statistic, Hessian or correction sees, to judge the candidates on
-    (onnxq.passes.choose). The split is by position, the same on every read.
+    (onnxq.passes.choose). The split is by position, the same on every read. ``every`` 0 holds
+    nothing back (the candidates are judged on the caller's own data).
     """
 
     def __init__(self, inner: DatasetManager, every: int):
@@ -239,7 +240,7 @@ class HeldBack(DatasetManager):
 
     def _split(self, held: bool) -> Iterator[Feed]:
         for i, feed in enumerate(self.inner.batches()):
-            if (i % self.every == self.every - 1) == held:
+            if (self.every > 0 and i % self.every == self.every - 1) == held:
                 yield feed
 
     def batches(self) -> Iterator[Feed]:
@@ -253,7 +254,7 @@ class HeldBack(DatasetManager):
     def num_batches(self) -> int | None:
         """Batches fitted on per pass."""
         n = self.inner.num_batches()
-        return None if n is None else n - n // self.every
+        return None if n is None else n - (n // self.every if self.every else 0)
 
     def most_samples(self) -> int | None:
         """The samples of the source (held-back ones included: an upper bound)."""

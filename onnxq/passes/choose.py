@@ -19,6 +19,13 @@ The candidate with the best mean SQNR over the held-back batches is written if i
 auto's pick by more than their noise (twice the standard error of the paired per-sample
 difference); otherwise auto's pick is. So the choice never scores below any candidate by
 more than the noise, and leaves auto's pick only on evidence.
+
+With the caller's ``metric`` (and no ``max_drop``, whose fallback has its metric), each
+candidate is also finished into the model it would write (the ``finish`` passes: materialize
+to the lowering) and scored by that metric (onnxq.simulate.metric), and every comparison above
+is made on it instead: on per-sample scores with the same noise rule, on a single number by
+the number alone (its noise is unknown). Nothing is held back then: the metric reads data of
+its own, so every candidate is fitted on every batch (and has no SQNR column).
 An option the caller set (``--rounding``, ``--bias-correction``, a ``--method`` other than
 the default) is not searched. The optimized rounding is computed once and shared by every
 candidate that uses it (the weight grids do not depend on the activation ranges), and so is
@@ -34,18 +41,22 @@ from __future__ import annotations
 
 import copy
 import time
-from dataclasses import dataclass, replace
+from collections.abc import Sequence
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 import numpy as np
+import onnx
 
 from onnxq.calibrate.dataset import feed_samples
 from onnxq.calibrators import DEFAULT_METHOD, ExtremaCallback
 from onnxq.core.callbacks import ObserverCallback
+from onnxq.options import spell
 from onnxq.passes.defaults import bias_mode, choosing, runs
 from onnxq.passes.manager import Pass, PassRecord, PassResult, State
 from onnxq.simulate.emulate import emulate
 from onnxq.simulate.heldback import beats, gain, references, sqnr
+from onnxq.simulate.metric import Metric, metric_beats, metric_gain, user_metric
 
 #: methods whose observers are histograms with exact extremes (MinMax is read from them)
 HISTOGRAM_METHODS = ("mse", "percentile", "entropy")
@@ -63,6 +74,8 @@ class Candidate:
     #: output SQNR (dB) per held-back sample
     scores: np.ndarray
     seconds: float
+    #: the caller's metric of the model this candidate writes (one value, or one per sample)
+    metric: np.ndarray | None = None
 
     @property
     def name(self) -> str:
@@ -72,7 +85,18 @@ class Candidate:
     @property
     def mean(self) -> float:
         """Mean SQNR over the held-back samples (dB)."""
-        return float(np.mean(self.scores))
+        return float(np.mean(self.scores)) if self.scores.size else float("nan")
+
+    @property
+    def rank(self) -> float:
+        """What the choice ranks it by: the caller's metric (its mean) if any, else :attr:`mean`."""
+        return float(np.mean(self.metric)) if self.metric is not None else self.mean
+
+    def beats(self, other: Candidate) -> bool:
+        """Above ``other`` by more than the noise, on the metric the choice uses."""
+        if self.metric is not None and other.metric is not None:
+            return metric_beats(self.metric, other.metric)
+        return beats(self.scores, other.scores)
 
 
 #: an optimized rounding shared between candidates: (rounded weights, per-layer report, record)
@@ -91,14 +115,25 @@ class Choose:
 
     name = "choose"
 
-    def __init__(self, solve: Pass, rounding: Pass, bias: Pass):
+    def __init__(self, solve: Pass, rounding: Pass, bias: Pass, finish: Sequence[Pass] = ()):
+        """The three passes each candidate runs, and the passes that finish its model.
+
+        ``finish`` (materialize to the lowering) turns a candidate into the model it writes, to
+        score it with the caller's metric; empty: candidates are scored by held-back SQNR alone.
+        """
         self.solve, self.rounding, self.bias = solve, rounding, bias
+        self.finish = list(finish)
 
     def run(self, state: State) -> PassResult:
         """Leave the chosen candidate's values and constants on ``state``."""
         if not choosing(state):
             self.fit(state)
             why = state.choice.get("skipped")
+            if self.finish and why:  # the data turned it off (options that do are refused)
+                state.choice["warning"] = (
+                    f"{spell('metric', state.options.cli)} was not used: it scores the recipe "
+                    f"choice, which is off ({why})"
+                )
             return PassResult(f"off ({why})" if why else "off")
         return _Search(self, state).run()
 
@@ -133,8 +168,9 @@ class _Search:
 
     def __init__(self, steps: Choose, state: State):
         self.steps, self.state = steps, state
+        #: none when the caller's metric scores the candidates (every batch is fitted on)
         self.held = state.dataset.held()
-        self.refs = references(state.quantizer.float_model, self.held)
+        self.refs = references(state.quantizer.float_model, self.held) if self.held else []
         state.held_back = list(zip(self.held, self.refs, strict=True))
         self.candidates: list[Candidate] = []
         #: the optimized rounding, computed once
@@ -151,6 +187,12 @@ class _Search:
         self.ranges = {o.method: dict(state.values)}
         for name, callback in list(self.callbacks.items())[1:]:
             self.ranges[name] = calibrator.recalibrate(callback)
+        #: the caller's metric, when the candidates are scored by it
+        self.metric: Metric | None = (
+            user_metric(o.choice_metric, spell("metric", o.cli))
+            if steps.finish and o.choice_metric is not None
+            else None
+        )
 
     def run(self) -> PassResult:
         """Auto's pick, the three stages, then the choice."""
@@ -172,19 +214,30 @@ class _Search:
         r = self._stage("ranges", [(x, auto_round, cheap) for x in ranges]).ranges
         rounding = self._stage("rounding", [(r, x, cheap) for x in roundings]).rounding
         self._stage("bias", [(r, rounding, b) for b in biases])
-        best = max(self.candidates, key=lambda c: c.mean)
-        chosen = best if beats(best.scores, auto.scores) else auto
+        best = max(self.candidates, key=lambda c: c.rank)
+        chosen = best if best.beats(auto) else auto
         self._adopt(chosen)
         state.choice = self._report(chosen, auto, time.perf_counter() - start)
+        judge = (
+            f"by {o.metric}"
+            if self.metric is not None
+            else f"on {len(self.held)} held-back batches"
+        )
         if chosen is auto:
             return PassResult(
                 f"auto's {auto.name} kept: none of {len(self.candidates) - 1} other candidates "
-                f"better by more than the noise on {len(self.held)} held-back batches"
+                f"better by more than the noise {judge}"
             )
-        mean, noise = gain(chosen.scores, auto.scores)
+        if chosen.metric is not None and auto.metric is not None:
+            gained, known = metric_gain(chosen.metric, auto.metric)
+            noise = f"noise ±{known:.4g}" if known is not None else "noise unknown"
+            return PassResult(
+                f"{chosen.name} over auto's {auto.name}: {gained:+.4g} ({noise}) {judge}"
+            )
+        mean, sqnr_noise = gain(chosen.scores, auto.scores)
         return PassResult(
             f"{chosen.name} over auto's {auto.name}: {mean:+.2f} dB output SQNR (noise "
-            f"±{noise:.2f}) on {len(self.held)} held-back batches"
+            f"±{sqnr_noise:.2f}) {judge}"
         )
 
     def _stage(self, stage: str, recipes: list[tuple[str, str, str]]) -> Candidate:
@@ -194,8 +247,8 @@ class _Search:
         above it by more than the noise.
         """
         scored = [self._find(*x) or self._fit(stage, *x) for x in recipes]
-        best = max(scored, key=lambda c: c.mean)
-        return best if beats(best.scores, scored[0].scores) else scored[0]
+        best = max(scored, key=lambda c: c.rank)
+        return best if best.beats(scored[0]) else scored[0]
 
     def _find(self, ranges: str, rounding: str, bias: str) -> Candidate | None:
         key = (ranges, rounding, bias)
@@ -219,10 +272,27 @@ class _Search:
         s.values, s.constants = dict(self.ranges[ranges]), dict(base.constants)
         s.rounding, s.bias_corrections, s.records = {}, {}, []
         self.rounded = self.steps.fit(s, self.rounded)
-        scores = sqnr(emulate(s, float_branches=False), self.held, self.refs)
+        scores = (
+            sqnr(emulate(s, float_branches=False), self.held, self.refs)
+            if self.held
+            else np.empty(0)
+        )
+        measured = self.metric(self._model(s)) if self.metric is not None else None
         c = Candidate(ranges, rounding, bias, stage, s, scores, time.perf_counter() - start)
+        c.metric = measured
         self.candidates.append(c)
         return c
+
+    def _model(self, fitted: State) -> onnx.ModelProto:
+        """The model ``fitted`` writes: the finishing passes on a copy of it."""
+        s = copy.copy(fitted)
+        for f in fields(State):  # the passes append to lists and fill dicts: their own ones
+            value = getattr(s, f.name)
+            if isinstance(value, list | dict):
+                setattr(s, f.name, copy.copy(value))
+        for step in self.steps.finish:
+            step.run(s)
+        return s.proto()
 
     def _adopt(self, chosen: Candidate) -> None:
         """Leave the chosen candidate's results on the pipeline's state."""
@@ -244,20 +314,26 @@ class _Search:
                 {
                     "recipe": c.name,
                     "stage": c.stage,
-                    "sqnr_db": round(c.mean, 3),
-                    "vs_auto_db": round(mean, 3),
-                    "noise_db": round(noise, 3),
+                    "sqnr_db": round(c.mean, 3) if self.held else None,
+                    "vs_auto_db": round(mean, 3) if self.held else None,
+                    "noise_db": round(noise, 3) if self.held else None,
                     "seconds": round(c.seconds, 3),
                 }
             )
+            if c.metric is not None and auto.metric is not None:
+                gained, known = metric_gain(c.metric, auto.metric)
+                rows[-1].update(
+                    metric=float(np.mean(c.metric)), metric_vs_auto=gained, metric_noise=known
+                )
         held = self.held
         samples = sum(feed_samples(f) for f in held)
+        by = f" (scored by {self.state.options.metric})" if self.metric is not None else ""
         why = (
-            "auto's pick: no candidate above it by more than the noise"
+            f"auto's pick: no candidate above it by more than the noise{by}"
             if chosen is auto
-            else "above auto's pick by more than the noise"
+            else f"above auto's pick by more than the noise{by}"
         )
-        return {
+        out = {
             "chosen": chosen.name,
             "auto": auto.name,
             "why": why,
@@ -266,3 +342,6 @@ class _Search:
             "seconds": round(seconds, 3),
             "candidates": rows,
         }
+        if self.metric is not None:
+            out["metric"] = self.state.options.metric
+        return out

@@ -37,7 +37,6 @@ def build(options: QuantizeOptions, quantize_branch: BranchQuantizer) -> list[Pa
     """The passes, in order, for ``options``; ``quantize_branch`` quantizes an If branch."""
     if options.weight_dtype == "int4":  # whole-model weight-only int4: no calibration
         return [Load(raise_opsets=False), WeightOnlyInt4(), Verify(), Save()]
-    fmt = options.output_format
     passes: list[Pass] = [Load(), Prepare()]
     if options.budget is not None:
         passes.append(Budget())
@@ -48,11 +47,19 @@ def build(options: QuantizeOptions, quantize_branch: BranchQuantizer) -> list[Pa
     if options.depthwise_scaling != "off" and options.load_ranges is None:
         passes.append(DepthwiseScaling())
     passes += [Annotate(), Calibrate(requests, (rounding.taps, bias_correction.taps))]
-    passes.append(Choose(Solve(), WeightRounding(), BiasCorrection()))
-    passes += [Materialize(), Requantize()]
+    # your metric scores each candidate as the model it writes (the fallback's has its own)
+    finish = _finish(options, quantize_branch) if options.choice_metric is not None else []
+    passes.append(Choose(Solve(), WeightRounding(), BiasCorrection(), finish))
+    passes += [*_finish(options, quantize_branch), Verify(), Check(), Save()]
+    return passes
+
+
+def _finish(options: QuantizeOptions, quantize_branch: BranchQuantizer) -> list[Pass]:
+    """The passes from solved values to the output model: materialize to the lowering."""
+    fmt = options.output_format
+    passes: list[Pass] = [Materialize(), Requantize()]
     if set(options.target.shared_scale_ops) & set(SAME_SCALE) and fmt.from_requantized:
         passes.append(ShareScales())
     if fmt.from_requantized:
         passes.append(FloatOutputs())
-    passes += [Lower(), Int4Weights(), Branches(quantize_branch), Verify(), Check(), Save()]
-    return passes
+    return [*passes, Lower(), Int4Weights(), Branches(quantize_branch)]

@@ -39,7 +39,8 @@ def open_dataset(state: State) -> DatasetManager:
     With ``recipe`` auto and enough batches, it holds back every :data:`HOLD_EVERY`-th batch
     (every n/:data:`MAX_HELD`-th of n batches past 128; onnxq.calibrate.dataset.HeldBack):
     every pass fits on the rest, and the recipe is chosen on those (onnxq.passes.choose).
-    Otherwise ``state.choice`` says why not.
+    Scored by the caller's metric (on data of its own), nothing is held back: every candidate
+    fits on every batch. Otherwise ``state.choice`` says why not.
     """
     if state.dataset is not None:
         return state.dataset
@@ -50,7 +51,12 @@ def open_dataset(state: State) -> DatasetManager:
     if why:
         state.choice = {"skipped": why}
     else:
-        ds = HeldBack(ds, max(HOLD_EVERY, (ds.num_batches() or 0) // MAX_HELD))
+        every = (
+            0
+            if o.choice_metric is not None
+            else max(HOLD_EVERY, (ds.num_batches() or 0) // MAX_HELD)
+        )
+        ds = HeldBack(ds, every)
     state.dataset = ds
     return ds
 
@@ -71,7 +77,7 @@ def _no_hold_back(o: QuantizeOptions, ds: DatasetManager) -> str:
     n = ds.num_batches()
     if n is None:
         return "the number of calibration batches is not known before reading them"
-    if n < HOLD_EVERY * MIN_HELD:
+    if n < HOLD_EVERY * MIN_HELD and o.choice_metric is None:
         return (
             f"{n} calibration batches, fewer than the {HOLD_EVERY * MIN_HELD} that hold back "
             f"{MIN_HELD}; auto's picks were fitted on every batch"
