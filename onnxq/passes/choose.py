@@ -51,6 +51,7 @@ import onnx
 from onnxq.calibrate.dataset import feed_samples
 from onnxq.calibrators import DEFAULT_METHOD, ExtremaCallback
 from onnxq.core.callbacks import ObserverCallback
+from onnxq.io.progress import Ticker
 from onnxq.options import spell
 from onnxq.passes.defaults import bias_mode, choosing, runs
 from onnxq.passes.manager import Pass, PassRecord, PassResult, State
@@ -187,6 +188,7 @@ class _Search:
         self.ranges = {o.method: dict(state.values)}
         for name, callback in list(self.callbacks.items())[1:]:
             self.ranges[name] = calibrator.recalibrate(callback)
+        self.ticker = Ticker(None, "choosing the recipe", o.progress, "candidate")
         #: the caller's metric, when the candidates are scored by it
         self.metric: Metric | None = (
             user_metric(o.choice_metric, spell("metric", o.cli))
@@ -195,7 +197,13 @@ class _Search:
         )
 
     def run(self) -> PassResult:
-        """Auto's pick, the three stages, then the choice."""
+        """Auto's pick, the three stages, then the choice (a bar names each candidate)."""
+        try:
+            return self._run()
+        finally:
+            self.ticker.close()
+
+    def _run(self) -> PassResult:
         start = time.perf_counter()
         state, o = self.state, self.state.options
         auto_round = "optimized" if runs("rounding", state) else "nearest"
@@ -256,6 +264,7 @@ class _Search:
 
     def _fit(self, stage: str, ranges: str, rounding: str, bias: str) -> Candidate:
         """One candidate fitted on the batches not held back, and scored on the held-back ones."""
+        self.ticker.start("/".join((ranges, rounding, bias)))
         start = time.perf_counter()
         base = self.state
         s = copy.copy(base)

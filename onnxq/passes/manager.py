@@ -17,6 +17,7 @@ from typing import Any, Protocol
 import onnx
 
 from onnxq.io.graph import export_model
+from onnxq.io.progress import progress
 from onnxq.io.session import free_memory, trim_heap
 from onnxq.options import QuantizeOptions
 
@@ -173,9 +174,17 @@ def release(state: State) -> None:
     free_memory(q.float_model if q is not None else state.float_model)
 
 
+def _name(p: Pass) -> str:
+    return p.name
+
+
 def run_passes(state: State, passes: Sequence[Pass]) -> State:
-    """Run ``passes`` in order over ``state``; each leaves a PassRecord in ``state.records``."""
-    for p in passes:
+    """Run ``passes`` in order over ``state``; each leaves a PassRecord in ``state.records``.
+
+    A bar names the pass under way (after two seconds, on a terminal: onnxq.io.progress).
+    """
+    steps = progress(passes, len(passes), "quantizing", state.options.progress, "step", _name)
+    for p in steps:
         start, before = time.perf_counter(), len(state.records)
         result = p.run(state)
         trim_heap()  # the next pass starts from what is in use, not from this one's peak
