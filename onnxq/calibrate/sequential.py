@@ -29,7 +29,7 @@ import onnx
 from onnx import helper, numpy_helper
 
 from onnxq.calibrate.streaming import run_ahead
-from onnxq.io.graph import copy_fields, in_memory_names, names_read
+from onnxq.io.graph import copy_fields, in_memory_names, names_read, set_nodes
 from onnxq.io.session import inferred_types, make_session, output_types
 from onnxq.solve.bias_correction import channel_means
 
@@ -157,8 +157,7 @@ def _with_shifts(
     missing = wanted - set(shifts)
     if missing:
         raise ValueError(f"no node writes {sorted(missing)[0]}")
-    del copy.graph.node[:]
-    copy.graph.node.extend(nodes)
+    set_nodes(copy.graph, nodes)
     return copy, shifts
 
 

@@ -750,6 +750,28 @@ def names_read(nodes: Iterable[onnx.NodeProto]) -> set[str]:
     return names
 
 
+def set_nodes(graph: onnx.GraphProto, nodes: Iterable[onnx.NodeProto]) -> None:
+    """Make ``nodes``, in their order, the node list of ``graph`` (a protobuf graph).
+
+    With :func:`insert_nodes`, the only edits of a protobuf node list outside the
+    graphsurgeon editor (:class:`GraphEditor`): passes that work on a ModelProto call these.
+    ``nodes`` may be ``graph``'s own nodes (taken before the list is cleared).
+    """
+    nodes = list(nodes)
+    del graph.node[:]
+    graph.node.extend(nodes)
+
+
+def insert_nodes(
+    graph: onnx.GraphProto, at: int, nodes: Sequence[onnx.NodeProto], replace: int = 0
+) -> None:
+    """``nodes`` into ``graph``'s node list at position ``at``, in place of ``replace`` nodes."""
+    for _ in range(replace):
+        del graph.node[at]
+    for offset, node in enumerate(nodes):
+        graph.node.insert(at + offset, node)
+
+
 def _subgraphs(graph: onnx.GraphProto) -> list[onnx.GraphProto]:
     return [body for node in graph.node for _, body in graphs_of(node)]
 

@@ -18,7 +18,7 @@ from onnx import helper, numpy_helper
 
 from onnxq.core.errors import QuantizationError
 from onnxq.core.optable import BY_QOP, MS_DOMAIN, QOp
-from onnxq.io.graph import tensor_array
+from onnxq.io.graph import set_nodes, tensor_array
 from onnxq.prepare.opset import default_opset
 
 PER_CHANNEL_OPSET = 13
@@ -171,8 +171,7 @@ def to_qdq(model: onnx.ModelProto) -> onnx.ModelProto:
         )
     out = onnx.ModelProto()
     out.CopyFrom(model)
-    del out.graph.node[:]
-    out.graph.node.extend(b.nodes)
+    set_nodes(out.graph, b.nodes)
     out.graph.initializer.extend(b.new_inits)
     used = {d.domain for d in out.graph.node}
     keep = [o for o in out.opset_import if o.domain in ("", "ai.onnx") or o.domain in used]
@@ -215,6 +214,5 @@ def dedicated_qdq_pairs(model: onnx.ModelProto) -> onnx.ModelProto:
             copy.output[0] = name
             user.input[0] = name
             nodes.append(copy)
-    del out.graph.node[:]
-    out.graph.node.extend(nodes)
+    set_nodes(out.graph, nodes)
     return out

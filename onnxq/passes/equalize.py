@@ -26,7 +26,7 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
-from onnxq.io.graph import tensor_array
+from onnxq.io.graph import insert_nodes, tensor_array
 from onnxq.passes.defaults import runs
 from onnxq.passes.manager import PassResult, State
 from onnxq.passes.stream import float_batches
@@ -336,9 +336,7 @@ def _per_channel_clip(
         )
     else:
         new[-1].output[0] = clip.output[0]
-    del g.node[at]
-    for i, n in enumerate(new):
-        g.node.insert(at + i, n)
+    insert_nodes(g, at, new, replace=1)
     return [n.name for n in new]
 
 

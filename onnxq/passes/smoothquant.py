@@ -20,7 +20,7 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
-from onnxq.io.graph import tensor_array
+from onnxq.io.graph import insert_nodes, tensor_array
 from onnxq.passes.defaults import runs
 from onnxq.passes.manager import PassResult, State
 from onnxq.passes.stream import float_batches
@@ -194,5 +194,5 @@ def _apply(model: onnx.ModelProto, x: str, readers: list[_Reader], choice: Smoot
     for r in readers:
         r.node.input[0] = name
     first = min(i for i, n in enumerate(g.node) if n.name in reader_names)
-    g.node.insert(first, mul)
+    insert_nodes(g, first, [mul])
     return f"Mul '{name}'"

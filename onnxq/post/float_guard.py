@@ -19,7 +19,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from onnxq.core.optable import SELF_QUANTIZED_BY_RUNTIME
-from onnxq.io.graph import tensor_array
+from onnxq.io.graph import insert_nodes, set_nodes, tensor_array
 
 
 def guard_float_layers(model: onnx.ModelProto) -> tuple[onnx.ModelProto, list[str]]:
@@ -92,8 +92,7 @@ def guard_float_layers(model: onnx.ModelProto) -> tuple[onnx.ModelProto, list[st
         guarded.append(node.name or node.output[0])
     for dq_name, chain in new_nodes:  # right after the DequantizeLinear: still topological
         at = next(i for i, n in enumerate(g.node) if n.name == dq_name) + 1
-        for offset, n in enumerate(chain):
-            g.node.insert(at + offset, n)
+        insert_nodes(g, at, chain)
     _drop_unread(g)
     return out, guarded
 
@@ -123,5 +122,4 @@ def _drop_unread(g: onnx.GraphProto) -> None:
     read = {i for n in g.node for i in n.input} | {o.name for o in g.output}
     keep = [n for n in g.node if n.op_type != "DequantizeLinear" or n.output[0] in read]
     if len(keep) != len(g.node):
-        del g.node[:]
-        g.node.extend(keep)
+        set_nodes(g, keep)

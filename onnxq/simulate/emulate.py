@@ -44,6 +44,7 @@ from onnxq.io.graph import (
     add_initializer,
     copy_fields,
     names_read,
+    set_nodes,
     tensor_array,
     unfilled,
     values_apart,
@@ -209,8 +210,7 @@ class Emulation:
         copy_fields(self.model, model, skip="graph")
         copy_fields(graph, model.graph, skip="initializer")
         read = names_read(nodes)
-        del model.graph.node[:]
-        model.graph.node.extend(nodes)
+        set_nodes(model.graph, nodes)
         inputs = [i for i in model.graph.input if i.name != FLAGS]
         del model.graph.input[:]
         model.graph.input.extend(inputs)
@@ -418,8 +418,7 @@ def emulate(state: Any, int32_biases: bool = True, float_branches: bool = True) 
                 node.input[j] = out
         nodes.append(node)
     read = names_read(nodes)
-    del graph.node[:]
-    graph.node.extend(nodes)
+    set_nodes(graph, nodes)
     # a constant a later step replaced (a bias its int32 rounding took over) is not kept:
     # onnxruntime failed to load EfficientNet-Lite1's emulation over such unread initializers
     # ("ReplaceInitializedTensorImpl Failed to find existing initializer ….bias/on")
