@@ -22,7 +22,7 @@ from __future__ import annotations
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from onnxq.core.optable import FLOAT_OUTPUT_QOPS, MS_DOMAIN
+from onnxq.core.optable import BY_QOP, FLOAT_OUTPUT_QOPS, MS_DOMAIN
 from onnxq.io.graph import GraphEditor, constant_value
 
 
@@ -37,9 +37,10 @@ def float_outputs(graph: gs.Graph) -> list[str]:
         users = list(n.outputs[0].outputs)
         if not users or any(u.op != "DequantizeLinear" for u in users):
             continue  # an int8 reader needs the int8 result
-        if n.op == "QGemm" and len(n.inputs) < 8:
-            continue  # already float
-        zp = constant_value(n.inputs[-1] if n.op == "QLinearMatMul" else n.inputs[8])
+        spec = BY_QOP[n.op]  # the output's (scale, zero point) pair from the op table
+        if len(n.inputs) < spec.output + 2:
+            continue  # already float (QGemm without its output pair)
+        zp = constant_value(n.inputs[spec.output + 1])
         if zp is None or starts_at_zero(zp):
             continue  # a folded (or removed) Relu/Relu6 lives in the output's clipping
         out = users[0].outputs[0]
@@ -50,8 +51,8 @@ def float_outputs(graph: gs.Graph) -> list[str]:
                         editor.set_input(reader, i, out)
         for u in users:
             editor.remove_node(u)
-        if n.op == "QGemm":
-            while len(n.inputs) > 7:
+        if spec.float_output_ok:  # the op writes float without its output pair
+            while len(n.inputs) > spec.output:
                 n.inputs.pop()
         else:
             out = _integer_to_float(editor, n, out, graph_outputs)
