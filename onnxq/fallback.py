@@ -141,7 +141,7 @@ def output_cosine(float_model: onnx.ModelProto, held: list[Any]) -> Metric:
     return metric
 
 
-def user_metric(ref: str, cli: bool, name: str = "metric") -> Metric:
+def user_metric(ref: str | Callable[..., Any], cli: bool, name: str = "metric") -> Metric:
     """``module:function`` called with a model file's path: its score (a per-sample list's mean).
 
     ``name``: the option as the caller spells it (``metric``, debug's ``eval``).
@@ -244,7 +244,11 @@ def search(
     assert best.model is not None and best.report is not None
     report = best.report
     report.fallback = {
-        "metric": options.metric or "output cosine with fp32 (%)",
+        "metric": (
+            simulate_metric.metric_label(options.metric)
+            if options.metric
+            else "output cosine with fp32 (%)"
+        ),
         "fallback": options.fallback,
         "held_back_batches": len(held),
         "fp32": round(fp32, 6),

@@ -12,7 +12,7 @@ from __future__ import annotations
 import difflib
 import os
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
@@ -228,9 +228,11 @@ class Options:
     #: the accuracy-driven fallback: the largest drop of the metric allowed; every 8th
     #: calibration batch is held back and the fewest groups go back to float until it holds
     max_drop: float | None = None
-    #: that metric: ``"module:function"`` called with a model file's path, higher is better
-    #: (default: the mean output cosine with fp32, in %)
-    metric: str | None = None
+    #: your evaluation: ``"module:function"`` (or from Python the function) called with a
+    #: model file's path, higher is better, one number or one per sample. It scores the recipe
+    #: choice's candidates, or with ``max_drop`` the fallback's trials (default there: the
+    #: mean output cosine with fp32, in %)
+    metric: str | Callable[[str], Any] | None = None
     #: what the fallback returns a group to: ``float``, or ``int16`` activations (default:
     #: the target's)
     fallback: str | None = None
@@ -321,10 +323,10 @@ class QuantizeOptions:
     depthwise_scaling: str = "off"
     #: weight rounding: "auto" (optimized for CNNs and transformers), "nearest" or "optimized"
     rounding: str = "auto"
-    #: accuracy-driven fallback: the largest metric drop allowed (None: off) and the metric
-    #: ("module:function" called with a model path; None: output cosine with fp32, in %)
+    #: accuracy-driven fallback: the largest metric drop allowed (None: off); the caller's
+    #: metric scores its trials, else the recipe choice's candidates (:attr:`choice_metric`)
     max_drop: float | None = None
-    metric: str | None = None
+    metric: str | Callable[[str], Any] | None = None
     #: what the fallback returns a group to: "float", or "int16" activations with int8
     #: weights (the default where the target runs them: Target.int16_activations)
     fallback: str = "float"
@@ -349,7 +351,7 @@ class QuantizeOptions:
         return get_format(self.format)
 
     @property
-    def choice_metric(self) -> str | None:
+    def choice_metric(self) -> str | Callable[[str], Any] | None:
         """The caller's metric when it scores the recipe choice (``max_drop`` unset), or None."""
         return self.metric if self.max_drop is None else None
 
@@ -485,7 +487,13 @@ def resolve(
         isinstance(budget, bool) or not isinstance(budget, (int, float)) or not budget > 0
     ):
         raise ConfigError(f"{spell('budget', cli, budget)} must be a number of seconds > 0")
-    if rest.get("metric") is not None and max_drop is None:
+    metric = rest.get("metric")
+    if metric is not None and not (isinstance(metric, str) or callable(metric)):
+        raise ConfigError(
+            f"{spell('metric', cli)} is a {type(metric).__name__}; give 'module:function' or "
+            "a function taking a model file's path"
+        )
+    if metric is not None and max_drop is None:
         _check_metric_choice(rest, cli)
     if patterns is None and tgt.patterns is not None:
         patterns = target_patterns(tgt)

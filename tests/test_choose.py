@@ -340,3 +340,28 @@ def test_a_bar_names_the_pass_and_the_candidate_under_way(capsys):
     err = capsys.readouterr().err
     assert "quantizing" in err and re.search(r"\d+/\d+ ", err) and "step" in err
     assert "choosing the recipe" in err and "minmax/optimized/fast" in err
+
+
+def test_from_python_the_metric_may_be_the_function_itself(tmp_path, monkeypatch):
+    model, data = _cnn()
+    _metric_module(tmp_path, monkeypatch, model)
+    import choicemetric
+
+    calls = []
+
+    def worst(path):
+        calls.append(path)
+        return choicemetric.worst(path)
+
+    by_function, report = onnxq.quantize(model, data, progress=False, metric=worst)
+    by_name, _ = onnxq.quantize(model, data, progress=False, metric="choicemetric:worst")
+    assert by_function.SerializeToString() == by_name.SerializeToString()
+    assert report.choice["metric"].endswith(
+        ":test_from_python_the_metric_may_be_the_function_itself.<locals>.worst"
+    )
+    assert len(calls) == len(report.choice["candidates"])
+    import json
+
+    json.dumps(report.to_dict())  # the report names the function, it does not hold it
+    with pytest.raises(ConfigError, match="metric is a int; give 'module:function' or a function"):
+        onnxq.quantize(model, data, progress=False, metric=3)

@@ -249,3 +249,16 @@ def test_int16_groups_on_a_target_with_unsigned_relu_outputs_stay_int16():
     x = data["x"][::5] * 1.01
     ref = run(model, {"x": x})[0]
     assert float(np.mean((run(q, {"x": x})[0] - ref) ** 2)) < 1e-3 * float(np.mean(ref**2))
+
+
+def test_from_python_the_fallback_metric_may_be_a_function():
+    model, data = _fragile_mlp()
+    seen = []
+
+    def score(path):
+        seen.append(path)
+        return [1.0, 1.0]  # per-sample scores: the fallback uses their mean
+
+    _, report = onnxq.quantize(model, data, max_drop=0.5, metric=score, **KW)
+    assert report.fallback["fp32"] == 1.0 and report.fallback["met"] and seen
+    assert report.fallback["metric"].endswith("<locals>.score")

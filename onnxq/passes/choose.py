@@ -57,7 +57,7 @@ from onnxq.passes.defaults import bias_mode, choosing, runs
 from onnxq.passes.manager import Pass, PassRecord, PassResult, State
 from onnxq.simulate.emulate import emulate
 from onnxq.simulate.heldback import beats, gain, references, sqnr
-from onnxq.simulate.metric import Metric, metric_beats, metric_gain, user_metric
+from onnxq.simulate.metric import Metric, metric_beats, metric_gain, metric_label, user_metric
 
 #: methods whose observers are histograms with exact extremes (MinMax is read from them)
 HISTOGRAM_METHODS = ("mse", "percentile", "entropy")
@@ -190,11 +190,11 @@ class _Search:
             self.ranges[name] = calibrator.recalibrate(callback)
         self.ticker = Ticker(None, "choosing the recipe", o.progress, "candidate")
         #: the caller's metric, when the candidates are scored by it
-        self.metric: Metric | None = (
-            user_metric(o.choice_metric, spell("metric", o.cli))
-            if steps.finish and o.choice_metric is not None
-            else None
-        )
+        self.metric: Metric | None = None
+        self.metric_name = ""
+        if steps.finish and o.choice_metric is not None:
+            self.metric = user_metric(o.choice_metric, spell("metric", o.cli))
+            self.metric_name = metric_label(o.choice_metric)
 
     def run(self) -> PassResult:
         """Auto's pick, the three stages, then the choice (a bar names each candidate)."""
@@ -227,7 +227,7 @@ class _Search:
         self._adopt(chosen)
         state.choice = self._report(chosen, auto, time.perf_counter() - start)
         judge = (
-            f"by {o.metric}"
+            f"by {self.metric_name}"
             if self.metric is not None
             else f"on {len(self.held)} held-back batches"
         )
@@ -336,7 +336,7 @@ class _Search:
                 )
         held = self.held
         samples = sum(feed_samples(f) for f in held)
-        by = f" (scored by {self.state.options.metric})" if self.metric is not None else ""
+        by = f" (scored by {self.metric_name})" if self.metric is not None else ""
         why = (
             f"auto's pick: no candidate above it by more than the noise{by}"
             if chosen is auto
@@ -352,5 +352,5 @@ class _Search:
             "candidates": rows,
         }
         if self.metric is not None:
-            out["metric"] = self.state.options.metric
+            out["metric"] = self.metric_name
         return out

@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import tempfile
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import onnx
@@ -25,11 +26,23 @@ from onnxq.io.loader import load_object
 Metric = Callable[[onnx.ModelProto], np.ndarray]
 
 
-def user_metric(ref: str, option: str) -> Metric:
-    """``ref`` (``module:function``) as a :data:`Metric`; ``option``: the flag as spelled."""
-    fn = load_object(ref, option)
+def metric_label(ref: str | Callable[..., Any]) -> str:
+    """How reports name a metric: ``module:function`` as given, a function by where it lives."""
+    if isinstance(ref, str):
+        return ref
+    name = getattr(ref, "__qualname__", None) or type(ref).__name__
+    return f"{getattr(ref, '__module__', None) or '?'}:{name}"
+
+
+def user_metric(ref: str | Callable[..., Any], option: str) -> Metric:
+    """``ref`` (``module:function``, or from Python the function) as a :data:`Metric`.
+
+    ``option``: the flag as the caller spells it, for errors.
+    """
+    fn = load_object(ref, option) if isinstance(ref, str) else ref
     if not callable(fn):
         raise ConfigError(f"{option} {ref!r} is not a function")
+    ref = metric_label(ref)
 
     def metric(model: onnx.ModelProto) -> np.ndarray:
         with tempfile.TemporaryDirectory() as tmp:
