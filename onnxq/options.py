@@ -23,6 +23,7 @@ from onnxq.calibrators import DEFAULT_METHOD, METHODS, method_callback
 from onnxq.core.callbacks import CalibrationCallback
 from onnxq.core.errors import ConfigError
 from onnxq.io.hostcheck import auto_weight_bits, saturation_warning
+from onnxq.io.loader import load_object
 from onnxq.lower.formats import FORMATS, Format, get_format
 from onnxq.patterns import default_patterns
 from onnxq.patterns.rule import QuantizerPattern
@@ -495,6 +496,9 @@ def resolve(
         )
     if metric is not None and max_drop is None:
         _check_metric_choice(rest, cli)
+    # loaded now: a metric that cannot be is refused before any data is read
+    if isinstance(metric, str) and not callable(load_object(metric, spell("metric", cli))):
+        raise ConfigError(f"{spell('metric', cli)} {metric!r} is not a function")
     if patterns is None and tgt.patterns is not None:
         patterns = target_patterns(tgt)
     fallback = fallback_for(tgt, fmt, activation_dtype, symmetric, fallback, cli)

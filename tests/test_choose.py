@@ -365,3 +365,17 @@ def test_from_python_the_metric_may_be_the_function_itself(tmp_path, monkeypatch
     json.dumps(report.to_dict())  # the report names the function, it does not hold it
     with pytest.raises(ConfigError, match="metric is a int; give 'module:function' or a function"):
         onnxq.quantize(model, data, progress=False, metric=3)
+
+
+def test_a_metric_that_cannot_be_loaded_is_refused_before_any_data_is_read(tmp_path, monkeypatch):
+    model, data = _cnn()
+    monkeypatch.chdir(tmp_path)
+    read = []
+
+    def batches():
+        read.append(1)
+        yield from ({"x": data["x"][i : i + 1]} for i in range(40))
+
+    with pytest.raises(ConfigError, match="metric 'nowhere:score': cannot import module"):
+        onnxq.quantize(model, batches(), progress=False, metric="nowhere:score")
+    assert not read
