@@ -341,12 +341,16 @@ class Classification:
 
     def evaluate(self, run: Runner, n: int) -> float:
         """Accuracy (%) on the first ``n`` test images, batches of 100."""
+        return 100.0 * float(np.mean(self.evaluate_samples(run, n)))
+
+    def evaluate_samples(self, run: Runner, n: int) -> np.ndarray:
+        """Per test image: whether the top-1 class is its label (1.0 or 0.0)."""
         _, _, xte, yte = self._split()
         xte, yte = xte[:n], yte[:n]
         pred = np.concatenate(
             [run({self.input: xte[i : i + 100]})[0].argmax(-1) for i in range(0, len(xte), 100)]
         )
-        return 100.0 * float(np.mean(pred == yte))
+        return (pred == yte).astype(np.float64)
 
 
 class Agreement:
@@ -706,11 +710,15 @@ class PhotoClasses(Agreement):
 
     def evaluate(self, run: Runner, n: int) -> float:
         """Top-1 agreement (%) with fp32 on ``n`` crops of the evaluation photographs."""
-        agree = 0
+        return 100.0 * float(np.sum(self.evaluate_samples(run, n))) / n
+
+    def evaluate_samples(self, run: Runner, n: int) -> np.ndarray:
+        """Per evaluation crop: whether the top-1 class is fp32's (1.0 or 0.0)."""
+        agree = []
         for feeds in self._batches("evaluation", n, 16):
             ref, hyp = self.float_run(feeds)[0], run(feeds)[0]
-            agree += int(np.sum(ref.argmax(-1) == hyp.argmax(-1)))
-        return 100.0 * agree / n
+            agree.append(ref.argmax(-1) == hyp.argmax(-1))
+        return np.concatenate(agree).astype(np.float64)
 
 
 class FaceCandidates(Agreement):

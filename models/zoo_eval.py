@@ -9,7 +9,9 @@ For the commands that take them from any user (``--data``, ``onnxq debug --eval`
 ``<name>_data()`` returns the model's calibration batches (the manifest's ``calibration``
 count); ``<name>(path)`` scores the model file at ``path`` with the recipe's metric on the
 manifest's ``evaluation`` samples (the figure ``onnxq zoo run`` prints, negated where lower is
-better, e.g. CER, since these commands take higher as better). The model is fetched into the
+better, e.g. CER, since these commands take higher as better); ``<name>_samples(path)``, for
+the recipes that score sample by sample (the classifiers), the score of each sample, which
+lets ``quantize --metric`` tell a difference from its noise. The model is fetched into the
 cache on first use.
 """
 
@@ -53,6 +55,17 @@ def __getattr__(attr: str) -> Callable[..., Any]:
             return recipe.calibration(model.calibration)
 
         return data
+
+    if attr.endswith("_samples"):
+        name = attr[: -len("_samples")]
+
+        def samples(path: str) -> Any:
+            model, recipe = _recipe(name)
+            if not hasattr(recipe, "evaluate_samples"):
+                raise AttributeError(f"the recipe of {name!r} scores no single samples")
+            return recipe.evaluate_samples(zoo.runner_for(onnx.load(path)), model.evaluation)
+
+        return samples
 
     def evaluate(path: str) -> float:
         model, recipe = _recipe(attr)
