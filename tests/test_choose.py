@@ -379,3 +379,10 @@ def test_a_metric_that_cannot_be_loaded_is_refused_before_any_data_is_read(tmp_p
     with pytest.raises(ConfigError, match="metric 'nowhere:score': cannot import module"):
         onnxq.quantize(model, batches(), progress=False, metric="nowhere:score")
     assert not read
+
+
+def test_a_metric_failing_on_fakequantize_models_is_told_what_they_are(tmp_path, monkeypatch):
+    model, data = _cnn()
+    _metric_module(tmp_path, monkeypatch, model)
+    with pytest.raises(ConfigError, match="openvino models: run them with OpenVINO"):
+        onnxq.quantize(model, data, progress=False, metric="choicemetric:worst", format="openvino")

@@ -193,7 +193,14 @@ class _Search:
         self.metric: Metric | None = None
         self.metric_name = ""
         if steps.finish and o.choice_metric is not None:
-            self.metric = user_metric(o.choice_metric, spell("metric", o.cli))
+            runtime = o.output_format.runtime
+            hint = (
+                f"the models it is given are {o.output_format.name} models: run them with "
+                f"{'OpenVINO' if runtime == 'openvino' else runtime}"
+                if runtime != "onnxruntime"
+                else ""
+            )
+            self.metric = user_metric(o.choice_metric, spell("metric", o.cli), hint)
             self.metric_name = metric_label(o.choice_metric)
 
     def run(self) -> PassResult:

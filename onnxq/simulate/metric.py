@@ -34,10 +34,11 @@ def metric_label(ref: str | Callable[..., Any]) -> str:
     return f"{getattr(ref, '__module__', None) or '?'}:{name}"
 
 
-def user_metric(ref: str | Callable[..., Any], option: str) -> Metric:
+def user_metric(ref: str | Callable[..., Any], option: str, hint: str = "") -> Metric:
     """``ref`` (``module:function``, or from Python the function) as a :data:`Metric`.
 
-    ``option``: the flag as the caller spells it, for errors.
+    ``option``: the flag as the caller spells it, for errors; ``hint``: what the error of a
+    failing call adds (what the models it is given are).
     """
     fn = load_object(ref, option) if isinstance(ref, str) else ref
     if not callable(fn):
@@ -51,7 +52,10 @@ def user_metric(ref: str | Callable[..., Any], option: str) -> Metric:
             try:
                 value = fn(path)
             except Exception as exc:  # the user's evaluation failed
-                raise ConfigError(f"{option} {ref!r} raised {type(exc).__name__}: {exc}") from None
+                raise ConfigError(
+                    f"{option} {ref!r} raised {type(exc).__name__}: {exc}"
+                    + (f"; {hint}" if hint else "")
+                ) from None
         try:
             scores = np.asarray(value, np.float64).reshape(-1)
         except (TypeError, ValueError):
