@@ -755,3 +755,20 @@ def test_a_fix_slower_than_fp32_says_so(tmp_path, monkeypatch):
     assert result.chosen and result.fixed_ms == 5.0
     line = next(x for x in result.summary().splitlines() if x.startswith("speed:"))
     assert "slower than fp32's" in line and result.to_dict()["fp32_ms"] == 1.0
+
+
+def test_an_eval_that_cannot_be_loaded_is_refused_before_any_data_is_read(tmp_path, monkeypatch):
+    from onnxq.core.errors import ConfigError
+    from onnxq.tools.debug import debug
+
+    model, data = _fragile_mlp()
+    monkeypatch.chdir(tmp_path)
+    read = []
+
+    def batches():
+        read.append(1)
+        yield {"x": data["x"][:16]}
+
+    with pytest.raises(ConfigError, match="eval 'nowhere:score': cannot import module"):
+        debug(model, batches(), eval="nowhere:score", output=tmp_path / "fix.toml")
+    assert not read and not (tmp_path / "fix.toml").exists()

@@ -360,6 +360,8 @@ def debug(
     if not 0 < recover <= 1:
         raise ConfigError(f"{_flag('recover', cli)} {recover} must be in (0, 1]")
     mode = resolve(target=target, fallback=fallback, cli=cli).fallback
+    # loaded now: an evaluation that cannot be is refused before any data is read
+    user: Metric | None = user_metric(eval, cli, "eval") if eval is not None else None
     # a path is checked here; a ModelProto by the quantize passes (external data resolved
     # against base_dir either way)
     source = load_model(model, check=not isinstance(model, onnx.ModelProto), base_dir=base_dir)
@@ -376,8 +378,8 @@ def debug(
     int8_report = build_report(state)
     int8_nodes = len(int8_report.quantized_nodes)
     check_feeds = feeds[:CHECK_BATCHES]
-    if eval is not None:
-        metric: Metric = user_metric(eval, cli, "eval")
+    if user is not None:
+        metric: Metric = user
         metric_name = f"{eval} (higher is better)"
     else:
         metric = output_cosine(source, check_feeds)
