@@ -195,14 +195,17 @@ def choice_line(choice: dict[str, Any]) -> str:
     """One line for the summary: the recipe written, and what it was chosen over."""
     rows = {r["recipe"]: r for r in choice["candidates"]}
     chosen, auto = rows[choice["chosen"]], rows[choice["auto"]]
+    judge = (
+        f"by {choice['metric']}"
+        if "metric" in choice
+        else f"on {choice['held_back_samples']} held-back samples"
+    )
     head = (
-        f"recipe: {choice['chosen']}, chosen on {choice['held_back_samples']} held-back "
-        f"samples ({len(rows)} candidates, {choice['seconds']:.1f} s): "
+        f"recipe: {choice['chosen']}, chosen {judge} ({len(rows)} candidates, "
+        f"{choice['seconds']:.1f} s): "
     )
     if "metric" in choice:
-        return head.replace(
-            f"on {choice['held_back_samples']} held-back samples", f"by {choice['metric']}"
-        ) + _metric_words(chosen, auto, rows, choice["auto"])
+        return head + _metric_words(chosen, auto, rows, choice["auto"])
     if chosen is auto:
         best = max(rows.values(), key=lambda r: r["sqnr_db"])
         if best is auto:

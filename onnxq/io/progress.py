@@ -25,15 +25,19 @@ def progress(
     ``enabled`` None: on a terminal, once the step has run :data:`DELAY_S`; True: at once.
     ``label``: what the bar shows beside it for the item under way (a pass's name).
     """
-    delay = DELAY_S if enabled is None else 0.0
-    if enabled is None:
-        enabled = sys.stderr.isatty()
-    if not enabled:
+    bar = _bar(enabled, iterable=it, total=total, desc=desc, unit=unit)
+    if bar is None:
         return it
+    return bar if label is None else _labelled(bar, label)
+
+
+def _bar(enabled: bool | None, **kwargs: Any) -> Any:
+    """A tqdm bar on stderr as :func:`progress` describes ``enabled``; None when off."""
+    if not (sys.stderr.isatty() if enabled is None else enabled):
+        return None
     from tqdm import tqdm
 
-    bar: Any = tqdm(it, total=total, desc=desc, unit=unit, leave=False, delay=delay)
-    return bar if label is None else _labelled(bar, label)
+    return tqdm(leave=False, delay=DELAY_S if enabled is None else 0.0, **kwargs)
 
 
 def _labelled(bar: Any, label: Callable[[T], str]) -> Iterator[T]:
@@ -49,13 +53,7 @@ class Ticker:
     """
 
     def __init__(self, total: int | None, desc: str, enabled: bool | None, unit: str):
-        delay = DELAY_S if enabled is None else 0.0
-        on = sys.stderr.isatty() if enabled is None else enabled
-        self._bar: Any = None
-        if on:
-            from tqdm import tqdm
-
-            self._bar = tqdm(total=total, desc=desc, unit=unit, leave=False, delay=delay)
+        self._bar = _bar(enabled, total=total, desc=desc, unit=unit)
         self._started = False
 
     def start(self, label: str) -> None:

@@ -294,8 +294,8 @@ class _Search:
             else np.empty(0)
         )
         measured = self.metric(self._model(s)) if self.metric is not None else None
-        c = Candidate(ranges, rounding, bias, stage, s, scores, time.perf_counter() - start)
-        c.metric = measured
+        seconds = time.perf_counter() - start
+        c = Candidate(ranges, rounding, bias, stage, s, scores, seconds, measured)
         self.candidates.append(c)
         return c
 

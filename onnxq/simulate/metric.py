@@ -21,6 +21,7 @@ import onnx
 from onnxq.core.errors import ConfigError
 from onnxq.io.graph import save_model
 from onnxq.io.loader import load_object
+from onnxq.simulate.heldback import gain
 
 #: a model's score: one value, or one value per evaluation sample (higher is better)
 Metric = Callable[[onnx.ModelProto], np.ndarray]
@@ -88,10 +89,8 @@ def metric_gain(candidate: np.ndarray, incumbent: np.ndarray) -> tuple[float, fl
             f"{candidate.size} for another; return the same number of per-sample scores every "
             "time (or one number)"
         )
-    d = candidate - incumbent
-    if d.size < 2:
-        return float(d.mean()), None
-    return float(d.mean()), float(2 * d.std(ddof=1) / np.sqrt(d.size))
+    mean, noise = gain(candidate, incumbent)
+    return mean, noise if candidate.size > 1 else None
 
 
 def metric_beats(candidate: np.ndarray, incumbent: np.ndarray) -> bool:
