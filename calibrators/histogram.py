@@ -12,12 +12,14 @@ whatever the number of samples.
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import numpy as np
 
-from onnxq.core.callbacks import ObserverCallback
+from onnxq.core.callbacks import CalibrationInfo, ObserverCallback
 from onnxq.core.errors import CalibrationError, ConfigError
 from onnxq.core.qparams import params_from_range, qrange
+from onnxq.core.specs import QTensor
 
 DEFAULT_BINS = 2048
 #: values of one sample (one row of the leading axis) a histogram takes at least; past
@@ -449,3 +451,36 @@ class MSECallback(ObserverCallback):
     def make_observer(self) -> MSEObserver:
         """A fresh histogram."""
         return MSEObserver(self.bins)
+
+
+#: what a histogram holds: every observer reading it needs these and nothing else
+_COUNTED = ("bins", "counts", "half_range", "zeros", "exact_zeros", "min", "max")
+
+
+class HistogramViewCallback(ObserverCallback):
+    """One histogram method's ranges read from another's histograms, without a stream of its own.
+
+    Every histogram method counts the same bins (the grid depends only on the data and
+    ``bins``), so after one calibration stream for ``base`` (MSE, say) the Percentile and
+    Entropy ranges of the same samples can be read from it: the held-back choice
+    (onnxq.passes.choose) weighs them. ``base`` counts a strided sample of large tensors where
+    ``method`` alone would count every value (:attr:`Histogram.sampled`), so its far tail is
+    that sample's.
+    """
+
+    def __init__(self, base: ObserverCallback, method: ObserverCallback):
+        self.observer_key = base.observer_key
+        self.method = method
+
+    def observed(self, info: CalibrationInfo, qt: QTensor) -> Histogram:
+        """``method``'s observer holding the tensor's counts (shared, not copied)."""
+        counted: Any = info.observer(qt.tensor)
+        view: Any = self.method.make_observer()
+        if view.bins != counted.bins:
+            raise CalibrationError(
+                f"cannot read {qt.tensor}'s histogram of {counted.bins} bins as one of "
+                f"{view.bins}: give both methods the same --bins"
+            )
+        for name in _COUNTED:
+            setattr(view, name, getattr(counted, name))
+        return view

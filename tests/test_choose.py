@@ -64,7 +64,13 @@ def test_the_default_chooses_on_held_back_batches_and_reports_every_candidate():
     assert report.calibration.samples == 56  # the held-back samples are not calibrated on
     names = [c["recipe"] for c in choice["candidates"]]
     assert names[0] == choice["auto"] == "mse/optimized/sequential"
-    assert {"minmax/optimized/fast", "mse/nearest/fast", "mse/optimized/none"} <= set(names)
+    assert {
+        "minmax/optimized/fast",
+        "percentile/optimized/fast",
+        "mse/nearest/fast",
+        "mse/optimized/none",
+    } <= set(names)
+    assert not any(n.startswith("entropy/") for n in names)
     assert len(names) == len(set(names)) and choice["chosen"] in names
     auto = choice["candidates"][0]
     assert auto["vs_auto_db"] == 0.0 and all(c["seconds"] > 0 for c in choice["candidates"])

@@ -2,17 +2,23 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 
 from onnxq.calibrators import (
+    EntropyCallback,
     EntropyObserver,
     Histogram,
+    HistogramViewCallback,
     MinMaxObserver,
+    MSECallback,
     MSEObserver,
+    PercentileCallback,
     PercentileObserver,
 )
-from onnxq.core.errors import ConfigError
+from onnxq.core.errors import CalibrationError, ConfigError
 from onnxq.core.qparams import dequantize, params_from_range, quantize
 
 R = np.random.default_rng(7)
@@ -225,3 +231,31 @@ def test_the_tail_methods_count_every_value(make):
     """Entropy and Percentile read the far tail, which a sample would thin out."""
     x = R.laplace(0, 1, (2, 300_000)).astype(np.float32)
     assert feed(make(), [x]).total == x.size
+
+
+@pytest.mark.parametrize(
+    ("method", "make"),
+    [
+        (PercentileCallback(99.9), lambda: PercentileObserver(99.9)),
+        (EntropyCallback(), EntropyObserver),
+    ],
+)
+def test_a_method_read_from_the_mse_histogram_is_the_method_itself(method, make):
+    # the recipe choice reads Percentile and Entropy from the default stream's MSE histograms:
+    # on values nothing samples, the very ranges of the methods' own streams
+    chunks = [R.laplace(0, s, (4, 2000)).astype(np.float32) for s in (0.5, 2.0, 1.0)]
+    mse, own = feed(MSEObserver(), chunks), feed(make(), chunks)
+    info = SimpleNamespace(observer=lambda tensor: mse)
+    view = HistogramViewCallback(MSECallback(), method)
+    read = view.observed(info, SimpleNamespace(tensor="t"))
+    for dtype in ("uint8", "int8"):
+        assert read.compute(dtype) == own.compute(dtype)
+    assert read.counts is mse.counts and view.observer_key == MSECallback().observer_key
+    assert read.compute() != mse.compute()  # another method's answer, not the MSE range
+
+
+def test_a_histogram_of_other_bins_is_not_read_as_another():
+    info = SimpleNamespace(observer=lambda tensor: feed(MSEObserver(256), [R.normal(size=100)]))
+    view = HistogramViewCallback(MSECallback(256), EntropyCallback(512))
+    with pytest.raises(CalibrationError, match="histogram of 256 bins.*same --bins"):
+        view.observed(info, SimpleNamespace(tensor="t"))

@@ -8,9 +8,10 @@ per sample). Auto's pick is fitted first; then three stages each add the candida
 axis, on the values the earlier stages kept (an axis leaves auto's value only for a candidate
 above it by more than the noise, below):
 
-1. **ranges**: the calibration method's (MSE by default) and MinMax, read from the same
-   histograms (no second stream), each with the bias correction of stage 3's cheapest
-   candidate;
+1. **ranges**: the calibration method's (MSE by default), MinMax and Percentile, all read
+   from the same histograms (no second stream), each with the bias correction of stage 3's
+   cheapest candidate. Entropy is not a candidate: on eight zoo models it scored 2.6 to 81 dB
+   below auto's pick on the held-back batches, never within the noise of the best;
 2. **rounding**: optimized (where auto picks it: the Hessians were gathered) and nearest;
 3. **bias correction**: auto's pick (sequential for CNNs) and the others that need no
    further stream (fast, none).
@@ -49,7 +50,12 @@ import numpy as np
 import onnx
 
 from onnxq.calibrate.dataset import feed_samples
-from onnxq.calibrators import DEFAULT_METHOD, ExtremaCallback
+from onnxq.calibrators import (
+    DEFAULT_METHOD,
+    ExtremaCallback,
+    HistogramViewCallback,
+    PercentileCallback,
+)
 from onnxq.core.callbacks import ObserverCallback
 from onnxq.io.progress import Ticker
 from onnxq.options import spell
@@ -184,6 +190,8 @@ class _Search:
         histograms = o.method == DEFAULT_METHOD and o.method in HISTOGRAM_METHODS
         if histograms and isinstance(cb, ObserverCallback):
             self.callbacks["minmax"] = ExtremaCallback(cb)
+            percentile = PercentileCallback(o.percentile, o.bins)
+            self.callbacks["percentile"] = HistogramViewCallback(cb, percentile)
         #: calibrated values per range candidate
         self.ranges = {o.method: dict(state.values)}
         for name, callback in list(self.callbacks.items())[1:]:
