@@ -126,8 +126,7 @@ def to_fakequantize(
                 first, rounded = seen[qt.tensor]
                 if qt.dtype != first.dtype:
                     _read_as(editor, tensors[qt.tensor], qt, first, values, set(rec.nodes), rounded)
-    editor.finish()
-    return export_model(graph, quantizer.float_model)
+    return export_model(graph, quantizer.float_model)  # tidied there, as the editor would
 
 
 def _replace_constants(graph: gs.Graph, quantizer: Any, constants: dict[str, np.ndarray]) -> None:
@@ -344,8 +343,7 @@ def qdq_to_fakequantize(model: onnx.ModelProto) -> tuple[onnx.ModelProto, list[s
                 f"QuantizeLinear '{q.name}' writes graph output '{q.outputs[0].name}' as "
                 "integers; FakeQuantize models return float"
             )
-    editor.finish()
-    return export_model(graph, model), converted
+    return export_model(graph, model), converted  # tidied there, as the editor would
 
 
 def _carried_from_quantize(x: gs.Tensor) -> tuple[list[gs.Node], gs.Node | None]:
