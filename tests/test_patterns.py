@@ -291,7 +291,9 @@ def test_consumer_left_float_does_not_count_as_quantized():
     decided = {d.node: d for d in report.decisions}
     assert not decided["cube"].quantized and not decided["square"].quantized
     assert "QLinearMul" not in ops(q)
-    close_enough(model, q, feeds)
+    # the cube triples the Conv output's relative error: 0.041 of the range with the 7-bit
+    # weights of a CPU without VNNI (under 0.04 with 8-bit weights on one with VNNI)
+    close_enough(model, q, feeds, tol=0.06)
 
 
 def test_shared_input_is_quantized_once():

@@ -106,7 +106,7 @@ _WHY = {
     "openvino": "OpenVINO's CPU kernels",
 }
 _ELSEWHERE = {
-    "onnxruntime": "on a CPU with VNNI or with session option session.x64quantprecision=1",
+    "onnxruntime": "on a CPU with VNNI or with session.x64quantprecision=1",
     "openvino": "on a CPU with VNNI",
 }
 
@@ -123,9 +123,8 @@ def auto_weight_bits(runtime: str, clipping_path: bool) -> tuple[int, str]:
     clips = saturates(runtime)
     if clips:
         return 7, (
-            f"weights are 7-bit ([-63, 63]): this CPU has no VNNI, so {_WHY[runtime]} would "
-            "clip 8-bit products to int16 (pass --weight-bits 8 for a model that will run "
-            f"{_ELSEWHERE[runtime]})"
+            f"weights are 7-bit ([-63, 63]): {_WHY[runtime]} clip 8-bit products to int16 on "
+            f"this CPU (no VNNI); pass --weight-bits 8 for a model to run {_ELSEWHERE[runtime]}"
         )
     if clips is None:
         return 8, (
