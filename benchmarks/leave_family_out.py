@@ -37,6 +37,7 @@ RECIPES = (
     "mse/nearest/fast",
     "minmax/optimized/fast",
     "minmax/nearest/none",
+    "percentile/optimized/fast",
 )
 #: the two per-model rules: auto's picks per model kind, and the held-back choice
 RULES = ("fixed", "auto")
