@@ -463,9 +463,9 @@ class HistogramViewCallback(ObserverCallback):
     Every histogram method counts the same bins (the grid depends only on the data and
     ``bins``), so after one calibration stream for ``base`` (MSE, say) the Percentile and
     Entropy ranges of the same samples can be read from it: the held-back choice
-    (onnxq.passes.choose) weighs them. ``base`` counts a strided sample of large tensors where
-    ``method`` alone would count every value (:attr:`Histogram.sampled`), so its far tail is
-    that sample's.
+    (onnxq.passes.choose) weighs the Percentile ones. ``base`` counts a strided sample of large
+    tensors where ``method`` alone would count every value (:attr:`Histogram.sampled`), so its
+    far tail is that sample's.
     """
 
     def __init__(self, base: ObserverCallback, method: ObserverCallback):
