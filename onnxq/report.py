@@ -358,7 +358,7 @@ def mark_carried(
             if rec.relu_folded
             for qt in rec.outputs
         }
-        probe = Requantizer()
+        probe = Requantizer(qdq_ops=quantizer.template_of().ops)
         probed = probe.requantize(quantizer.materialize(folds))
         crossed = probe.stats.crossed_ops
         if qdq and model is None:

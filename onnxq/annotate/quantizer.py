@@ -5,9 +5,11 @@ quantized edges (QTensor: dtype, axis, symmetry, placeholders) and the op it bec
 and zero point is a placeholder with a deterministic name (``<tensor>_scale``,
 ``<tensor>_zero_point``); quantized weights and biases are *derived* placeholders
 (``<weight>_quantized``, ``<node>.bias_quantized``) computed from the float constants once the
-scales are known. The QOperator lowering (``onnxq.lower.qoperator``) writes the records into the
-*template*, a valid ONNX model holding the placeholders; :meth:`Quantizer.materialize`
-(``onnxq.lower.materialize``) turns values for them into a concrete model.
+scales are known. The Quantizer only annotates: the output format's writer turns the records
+into the *template*, a valid ONNX model holding the placeholders, when it is first asked for
+(:meth:`Quantizer.template_of`: QOperator, onnxq.lower.qoperator, or its sibling QDQ,
+onnxq.lower.qdq); :meth:`Quantizer.materialize` (``onnxq.lower.materialize``) turns values for
+them into a concrete model.
 
 One set of parameters exists per tensor edge: a tensor read by two patterns is quantized by one
 QuantizeLinear node whose parameters both patterns share, and a pattern's output placeholder is
@@ -42,7 +44,6 @@ from onnxq.io.graph import (
     GraphEditor,
     constant_value,
     copy_graph,
-    export_model,
     in_file,
     is_file_weight,
     load_model,
@@ -51,9 +52,9 @@ from onnxq.io.graph import (
     tensor_array,
 )
 from onnxq.io.text import shown
-from onnxq.lower.formats import Format, get_format
+from onnxq.lower.formats import WRITERS, Format, get_format
 from onnxq.lower.materialize import materialize, materialize_graph
-from onnxq.lower.qoperator import TemplateWriter
+from onnxq.lower.qoperator import Template
 from onnxq.match.dfpattern import Match
 from onnxq.match.rewrite import Partition, partition
 from onnxq.patterns import default_patterns
@@ -174,7 +175,7 @@ def refuse_shared_names(model: onnx.ModelProto, exclude: Sequence[str]) -> None:
 
 
 class Quantizer:
-    """Match ``patterns`` in ``model`` and annotate every group; lower the records to a template.
+    """Match ``patterns`` in ``model`` and annotate every group (templates are written on demand).
 
     ``model`` is a path or ModelProto (never modified); ``patterns`` defaults to
     ``onnxq.patterns.default_patterns()``; ``kept_float``: nodes an earlier pass added that stay
@@ -264,11 +265,31 @@ class Quantizer:
         kept.update(self.placement)
         part = self._annotate(graph, excluded, kept)
         self.decisions = explain(self, part)
-        #: the QOperator model with placeholders (onnxq.lower.qoperator writes the records)
-        TemplateWriter(graph, self.editor, self.placeholders).write_all(self.records)
-        self.template: onnx.ModelProto = export_model(graph, self.float_model)
-        #: the template as a graph (materialize_graph fills a copy of it)
-        self.template_graph: gs.Graph = graph
+        #: the annotation written in each form asked for so far (:meth:`template_of`)
+        self._templates: dict[str, Template] = {}
+
+    def template_of(self, form: str | None = None) -> Template:
+        """The annotation written in ``form`` ("qoperator" or "qdq"; None: the output format's).
+
+        Written on first use, from the records, by the form's writer (onnxq.lower.formats),
+        into a copy of the annotated graph: the QOperator and QDQ lowerings are siblings.
+        """
+        writer = self.config.output.writer if form is None else WRITERS[form]
+        if writer.form not in self._templates:
+            editor = self.editor.fork()
+            write = writer(editor.graph, editor, self.placeholders)
+            self._templates[writer.form] = write.write_all(self.records, self.float_model)
+        return self._templates[writer.form]
+
+    @property
+    def template(self) -> onnx.ModelProto:
+        """The output format's template: a valid model whose placeholders hold defaults."""
+        return self.template_of().model
+
+    @property
+    def template_graph(self) -> gs.Graph:
+        """:attr:`template` as a graph (materialize_graph fills a copy of it)."""
+        return self.template_of().graph
 
     def _annotate(self, graph: gs.Graph, excluded: set[str], kept: dict[str, str]) -> Partition:
         """Partition ``graph`` into groups and let each group's rule annotate it."""
@@ -515,7 +536,10 @@ class Quantizer:
             self._float_values[name] = np.asarray(value, np.float32)
 
     def materialize(
-        self, values: dict[str, np.ndarray], constants: dict[str, np.ndarray] | None = None
+        self,
+        values: dict[str, np.ndarray],
+        constants: dict[str, np.ndarray] | None = None,
+        form: str | None = None,
     ) -> onnx.ModelProto:
         """The template with ``values`` for the scale/zero-point placeholders and derived weights.
 
@@ -523,9 +547,10 @@ class Quantizer:
         overflow int32 enlarge their weight's scale (per channel) instead of being clipped;
         ``final_values`` and ``widened_biases`` then say what the model holds
         (onnxq.lower.materialize). ``constants``: float biases and weights to use instead
-        of the model's, by name (bias correction, optimized rounding).
+        of the model's, by name (bias correction, optimized rounding). ``form``: the
+        template's ("qoperator" or "qdq"; None: the output format's).
         """
-        done = materialize(self, values, constants)
+        done = materialize(self, values, constants, form)
         self.final_values, self.widened_biases = done.values, done.widened
         return done.model
 

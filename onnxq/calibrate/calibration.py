@@ -605,7 +605,7 @@ class Calibrator:
     def run_quantized(self, names: list[str], feeds: Mapping[str, np.ndarray]) -> list[np.ndarray]:
         """Values in the quantized model materialized with the values chosen so far."""
         if self._quant_session is None or self._quant_version != self._version:
-            model = self.quantizer.materialize(self.values)
+            model = self.quantizer.materialize(self.values, form="qoperator")  # as its kernels
             self._quant_inits = {i.name: i for i in model.graph.initializer}
             produced = {o for n in model.graph.node for o in n.output}
             dyn = sorted(n for n in self._all_quant_names() if n in produced)

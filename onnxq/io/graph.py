@@ -1012,6 +1012,16 @@ class GraphEditor:
         self._names.update(n.name for n in graph.nodes if n.name)
         self.modified = False
 
+    def fork(self) -> GraphEditor:
+        """An editor of a copy of this graph (:func:`copy_graph`) that avoids the same names.
+
+        Names this editor reserved without a tensor or node of the graph taking them yet
+        (placeholders named while annotating) stay reserved in the copy.
+        """
+        other = GraphEditor(copy_graph(self.graph))
+        other._names |= self._names
+        return other
+
     # names ------------------------------------------------------------------------------
     def unique_name(self, base: str) -> str:
         """Return ``base`` or ``base_<k>`` for the smallest k that is not taken, and reserve it."""

@@ -2,8 +2,10 @@
 
 Every question the rest of onnxq asks about an output format ("does it have int16 kernels?",
 "which runtime checks it?") is a field here, so no other module branches on a format's name.
-The lowering itself is :meth:`Format.lower`: the QOperator model that requantize produced,
-turned into this format.
+Each format writes the annotation in its own form from the records (:attr:`Format.writer`:
+the QOperator or the QDQ template, siblings); :meth:`Format.lower` finishes the materialized,
+requantized model into what is written (FakeQuantize is written from the records and solved
+values instead).
 """
 
 from __future__ import annotations
@@ -16,39 +18,44 @@ import onnx
 
 from onnxq.core.errors import ConfigError
 from onnxq.lower.fakequantize import to_fakequantize
-from onnxq.lower.qdq import PER_CHANNEL_OPSET, dedicated_qdq_pairs, to_qdq
+from onnxq.lower.qdq import PER_CHANNEL_OPSET, QDQWriter, lower_qdq
+from onnxq.lower.qoperator import TemplateWriter
 from onnxq.prepare.fusions import fuse_gelu
 
-#: a lowering: (requantized QOperator model, quantizer, values, options) -> the output model
-Lowering = Callable[[onnx.ModelProto, Any, dict[str, Any], Any, dict[str, Any]], onnx.ModelProto]
+#: a lowering: (requantized model in the format's form, or None for a format written from the
+#: records; quantizer, values, options, replaced constants) -> the output model
+Lowering = Callable[
+    [onnx.ModelProto | None, Any, dict[str, Any], Any, dict[str, Any]], onnx.ModelProto
+]
 
 
 def _qoperator(
-    model: onnx.ModelProto,
+    model: onnx.ModelProto | None,
     quantizer: Any,
     values: dict[str, Any],
     options: Any,
     constants: dict[str, Any],
 ) -> onnx.ModelProto:
     """QLinear ops as they are; GELUs left whole become one com.microsoft.Gelu kernel."""
+    assert model is not None
     out, _ = fuse_gelu(model)
     return out
 
 
 def _qdq(
-    model: onnx.ModelProto,
+    model: onnx.ModelProto | None,
     quantizer: Any,
     values: dict[str, Any],
     options: Any,
     constants: dict[str, Any],
 ) -> onnx.ModelProto:
-    """Each QLinear op un-fused into DequantizeLinear → float op → QuantizeLinear."""
-    out = to_qdq(model)
-    return dedicated_qdq_pairs(out) if options.target.dedicated_qdq_pairs else out
+    """Written as it is (a Q/DQ pair per consumer for the targets that ask for one)."""
+    assert model is not None
+    return lower_qdq(model, options.target.dedicated_qdq_pairs)
 
 
 def _openvino(
-    model: onnx.ModelProto,
+    model: onnx.ModelProto | None,
     quantizer: Any,
     values: dict[str, Any],
     options: Any,
@@ -67,6 +74,8 @@ class Format:
     #: what runs it: "onnxruntime" or "openvino" (the checks after quantizing need onnxruntime)
     runtime: str
     lower: Lowering
+    #: writes the annotation in this format's form (the template materialize fills)
+    writer: type[TemplateWriter] = TemplateWriter
     #: int16 activations (standard Q/DQ from opset 21)
     int16: bool = False
     #: uint8 and int8 activations meeting in one op (--unsigned-after-relu)
@@ -81,7 +90,7 @@ class Format:
     whole_gelu: bool = False
     #: If branches are quantized as graphs of their own
     branches: bool = True
-    #: the lowering rewrites the requantized model (False: rebuilt from the float model)
+    #: the lowering finishes the requantized model (False: rebuilt from the float model)
     from_requantized: bool = True
     #: opset its per-channel weights need
     per_channel_opset: int = 0
@@ -99,7 +108,14 @@ FORMATS: dict[str, Format] = {
             islands=False,
             whole_gelu=True,
         ),
-        Format("qdq", "onnxruntime", _qdq, int16=True, per_channel_opset=PER_CHANNEL_OPSET),
+        Format(
+            "qdq",
+            "onnxruntime",
+            _qdq,
+            QDQWriter,
+            int16=True,
+            per_channel_opset=PER_CHANNEL_OPSET,
+        ),
         Format(
             "openvino",
             "openvino",
@@ -110,6 +126,10 @@ FORMATS: dict[str, Format] = {
         ),
     )
 }
+
+
+#: the template writers by the form they write (Quantizer.template_of)
+WRITERS: dict[str, type[TemplateWriter]] = {w.form: w for w in (TemplateWriter, QDQWriter)}
 
 
 def get_format(name: str, flag: str = "--format") -> Format:

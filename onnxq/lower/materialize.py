@@ -42,7 +42,10 @@ class Materialized:
 
 
 def materialize(
-    q: Any, values: dict[str, np.ndarray], constants: dict[str, np.ndarray] | None = None
+    q: Any,
+    values: dict[str, np.ndarray],
+    constants: dict[str, np.ndarray] | None = None,
+    form: str | None = None,
 ) -> Materialized:
     """The template with ``values`` for the scale/zero-point placeholders and derived weights.
 
@@ -50,11 +53,13 @@ def materialize(
     overflow int32 enlarge their weight's scale (per channel) instead of being clipped.
     ``constants`` replaces float biases and weights by name (bias correction, optimized
     rounding: a rounded weight is the float value of its chosen integers, which quantize back
-    to exactly those).
+    to exactly those). ``form``: the template's ("qoperator" or "qdq"; None: the output
+    format's).
     """
-    solved = _Solved(q, values, constants)
+    template = q.template_of(form)
+    solved = _Solved(q, values, constants, template.bias_grids)
     proto = onnx.ModelProto()
-    proto.CopyFrom(q.template)
+    proto.CopyFrom(template.model)
     for init in proto.graph.initializer:
         value = solved.value(init.name, tuple(init.dims))
         if value is not None:  # derived here, one at a time (never all held beside the model)
@@ -71,8 +76,9 @@ def materialize_graph(
     after materialize edit this graph, and the pipeline exports it once (the same model as
     :func:`materialize`'s, imported).
     """
-    solved = _Solved(q, values, constants)
-    graph = copy_graph(q.template_graph)
+    template = q.template_of()
+    solved = _Solved(q, values, constants, template.bias_grids)
+    graph = copy_graph(template.graph)
     for t in graph.tensors().values():
         if isinstance(t, gs.Constant):
             value = solved.value(t.name, tuple(t.shape))
@@ -85,9 +91,13 @@ class _Solved:
     """The value of every placeholder, quantized weight and int32 bias of one materialization."""
 
     def __init__(
-        self, q: Any, values: dict[str, np.ndarray], constants: dict[str, np.ndarray] | None
+        self,
+        q: Any,
+        values: dict[str, np.ndarray],
+        constants: dict[str, np.ndarray] | None,
+        bias_grids: dict[str, tuple[str, str]],
     ):
-        self.q, self.constants = q, constants or {}
+        self.q, self.constants, self.bias_grids = q, constants or {}, bias_grids
         full = {}
         for name, ph in q.placeholders.items():
             if ph.kind not in ("scale", "zero_point"):
@@ -98,10 +108,13 @@ class _Solved:
         _check_relu_folds(q.records, full)
         #: bias -> how many of its channels had their weight scale widened
         self.widened = _fit_biases(q, full, self.constant_of)
+        #: each int32 bias's grid (input scale · weight scale)
+        self.bias_scales: dict[str, np.ndarray] = {}
         for bname, b in q.biases.items():
             s = full[b.input_scale].astype(np.float64) * full[b.weight_scale].astype(np.float64)
             rounded = np.round(self.constant_of(b.bias) / s)
             full[bname] = np.clip(rounded, -(2**31), 2**31 - 1).astype(np.int32)
+            self.bias_scales[bname] = s
         self.full = full
         #: scale and zero-point placeholders as written (after bias widening)
         self.final = {
@@ -120,6 +133,10 @@ class _Solved:
             return quantize(self.constant_of(w.weight), qp)
         if name in self.full:
             return self.full[name]
+        if name in self.bias_grids:  # a QDQ bias's DequantizeLinear: its grid
+            bias, kind = self.bias_grids[name]
+            s = self.bias_scales[bias]
+            return s.astype(np.float32) if kind == "scale" else np.zeros(s.shape, np.int32)
         if name in self.constants:  # a float layer's corrected bias
             return np.asarray(self.constants[name], np.float32).reshape(shape)
         return None

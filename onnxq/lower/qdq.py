@@ -1,11 +1,18 @@
-"""Output formats: QOperator (what the Quantizer builds) and standard ONNX QDQ.
+"""The QDQ lowering: every annotated group written as DequantizeLinear → float op → QuantizeLinear.
 
-QDQ rewrites every int8 op back into its float op between DequantizeLinear and QuantizeLinear:
-``QLinearConv(xq, xs, xz, wq, ws, wz, ys, yz, bq)`` becomes
-``Q(Conv(DQ(xq, xs, xz), DQ(wq, ws, wz, axis=0), DQ(bq, xs·ws, 0, axis=0)), ys, yz)``; the
-int8 weights and the int32 bias stay integer initializers. Only standard ONNX ops remain, which
-TensorRT, OpenVINO, QNN and onnxruntime's QDQ fusion consume. Per-channel DequantizeLinear needs
-opset 13; :func:`to_qdq` refuses a lower opset (quantize raises the opset first).
+:class:`QDQWriter` is the QOperator writer's sibling (onnxq.lower.qoperator): it writes the
+same records by the same op table, each group of the table as its float op between
+DequantizeLinear on every operand and one QuantizeLinear on its output::
+
+    Q(Conv(DQ(xq, xs, xz), DQ(wq, ws, wz, axis=0), DQ(bq, xs·ws, 0, axis=0)), ys, yz)
+
+The int8 weights and the int32 bias stay integer initializers; the bias's scale and zero point
+are derived from the solved values with it (materialize). Only standard ONNX ops remain, which
+TensorRT, OpenVINO, QNN and onnxruntime's QDQ fusion consume. The requantize pass then works
+on this form as on the QOperator one (onnxq.post.requantize). Per-channel DequantizeLinear
+needs opset 13: :func:`lower_qdq` refuses a lower opset (quantize raises the opset first).
+
+:func:`to_qdq` un-fuses an existing QOperator model the same way (``onnxq convert``).
 """
 
 from __future__ import annotations
@@ -14,14 +21,119 @@ from typing import Any
 
 import numpy as np
 import onnx
+import onnx_graphsurgeon as gs
 from onnx import helper, numpy_helper
 
 from onnxq.core.errors import QuantizationError
-from onnxq.core.optable import BY_QOP, MS_DOMAIN, QOp
+from onnxq.core.optable import BY_QOP, MS_DOMAIN, Attrs, QOp
+from onnxq.core.specs import PatternRecord, QTensor
 from onnxq.io.graph import set_nodes, tensor_array
+from onnxq.lower.qoperator import TemplateWriter
 from onnxq.prepare.opset import default_opset
 
 PER_CHANNEL_OPSET = 13
+
+
+class QDQWriter(TemplateWriter):
+    """Write each group of the op table as DQ on its operands → its float op → Q."""
+
+    form = "qdq"
+
+    def _qlinear(self, rec: PatternRecord) -> gs.Variable:
+        """DQ(inputs) [, DQ(int32 bias)] → the table's float op → Q(output) → DQ."""
+        low = rec.lowering
+        assert low is not None
+        spec = BY_QOP[low.op]
+        attrs = dict(low.attrs)
+        operands = [self._operand(spec, attrs, qt) for qt in rec.inputs]
+        if low.bias is not None and spec.bias is not None:
+            w = spec.triples.index(spec.weight) if spec.weight is not None else 0
+            operands.append(self._bias(low.bias, rec.inputs[0], rec.inputs[w]))
+        (yq,) = rec.outputs
+        root = self.tensors[rec.root]
+        computed = self.editor.variable(f"{yq.quantized}_float", np.float32, root.shape)
+        node = self.editor.add_node(
+            spec.float_op, operands, [computed], f"{rec.node}_quant", spec.float_attrs(attrs)
+        )
+        self.ops[node.name] = spec.qop
+        y = self._output(yq, rec.root)
+        self.editor.add_node(
+            "QuantizeLinear",
+            [computed, self.const(yq.scale), self.const(yq.zero_point)],
+            [y],
+            f"{yq.quantized}_QuantizeLinear",
+        )
+        return self.dequantize(yq, y, root)
+
+    def _operand(self, spec: QOp, attrs: Attrs, qt: QTensor) -> gs.Variable:
+        """The float value the op reads: its operand dequantized (a weight per channel)."""
+        quantized, _, _ = self.operands(qt)
+        per_channel = qt.role == "weight" and int(np.prod(self.placeholders[qt.scale].shape)) > 1
+        axis = weight_axis(spec, attrs) if per_channel else None
+        return self.dequantize(qt, quantized, self.tensors[qt.tensor], axis)
+
+    def _bias(self, bias: str, x: QTensor, w: QTensor) -> gs.Variable:
+        """DQ of the int32 bias on the grid s_x · s_w (per channel), zero point 0."""
+        shape = np.broadcast_shapes(
+            self.placeholders[x.scale].shape, self.placeholders[w.scale].shape
+        )
+        grid: list[gs.Tensor] = []
+        for kind, value in (
+            ("scale", np.ones(shape, np.float32)),
+            ("zero_point", np.zeros(shape, np.int32)),
+        ):
+            name = self.editor.unique_name(f"{bias}_{kind}")
+            self.bias_grids[name] = (bias, kind)
+            grid.append(gs.Constant(name, value))
+        out = self.editor.variable(f"{bias}_dequantized", np.float32, shape)
+        self.editor.add_node(
+            "DequantizeLinear",
+            [self.const(bias), *grid],
+            [out],
+            f"{bias}_DequantizeLinear",
+            {"axis": 0} if int(np.prod(shape)) > 1 else None,
+        )
+        return out
+
+
+def weight_axis(spec: QOp, attrs: Attrs) -> int | None:
+    """The axis ``spec``'s weight is quantized along (QGemm: by its transB)."""
+    if spec.weight_axis is not None or spec.weight is None:
+        return spec.weight_axis
+    return 0 if int(attrs.get("transB", 0)) else 1
+
+
+def lower_qdq(model: onnx.ModelProto, dedicated_pairs: bool = False) -> onnx.ModelProto:
+    """The materialized, requantized QDQ model as written.
+
+    Opset domains no node uses are left out; ``dedicated_pairs``: one QuantizeLinear →
+    DequantizeLinear pair per consumer (:func:`dedicated_qdq_pairs`).
+    """
+    check_per_channel_opset(model)
+    _drop_unused_domains(model)
+    return dedicated_qdq_pairs(model) if dedicated_pairs else model
+
+
+def check_per_channel_opset(model: onnx.ModelProto) -> None:
+    """Refuse per-channel DequantizeLinear below the opset that defines it."""
+    per_channel = any(
+        a.name == "axis"
+        for n in model.graph.node
+        if n.op_type == "DequantizeLinear"
+        for a in n.attribute
+    )
+    if per_channel and default_opset(model) < PER_CHANNEL_OPSET:
+        raise QuantizationError(
+            f"per-channel DequantizeLinear needs opset {PER_CHANNEL_OPSET}, the model has "
+            f"{default_opset(model)}; quantize with --per-tensor or let quantize raise the opset"
+        )
+
+
+def _drop_unused_domains(model: onnx.ModelProto) -> None:
+    used = {d.domain for d in model.graph.node}
+    keep = [o for o in model.opset_import if o.domain in ("", "ai.onnx") or o.domain in used]
+    del model.opset_import[:]
+    model.opset_import.extend(keep)
 
 
 class _Builder:
@@ -105,18 +217,17 @@ def _refuse(spec: QOp, n: onnx.NodeProto) -> None:
         )
 
 
-def _weight_axis(spec: QOp, n: onnx.NodeProto) -> int | None:
-    if spec.weight_axis is not None or spec.weight is None:
-        return spec.weight_axis
-    return 0 if int(_attrs(n).get("transB", 0)) else 1  # QGemm
-
-
 def unfuse(b: _Builder, n: onnx.NodeProto, spec: QOp) -> None:
     """``n`` as DequantizeLinear on each operand → the float op → QuantizeLinear."""
     _refuse(spec, n)
     i = list(n.input)
     ins = [
-        b.dq(i[k], i[k + 1], i[k + 2], axis=_weight_axis(spec, n) if k == spec.weight else None)
+        b.dq(
+            i[k],
+            i[k + 1],
+            i[k + 2],
+            axis=weight_axis(spec, _attrs(n)) if k == spec.weight else None,
+        )
         for k in spec.triple_positions(len(i))
     ]
     if spec.bias is not None and len(i) > spec.bias and i[spec.bias]:
@@ -146,37 +257,21 @@ def unfuse_integer_to_float(b: _Builder, n: onnx.NodeProto) -> None:
 
 def to_qdq(model: onnx.ModelProto) -> onnx.ModelProto:
     """The QDQ form of a QOperator model (the argument is not modified)."""
-    has_axis = False
     b = _Builder(model)
     for node in model.graph.node:
         spec = BY_QOP.get(node.op_type)
-        before = len(b.nodes)
         if node.op_type == "MatMulIntegerToFloat" and node.domain == MS_DOMAIN:
             unfuse_integer_to_float(b, node)
         elif spec is None:
             b.nodes.append(node)
-            continue
         else:
             unfuse(b, node, spec)
-        has_axis |= any(
-            a.name == "axis"
-            for n in b.nodes[before:]
-            for a in n.attribute
-            if n.op_type == "DequantizeLinear"
-        )
-    if has_axis and default_opset(model) < PER_CHANNEL_OPSET:
-        raise QuantizationError(
-            f"per-channel DequantizeLinear needs opset {PER_CHANNEL_OPSET}, the model has "
-            f"{default_opset(model)}; quantize with --per-tensor or let quantize raise the opset"
-        )
     out = onnx.ModelProto()
     out.CopyFrom(model)
     set_nodes(out.graph, b.nodes)
     out.graph.initializer.extend(b.new_inits)
-    used = {d.domain for d in out.graph.node}
-    keep = [o for o in out.opset_import if o.domain in ("", "ai.onnx") or o.domain in used]
-    del out.opset_import[:]
-    out.opset_import.extend(keep)
+    check_per_channel_opset(out)
+    _drop_unused_domains(out)
     return out
 
 

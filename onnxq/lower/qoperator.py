@@ -5,8 +5,9 @@ float graph, in the order they were annotated, from their records and the op tab
 (``onnxq.core.optable``): which op, in which domain, and where each (tensor, scale, zero point)
 triple, the output pair and the bias go. The result is the *template*: a valid model whose
 scales, zero points and quantized weights are placeholder initializers that
-``Quantizer.materialize`` fills in. Every other format starts from it (QDQ un-fuses it by the
-same table) or from the records themselves (FakeQuantize).
+``Quantizer.materialize`` fills in. The QDQ template is its sibling, written from the same
+records by the same table (onnxq.lower.qdq), and FakeQuantize is written from the records
+and solved values directly (onnxq.lower.fakequantize).
 
 One QuantizeLinear is written per activation edge and dtype, shared by every group reading it.
 """
@@ -14,15 +15,17 @@ One QuantizeLinear is written per activation edge and dtype, shared by every gro
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+import onnx
 import onnx_graphsurgeon as gs
 from onnx_graphsurgeon.ir.tensor import LazyValues
 
 from onnxq.core.optable import BY_QOP, QOp
 from onnxq.core.specs import PatternRecord, Placeholder, QTensor
-from onnxq.io.graph import GraphEditor, unfilled
+from onnxq.io.graph import GraphEditor, export_model, unfilled
 
 #: int8 weights larger than this are left without data in the template
 UNFILLED_BYTES = 2**20
@@ -44,8 +47,30 @@ def slots(
     return [at.get(i) for i in range(max(at) + 1)]
 
 
+@dataclass(frozen=True)
+class Template:
+    """The annotation written in one form, with placeholders for everything solving decides."""
+
+    form: str
+    model: onnx.ModelProto
+    #: the same as a graph: materialize fills a copy of it
+    graph: gs.Graph
+    #: constants derived besides the placeholders (:attr:`TemplateWriter.bias_grids`)
+    bias_grids: dict[str, tuple[str, str]] = field(default_factory=dict)
+    #: the node written for each group of the op table: its name -> the QLinear op it is
+    #: (in QDQ form the float op; onnxq.post.requantize.quantized_op reads them)
+    ops: dict[str, str] = field(default_factory=dict)
+
+
 class TemplateWriter:
-    """Write annotated groups into ``graph`` (the float graph the rules annotated)."""
+    """Write annotated groups into ``graph`` (a copy of the float graph the rules annotated).
+
+    Each group of the op table becomes its QLinear op; :class:`onnxq.lower.qdq.QDQWriter`
+    writes the same groups in QDQ form. Islands and tables are written alike by both.
+    """
+
+    #: the form of the template this writer writes (a key of the quantizer's templates)
+    form = "qoperator"
 
     def __init__(self, graph: gs.Graph, editor: GraphEditor, placeholders: dict[str, Placeholder]):
         self.graph, self.editor, self.placeholders = graph, editor, placeholders
@@ -53,13 +78,22 @@ class TemplateWriter:
         self.nodes = {n.name: n for n in graph.nodes}
         self._consts: dict[str, gs.Constant] = {}
         self._quantized: dict[str, gs.Variable] = {}
+        #: constants derived from the solved values besides the placeholders (the QDQ form's
+        #: int32-bias scales and zero points): name -> (bias placeholder, "scale" | "zero_point")
+        self.bias_grids: dict[str, tuple[str, str]] = {}
+        #: name of the node written for each group of the op table -> its QLinear op
+        self.ops: dict[str, str] = {}
 
-    def write_all(self, records: Sequence[PatternRecord]) -> gs.Graph:
-        """Write every record, in order; each group's output replaces its float root."""
+    def write_all(self, records: Sequence[PatternRecord], base: onnx.ModelProto) -> Template:
+        """Write every record, in order (each group's output replaces its float root).
+
+        ``base``: the float model (the template's opsets and metadata).
+        """
         for rec in records:
             root = self.tensors[rec.root]
             self.editor.replace_producer(root, self.write(rec))
-        return self.editor.finish()
+        graph = self.editor.finish()
+        return Template(self.form, export_model(graph, base), graph, self.bias_grids, self.ops)
 
     def write(self, rec: PatternRecord) -> gs.Variable:
         """Write one group; return the float tensor (a DequantizeLinear output) it produces."""
@@ -85,9 +119,10 @@ class TemplateWriter:
         y = self._output(yq, rec.root)
         bias = self.const(low.bias) if low.bias is not None else None
         inputs = slots(spec, triples, [self.const(yq.scale), self.const(yq.zero_point)], bias)
-        self.editor.add_node(
+        node = self.editor.add_node(
             spec.qop, inputs, [y], f"{rec.node}_quant", dict(low.attrs), spec.domain
         )
+        self.ops[node.name] = spec.qop
         return self.dequantize(yq, y, self.tensors[rec.root])
 
     def _island(self, rec: PatternRecord) -> gs.Variable:

@@ -1,8 +1,9 @@
 """Float outputs: int8 MatMul/Gemm results that only float ops read are written in float.
 
-Needs the requantized QOperator ``state.graph`` (runs before the lowering). Leaves
-``state.graph`` with those nodes as ``MatMulIntegerToFloat`` or float-output ``QGemm``
-(onnxq.post.float_outputs), and ``state.float_outputs`` (their names), which the report lists.
+Needs the requantized ``state.graph`` (runs before the lowering). Leaves ``state.graph`` with
+those nodes as ``MatMulIntegerToFloat`` or float-output ``QGemm`` (in QDQ form: without the
+QuantizeLinear after them; onnxq.post.float_outputs), and ``state.float_outputs`` (their
+names), which the report lists.
 """
 
 from __future__ import annotations
@@ -18,6 +19,6 @@ class FloatOutputs:
 
     def run(self, state: State) -> PassResult:
         """Rewrite the nodes; say how many."""
-        state.float_outputs = float_outputs(state.graph)
+        state.float_outputs = float_outputs(state.graph, state.quantizer.template_of().ops)
         n = len(state.float_outputs)
         return PassResult(f"{n} MatMul/Gemm write float (only float ops read them)" if n else "")

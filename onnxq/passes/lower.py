@@ -1,6 +1,7 @@
 """Lower: the requantized QOperator model written in the chosen output format.
 
-Needs ``state.graph`` (exported here; or ``state.model``), ``state.quantizer`` and
+Needs ``state.graph`` (exported here; or ``state.model``; a format written from the records,
+FakeQuantize, lets it go unexported), ``state.quantizer`` and
 ``state.constants`` (corrected biases and rounded weights, which the OpenVINO form, rebuilt
 from the float model, writes in place of the originals). Leaves ``state.model`` in the output
 format (onnxq.lower.formats: QOperator, QDQ or OpenVINO FakeQuantize). For onnxruntime, float
@@ -35,8 +36,12 @@ class Lower:
         before = graph_histogram(graph) if graph is not None else op_histogram(state.model)
         if fmt.whole_gelu and graph is not None:  # on the pipeline's graph, not imported again
             fuse_gelu_graph(graph)
+        if fmt.from_requantized:
+            model = state.proto()
+        else:  # written from the records and values: the requantized graph is not exported
+            state.graph, model = None, None
         state.model = fmt.lower(
-            state.proto(), state.quantizer, state.values, state.options, state.constants
+            model, state.quantizer, state.values, state.options, state.constants
         )
         guarded: list[str] = []
         if fmt.runtime == "onnxruntime":

@@ -19,7 +19,7 @@ class Requantize:
 
     def run(self, state: State) -> PassResult:
         """Fold and carry."""
-        requantizer = Requantizer()
+        requantizer = Requantizer(qdq_ops=state.quantizer.template_of().ops)
         requantizer.requantize_graph(state.graph, default_opset(state.quantizer.template))
         state.requantize_stats = s = requantizer.stats
         release(state)
@@ -40,5 +40,6 @@ class ShareScales:
     def run(self, state: State) -> PassResult:
         """Requantize the inputs that solving rescaled."""
         shared = set(state.options.target.shared_scale_ops)
-        changed = share_scales_graph(state.graph, shared, state.solution.rescales)
+        ops = state.quantizer.template_of().ops
+        changed = share_scales_graph(state.graph, shared, state.solution.rescales, ops)
         return PassResult(f"{len(changed)} inputs requantized" if changed else "")

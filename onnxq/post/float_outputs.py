@@ -12,9 +12,11 @@ cosine 0.966 with the rounding, 0.997 without). Such a node computes in int8 and
 
 An output grid that starts at zero is kept: its clipping may be a Relu folded into it.
 
-Works on the requantized QOperator model, before the output format's lowering (the QDQ lowering
-writes these as DQ → MatMul/Gemm with no QuantizeLinear after them, int16 operands included;
-QOperator output has 8-bit operands only).
+In QDQ form the op's QuantizeLinear and the DequantizeLinear after it go: DQ → MatMul/Gemm
+with no QuantizeLinear after them (int16 operands included; QOperator output has 8-bit
+operands only).
+
+Works on the requantized model, before the output format's lowering.
 """
 
 from __future__ import annotations
@@ -22,25 +24,39 @@ from __future__ import annotations
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from onnxq.core.optable import BY_QOP, FLOAT_OUTPUT_QOPS, MS_DOMAIN
+from onnxq.core.optable import FLOAT_OUTPUT_QOPS, MS_DOMAIN
 from onnxq.io.graph import GraphEditor, constant_value
+from onnxq.post.requantize import output_grid, output_quantizer, quantized_op
 
 
-def float_outputs(graph: gs.Graph) -> list[str]:
-    """Rewrite ``graph`` in place (through its editor, left tidied); the nodes now writing float."""
+def float_outputs(graph: gs.Graph, qdq_ops: dict[str, str] | None = None) -> list[str]:
+    """Rewrite ``graph`` in place (through its editor, left tidied); the nodes now writing float.
+
+    ``qdq_ops``: in QDQ form, the float ops the template wrote for groups, by name
+    (:attr:`onnxq.lower.qoperator.Template.ops`).
+    """
+    qdq_ops = qdq_ops or {}
     editor = GraphEditor(graph)
     graph_outputs = {id(t) for t in graph.outputs}
     changed: list[str] = []
     for n in list(graph.nodes):
-        if n.op not in FLOAT_OUTPUT_QOPS or not n.outputs or id(n.outputs[0]) in graph_outputs:
+        found = quantized_op(n, qdq_ops)
+        if found is None or found[0].qop not in FLOAT_OUTPUT_QOPS or not n.outputs:
             continue
-        users = list(n.outputs[0].outputs)
-        if not users or any(u.op != "DequantizeLinear" for u in users):
+        spec = found[0]
+        q = None if n.op == spec.qop else output_quantizer(n)  # QDQ form: its quantizer
+        if n.op != spec.qop and q is None:
+            continue
+        rounded = (q if q is not None else n).outputs[0]
+        if id(rounded) in graph_outputs:
+            continue
+        users = list(rounded.outputs)
+        if not users or any(_int8_reader(u, qdq_ops) for u in users):
             continue  # an int8 reader needs the int8 result
-        spec = BY_QOP[n.op]  # the output's (scale, zero point) pair from the op table
-        if len(n.inputs) < spec.output + 2:
+        grid = output_grid(n, spec)
+        if grid is None:
             continue  # already float (QGemm without its output pair)
-        zp = constant_value(n.inputs[spec.output + 1])
+        zp = constant_value(grid[1])
         if zp is None or starts_at_zero(zp):
             continue  # a folded (or removed) Relu/Relu6 lives in the output's clipping
         out = users[0].outputs[0]
@@ -51,7 +67,11 @@ def float_outputs(graph: gs.Graph) -> list[str]:
                         editor.set_input(reader, i, out)
         for u in users:
             editor.remove_node(u)
-        if spec.float_output_ok:  # the op writes float without its output pair
+        if q is not None:  # QDQ form: the float op writes what its quantizer's reader did
+            editor.remove_node(q)
+            if not spec.float_output_ok:
+                _bias_after(editor, n, out, graph_outputs)
+        elif spec.float_output_ok:  # the op writes float without its output pair
             while len(n.inputs) > spec.output:
                 n.inputs.pop()
         else:
@@ -61,6 +81,33 @@ def float_outputs(graph: gs.Graph) -> list[str]:
     if changed:
         editor.finish()
     return changed
+
+
+def _int8_reader(node: gs.Node, qdq_ops: dict[str, str]) -> bool:
+    """Whether ``node`` reads an int8 result as int8.
+
+    A QLinear op does, and in QDQ form a DequantizeLinear that is a group's operand (the float
+    ops of groups are in ``qdq_ops``); any other DequantizeLinear is a float reader's.
+    """
+    if node.op != "DequantizeLinear":
+        return True
+    return any(r.name in qdq_ops for r in node.outputs[0].outputs)
+
+
+def _bias_after(editor: GraphEditor, n: gs.Node, out: gs.Variable, graph_outputs: set[int]) -> None:
+    """A QDQ-form MatMul's bias Add reads the product first, as its QOperator form writes it.
+
+    (``MatMulIntegerToFloat`` takes the bias in; un-fused it is ``Add(product, bias)``, and
+    onnxruntime's fusions of the two orders round differently.)
+    """
+    users = list(out.outputs)
+    bias = _bias(users[0], out) if len(users) == 1 and id(out) not in graph_outputs else None
+    dq = n.inputs[1].inputs[0] if n.inputs[1].inputs else None
+    b = dq.inputs[0] if dq is not None and dq.op == "DequantizeLinear" else None
+    columns = b.shape[1] if isinstance(b, gs.Constant) and len(b.shape) == 2 else -1
+    if bias is not None and columns == bias.shape[0] and users[0].inputs[0] is not out:
+        editor.set_input(users[0], 1, users[0].inputs[0])
+        editor.set_input(users[0], 0, out)
 
 
 def _integer_to_float(

@@ -1,11 +1,15 @@
 """The requantize pass: keep int8 data int8 between quantized ops.
 
-Contract: requires a materialized model (constant scales and zero points); ensures a model
-computing the same function up to rounding in which
+Contract: requires a materialized model (constant scales and zero points) in QOperator or QDQ
+form (onnxq.lower.qoperator, onnxq.lower.qdq); ensures a model computing the same function up
+to rounding in which
 
 * DQ(x, s, z) → Q(·, s, z) pairs are removed (identity);
-* DQ(x, s1, z1) → Q(·, s2, z2) feeding only QLinear ops is replaced by those ops reading ``x``
-  with ``s1, z1`` directly (they take their input's scale as an argument, so nothing is lost);
+* DQ(x, s1, z1) → Q(·, s2, z2) feeding only quantized ops is replaced by those ops reading
+  ``x`` with ``s1, z1`` directly (they take their input's scale as an argument, so nothing is
+  lost; an int32 bias scaled by the input's scale is re-expressed for ``s1``). A quantized op
+  is a QLinear op, or in QDQ form a DequantizeLinear feeding the float op the template wrote
+  for a group of the op table (:func:`quantized_op`); a QDQ island's is not one;
 * a DequantizeLinear moves past ops that commute with the affine map (MaxPool, Reshape,
   Flatten, Transpose, Squeeze, Unsqueeze, Slice, Gather, Depth/SpaceToDepth, Expand, Tile,
   nearest Resize, Split, and Pad with 0 — which becomes Pad with the zero point), so the pair
@@ -15,13 +19,14 @@ computing the same function up to rounding in which
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
 
-from onnxq.core.optable import BY_QOP, BYTE_ONLY, CARRIERS, PASS_THROUGH
+from onnxq.core.optable import BY_QOP, BYTE_ONLY, CARRIERS, PASS_THROUGH, QOp
 from onnxq.core.qparams import INT32_MAX, accumulation_bound, qrange
 from onnxq.io.graph import (
     GraphEditor,
@@ -36,6 +41,45 @@ from onnxq.prepare.opset import default_opset
 def qlinear_positions(node: gs.Node) -> tuple[int, ...]:
     """Input positions of the (tensor, scale, zero point) triples a QLinear op reads."""
     return BY_QOP[node.op].triple_positions(len(node.inputs))
+
+
+def quantized_op(
+    node: gs.Node, qdq_ops: Mapping[str, str]
+) -> tuple[QOp, list[tuple[gs.Node, int]]] | None:
+    """``node`` as a quantized op: its table entry and where each operand triple is held.
+
+    A QLinear op holds its (tensor, scale, zero point) triples itself. In QDQ form a group's
+    float op (named in ``qdq_ops``, :attr:`onnxq.lower.qoperator.Template.ops`) reads each
+    operand through a DequantizeLinear, which holds the triple at 0. None: neither.
+    """
+    if node.op in BY_QOP:
+        return BY_QOP[node.op], [(node, p) for p in qlinear_positions(node)]
+    qop = qdq_ops.get(node.name)
+    if qop is None:
+        return None
+    spec = BY_QOP[qop]
+    holders = []
+    for x in node.inputs[: len(node.inputs) if spec.variadic else len(spec.triples)]:
+        dq = producer(x)
+        if dq is None or dq.op != "DequantizeLinear":
+            return None
+        holders.append((dq, 0))
+    return spec, holders
+
+
+def output_grid(node: gs.Node, spec: QOp) -> tuple[gs.Tensor, gs.Tensor] | None:
+    """The (scale, zero point) a quantized op writes with (QDQ form: its QuantizeLinear's)."""
+    if node.op in BY_QOP:
+        ins = node.inputs
+        return (ins[spec.output], ins[spec.output + 1]) if len(ins) > spec.output + 1 else None
+    q = output_quantizer(node)
+    return (q.inputs[1], q.inputs[2]) if q is not None and len(q.inputs) > 2 else None
+
+
+def output_quantizer(node: gs.Node) -> gs.Node | None:
+    """The QuantizeLinear that alone reads ``node``'s output (a QDQ-form op's), else None."""
+    users = node.outputs[0].outputs if len(node.outputs) == 1 else []
+    return users[0] if len(users) == 1 and users[0].op == "QuantizeLinear" else None
 
 
 def commutes(node: gs.Node, opset: int) -> bool:
@@ -74,8 +118,14 @@ class RequantizeStats:
 class Requantizer:
     """Fold DQ→Q pairs and move DQ past commuting ops until nothing changes."""
 
-    def __init__(self, max_iterations: int = 16):
+    def __init__(self, max_iterations: int = 16, qdq_ops: Mapping[str, str] | None = None):
+        """Run at most ``max_iterations`` rounds.
+
+        ``qdq_ops``: in QDQ form, the float ops written for groups, by name (the template's
+        ``ops``; :func:`quantized_op`).
+        """
         self.max_iterations = max_iterations
+        self.qdq_ops = qdq_ops or {}
         self.stats = RequantizeStats()
 
     def requantize(self, model: onnx.ModelProto) -> onnx.ModelProto:
@@ -178,79 +228,145 @@ class Requantizer:
                 _per_tensor(dq)
                 and _per_tensor(q)
                 and _dtype(dq) == _dtype(q)
-                and _all_qlinear(q_out)
-                and all(_bias_rescalable(u, q_out, q, dq) for u in q_out.outputs)
+                and (readers := _readers(q_out, self.qdq_ops)) is not None
+                and all(r.bias_fits(q_out, q, dq) for r in readers)
             ):
-                for user in list(q_out.outputs):
-                    for pos in qlinear_positions(user):
-                        if user.inputs[pos] is q_out:
-                            if pos == 0:
-                                _rescale_bias(editor, user, q, dq)
-                            editor.set_input(user, pos, src)
-                            editor.set_input(user, pos + 1, dq.inputs[1])
-                            editor.set_input(user, pos + 2, dq.inputs[2])
+                for r in readers:
+                    for pos in r.positions:
+                        if r.node.inputs[pos] is q_out:
+                            if r.scales_bias(pos):
+                                r.rescale_bias(editor, q, dq)
+                            editor.set_input(r.node, pos, src)
+                            editor.set_input(r.node, pos + 1, dq.inputs[1])
+                            editor.set_input(r.node, pos + 2, dq.inputs[2])
                 editor.remove_node(q)
                 self.stats.rescaled_pairs += 1
                 changed = True
         return changed
 
 
-def _new_bias(user: gs.Node, q: gs.Node, dq: gs.Node) -> np.ndarray | None:
-    """The bias of ``user`` re-expressed for input scale dq's instead of q's (None: no bias).
+@dataclass
+class _Reader:
+    """A quantized op reading an integer tensor as (tensor, scale, zero point) triples.
 
-    The int32 bias of a QLinear op (the op table's ``bias`` slot) is at input 0's scale × the
-    weight scale.
+    In QOperator form the QLinear op itself; in QDQ form one operand's DequantizeLinear
+    (``node``, its triple at 0) and the float op ``op`` of the table it feeds at ``operand``.
     """
-    index = _bias_slot(user.op)
-    if index is None or len(user.inputs) <= index or user.inputs[index].name == "":
+
+    node: gs.Node
+    spec: QOp
+    positions: tuple[int, ...]
+    #: QDQ form: the float op and which of its inputs the DequantizeLinear gives
+    op: gs.Node | None = None
+    operand: int = 0
+
+    def scales_bias(self, pos: int) -> bool:
+        """Whether the triple at ``pos`` is the op's first operand, whose scale its bias has."""
+        return (pos if self.op is None else self.operand) == 0
+
+    def bias(self) -> gs.Tensor | None:
+        """The int32 bias tensor (None: the op has none)."""
+        if self.op is None:
+            index = self.spec.bias
+            ins = self.node.inputs
+            return (
+                ins[index] if index is not None and len(ins) > index and ins[index].name else None
+            )
+        dq = self._bias_dq()
+        return dq.inputs[0] if dq is not None else None
+
+    def weight(self) -> np.ndarray | None:
+        """The op's integer weight."""
+        if self.op is None:
+            return constant_value(self.node.inputs[3])  # QLinearConv and QGemm
+        assert self.spec.weight is not None
+        dq = producer(self.op.inputs[self.spec.triples.index(self.spec.weight)])
+        return constant_value(dq.inputs[0]) if dq is not None else None
+
+    def _bias_dq(self) -> gs.Node | None:
+        assert self.op is not None
+        n = len(self.spec.triples)
+        if self.spec.bias is None or len(self.op.inputs) <= n:
+            return None
+        dq = producer(self.op.inputs[n])
+        return dq if dq is not None and dq.op == "DequantizeLinear" else None
+
+    def new_bias(self, q: gs.Node, dq: gs.Node) -> np.ndarray | None:
+        """The bias re-expressed for input scale dq's instead of q's (None: no int32 bias)."""
+        t = self.bias()
+        bias = constant_value(t) if t is not None else None
+        if bias is None or bias.dtype != np.int32:
+            return None
+        old, new = constant_value(q.inputs[1]), constant_value(dq.inputs[1])
+        assert old is not None and new is not None
+        ratio = np.float64(old.reshape(-1)[0]) / np.float64(new.reshape(-1)[0])
+        return np.round(bias.astype(np.float64) * ratio)
+
+    def bias_fits(self, q_out: gs.Tensor, q: gs.Node, dq: gs.Node) -> bool:
+        """Reading the producer's scale keeps the bias plus its accumulation inside int32.
+
+        The worst-case sum of products over its weight counts too (qparams.accumulation_bound).
+        """
+        if not any(self.node.inputs[p] is q_out and self.scales_bias(p) for p in self.positions):
+            return True
+        bias = self.new_bias(q, dq)
+        if bias is None:
+            return True
+        weight = self.weight()
+        zero_point = constant_value(dq.inputs[2]) if len(dq.inputs) > 2 else None
+        if weight is None:
+            return False
+        x_dtype = zero_point.dtype if zero_point is not None else np.dtype(np.uint8)
+        bound = accumulation_bound(
+            weight.size // max(bias.size, 1),
+            int(np.abs(weight.astype(np.int64)).max(initial=0)),
+            x_dtype,
+            zero_point if zero_point is not None else np.zeros(1, np.uint8),
+        )
+        return bool(np.all(np.abs(bias) + bound <= INT32_MAX))
+
+    def rescale_bias(self, editor: GraphEditor, q: gs.Node, dq: gs.Node) -> None:
+        """A new input scale needs the int32 bias (and in QDQ form its grid) rescaled."""
+        bias = self.new_bias(q, dq)
+        if bias is None:
+            return
+        t = self.bias()
+        assert t is not None
+        rescaled = editor.constant(f"{t.name}_rescaled", bias.astype(np.int32))
+        if self.op is None:
+            assert self.spec.bias is not None
+            editor.set_input(self.node, self.spec.bias, rescaled)
+            return
+        bias_dq = self._bias_dq()
+        assert bias_dq is not None and self.spec.weight is not None
+        w_dq = producer(self.op.inputs[self.spec.triples.index(self.spec.weight)])
+        assert w_dq is not None
+        x_scale, w_scale = constant_value(dq.inputs[1]), constant_value(w_dq.inputs[1])
+        assert x_scale is not None and w_scale is not None
+        grid = (x_scale.astype(np.float64) * w_scale).astype(np.float32)
+        editor.set_input(bias_dq, 0, rescaled)
+        editor.set_input(bias_dq, 1, editor.constant(f"{bias_dq.inputs[1].name}_rescaled", grid))
+
+
+def _readers(t: gs.Tensor, qdq_ops: Mapping[str, str]) -> list[_Reader] | None:
+    """Every reader of ``t`` as a quantized op (None: some reader is not one, or none reads it)."""
+    readers = [_reader(u, qdq_ops) for u in t.outputs]
+    if not readers or any(r is None for r in readers):
         return None
-    bias = constant_value(user.inputs[index])
-    if bias is None or bias.dtype != np.int32:
+    return [r for r in readers if r is not None]
+
+
+def _reader(node: gs.Node, qdq_ops: Mapping[str, str]) -> _Reader | None:
+    """``node`` as a quantized op reading triples, if it is one (see the module docstring)."""
+    if node.op in BY_QOP:
+        return _Reader(node, BY_QOP[node.op], qlinear_positions(node))
+    users = node.outputs[0].outputs if node.op == "DequantizeLinear" else []
+    found = quantized_op(users[0], qdq_ops) if len(users) == 1 else None
+    if found is None:
         return None
-    old, new = constant_value(q.inputs[1]), constant_value(dq.inputs[1])
-    assert old is not None and new is not None
-    ratio = np.float64(old.reshape(-1)[0]) / np.float64(new.reshape(-1)[0])
-    return np.round(bias.astype(np.float64) * ratio)
-
-
-def _bias_slot(op: str) -> int | None:
-    """Where a QLinear op takes its int32 bias (the op table's entry), or None."""
-    qop = BY_QOP.get(op)
-    return qop.bias if qop is not None else None
-
-
-def _bias_rescalable(user: gs.Node, q_out: gs.Tensor, q: gs.Node, dq: gs.Node) -> bool:
-    """Reading the producer's scale keeps ``user``'s bias plus its accumulation inside int32.
-
-    The worst-case sum of products over its weight counts too (qparams.accumulation_bound).
-    """
-    if not user.inputs or user.inputs[0] is not q_out:
-        return True
-    bias = _new_bias(user, q, dq)
-    if bias is None:
-        return True
-    weight = constant_value(user.inputs[3])  # QLinearConv and QGemm: the int8 weight
-    zero_point = constant_value(dq.inputs[2]) if len(dq.inputs) > 2 else None
-    if weight is None:
-        return False
-    x_dtype = zero_point.dtype if zero_point is not None else np.dtype(np.uint8)
-    bound = accumulation_bound(
-        weight.size // max(bias.size, 1),
-        int(np.abs(weight.astype(np.int64)).max(initial=0)),
-        x_dtype,
-        zero_point if zero_point is not None else np.zeros(1, np.uint8),
-    )
-    return bool(np.all(np.abs(bias) + bound <= INT32_MAX))
-
-
-def _rescale_bias(editor: GraphEditor, user: gs.Node, q: gs.Node, dq: gs.Node) -> None:
-    """QLinearConv/QGemm add the int32 bias at s_x·s_w: a new s_x needs a rescaled bias."""
-    bias = _new_bias(user, q, dq)
-    if bias is not None:
-        index = _bias_slot(user.op)
-        assert index is not None
-        rescaled = editor.constant(f"{user.inputs[index].name}_rescaled", bias.astype(np.int32))
-        editor.set_input(user, index, rescaled)
+    spec, holders = found
+    operand = next((k for k, (dq, _) in enumerate(holders) if dq is node), None)
+    return _Reader(node, spec, (0,), users[0], operand) if operand is not None else None
 
 
 def _pad_mode(pad: gs.Node) -> str:
@@ -299,11 +415,6 @@ def _same_params(dq: gs.Node, q: gs.Node) -> bool:
     if dq.attrs.get("axis", 1) != q.attrs.get("axis", 1) and s1.size > 1:
         return False
     return bool(np.array_equal(s1, s2) and np.array_equal(z1, z2))
-
-
-def _all_qlinear(t: gs.Tensor) -> bool:
-    users = list(t.outputs)
-    return bool(users) and all(u.op in BY_QOP for u in users)
 
 
 def requantize(model: onnx.ModelProto) -> tuple[onnx.ModelProto, RequantizeStats]:

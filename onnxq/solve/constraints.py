@@ -47,11 +47,10 @@ import onnx_graphsurgeon as gs
 
 from onnxq.annotate.quantizer import Quantizer
 from onnxq.core.constraints import MERGE_BOUND_DB, SAME_SCALE
-from onnxq.core.optable import BY_QOP
 from onnxq.core.qparams import params_from_range, qrange
 from onnxq.core.specs import PatternRecord, QTensor
 from onnxq.io.graph import GraphEditor, constant_value, export_model, import_graph
-from onnxq.post.requantize import carried_source
+from onnxq.post.requantize import carried_source, output_grid, quantized_op
 
 
 @dataclass
@@ -409,26 +408,35 @@ def share_scales(
 
 
 def share_scales_graph(
-    graph: gs.Graph, shared_ops: set[str] | frozenset[str], rescales: list[Rescale]
+    graph: gs.Graph,
+    shared_ops: set[str] | frozenset[str],
+    rescales: list[Rescale],
+    qdq_ops: dict[str, str] | None = None,
 ) -> list[str]:
-    """:func:`share_scales` on ``graph``, in place (left tidied); the tensors rescaled."""
+    """:func:`share_scales` on ``graph``, in place (left tidied); the tensors rescaled.
+
+    ``qdq_ops``: in QDQ form, the float ops the template wrote for groups, by name
+    (onnxq.post.requantize.quantized_op); their operands' DequantizeLinear nodes are rescaled.
+    """
     editor = GraphEditor(graph)
     tensors = graph.tensors()
     into = {f"{r.node}_quant": r for r in rescales if r.scale}
     rescaled = []
     for node in list(graph.nodes):
-        spec = BY_QOP.get(node.op)
-        rule = SAME_SCALE.get(spec.float_op) if spec is not None else None
-        if spec is None or rule is None or rule.op not in shared_ops:
+        found = quantized_op(node, qdq_ops or {})
+        rule = SAME_SCALE.get(found[0].float_op) if found is not None else None
+        if found is None or rule is None or rule.op not in shared_ops:
             continue
-        if rule.ports == "all":
-            ys, yz = node.inputs[spec.output], node.inputs[spec.output + 1]
-        elif node.name in into and into[node.name].scale in tensors:
+        spec, holders = found
+        grid = output_grid(node, spec)
+        if rule.ports == "all" and grid is not None:
+            ys, yz = grid
+        elif rule.ports != "all" and node.name in into and into[node.name].scale in tensors:
             ys, yz = tensors[into[node.name].scale], tensors[into[node.name].zero_point]
         else:
             continue
-        for pos in spec.triple_positions(len(node.inputs)):
-            x, s, z = node.inputs[pos : pos + 3]
+        for holder, pos in holders:
+            x, s, z = holder.inputs[pos : pos + 3]
             if _same(s, ys) and _same(z, yz):
                 continue
             mid = editor.variable(_float_name(x.name), np.float32, x.shape)
@@ -437,9 +445,9 @@ def share_scales_graph(
             assert dtype is not None
             out = gs.Variable(editor.unique_name(f"{x.name}_rescaled"), dtype.dtype, x.shape)
             editor.add_node("QuantizeLinear", [mid, ys, yz], [out], name=f"{x.name}_rescale_q")
-            editor.set_input(node, pos, out)
-            editor.set_input(node, pos + 1, ys)
-            editor.set_input(node, pos + 2, yz)
+            editor.set_input(holder, pos, out)
+            editor.set_input(holder, pos + 1, ys)
+            editor.set_input(holder, pos + 2, yz)
             rescaled.append(x.name)
     editor.finish()
     return rescaled
