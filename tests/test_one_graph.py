@@ -8,19 +8,21 @@ share-scales edit one graph, exported once.
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
 import pytest
+from onnx import helper as h
 
 import onnxq
 from onnxq.annotate.quantizer import Quantizer
 from onnxq.api import quantize
-from onnxq.io.graph import copy_graph, export_model, import_graph
+from onnxq.io.graph import copy_graph, export_model, import_graph, tidy
 from onnxq.prepare.preprocess import prepare
-from tests.helpers import DIGITS_CNN
+from tests.helpers import DIGITS_CNN, make_model
 
 #: the onnx package's PyTorch-converted and real models (140 in onnx 1.17+)
 CORPUS = sorted((Path(onnx.__file__).parent / "backend" / "test" / "data").glob("*/*/model.onnx"))
@@ -92,3 +94,24 @@ def test_materialized_graph_is_the_materialized_model() -> None:
     # the template graph itself still holds the placeholders' defaults
     again = export_model(q.template_graph.copy(), q.template)
     assert again.SerializeToString() == q.template.SerializeToString()
+
+
+def test_tidy_sorts_a_long_chain_from_deep_in_a_call_stack() -> None:
+    """graphsurgeon's sort recurses once per node of the longest chain; tidy allows for it.
+
+    The QDQ template of a 100-layer MLP is written inside ``onnxq debug``'s own calls, where the
+    default limit of 1,000 frames ran out.
+    """
+    nodes = [h.make_node("Relu", [f"t{i}"], [f"t{i + 1}"], name=f"r{i}") for i in range(1500)]
+    graph = import_graph(make_model(nodes, [("t0", [2])], [("t1500", [2])]))
+    graph.nodes.reverse()
+
+    def deep(levels: int) -> list[str]:
+        if levels:
+            return deep(levels - 1)
+        tidy(graph)
+        return [n.name for n in graph.nodes]
+
+    limit = sys.getrecursionlimit()
+    assert deep(limit - 100) == [f"r{i}" for i in range(1500)]
+    assert sys.getrecursionlimit() == limit

@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import os
 import secrets
+import sys
 import tempfile
 from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
@@ -799,8 +800,21 @@ def hoist_nested_initializers(graph: onnx.GraphProto) -> None:
 
 
 def tidy(graph: gs.Graph) -> None:
-    """Drop what nothing reads and sort the nodes: ``graph`` as :func:`export_model` writes it."""
-    graph.cleanup(remove_unused_graph_inputs=False).toposort()
+    """Drop what nothing reads and sort the nodes: ``graph`` as :func:`export_model` writes it.
+
+    graphsurgeon's sort recurses once per node of the longest chain (two frames a node): the
+    interpreter's limit is raised for it, whatever depth the caller is at (a chain of 100
+    Gemm + Relu layers, Q/DQ written between them, passed the default limit of 1,000 inside
+    ``onnxq debug``).
+    """
+    graph.cleanup(remove_unused_graph_inputs=False)
+    depth = sum(1 for _ in iter_subgraph_nodes(graph))
+    limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(limit + 2 * depth + 200)  # above whatever the caller's depth is
+    try:
+        graph.toposort()
+    finally:
+        sys.setrecursionlimit(limit)
 
 
 def export_model(graph: gs.Graph, template: onnx.ModelProto | None = None) -> onnx.ModelProto:
