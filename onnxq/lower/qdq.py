@@ -104,7 +104,7 @@ def weight_axis(spec: QOp, attrs: Attrs) -> int | None:
 
 
 def lower_qdq(model: onnx.ModelProto, dedicated_pairs: bool = False) -> onnx.ModelProto:
-    """The materialized, requantized QDQ model as written.
+    """The materialized, requantized QDQ model as written (``model``, edited in place).
 
     Opset domains no node uses are left out; ``dedicated_pairs``: one QuantizeLinear →
     DequantizeLinear pair per consumer (:func:`dedicated_qdq_pairs`).

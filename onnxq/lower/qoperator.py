@@ -15,7 +15,7 @@ One QuantizeLinear is written per activation edge and dtype, shared by every gro
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -51,15 +51,14 @@ def slots(
 class Template:
     """The annotation written in one form, with placeholders for everything solving decides."""
 
-    form: str
     model: onnx.ModelProto
     #: the same as a graph: materialize fills a copy of it
     graph: gs.Graph
     #: constants derived besides the placeholders (:attr:`TemplateWriter.bias_grids`)
-    bias_grids: dict[str, tuple[str, str]] = field(default_factory=dict)
+    bias_grids: dict[str, tuple[str, str]]
     #: the node written for each group of the op table: its name -> the QLinear op it is
     #: (in QDQ form the float op; onnxq.post.requantize.quantized_op reads them)
-    ops: dict[str, str] = field(default_factory=dict)
+    ops: dict[str, str]
 
 
 class TemplateWriter:
@@ -93,7 +92,7 @@ class TemplateWriter:
             root = self.tensors[rec.root]
             self.editor.replace_producer(root, self.write(rec))
         graph = self.editor.finish()
-        return Template(self.form, export_model(graph, base), graph, self.bias_grids, self.ops)
+        return Template(export_model(graph, base), graph, self.bias_grids, self.ops)
 
     def write(self, rec: PatternRecord) -> gs.Variable:
         """Write one group; return the float tensor (a DequantizeLinear output) it produces."""

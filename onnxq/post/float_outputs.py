@@ -25,7 +25,7 @@ import numpy as np
 import onnx_graphsurgeon as gs
 
 from onnxq.core.optable import FLOAT_OUTPUT_QOPS, MS_DOMAIN
-from onnxq.io.graph import GraphEditor, constant_value
+from onnxq.io.graph import GraphEditor, constant_value, producer
 from onnxq.post.requantize import output_grid, output_quantizer, quantized_op
 
 
@@ -102,7 +102,7 @@ def _bias_after(editor: GraphEditor, n: gs.Node, out: gs.Variable, graph_outputs
     """
     users = list(out.outputs)
     bias = _bias(users[0], out) if len(users) == 1 and id(out) not in graph_outputs else None
-    dq = n.inputs[1].inputs[0] if n.inputs[1].inputs else None
+    dq = producer(n.inputs[1])  # the weight's
     b = dq.inputs[0] if dq is not None and dq.op == "DequantizeLinear" else None
     columns = b.shape[1] if isinstance(b, gs.Constant) and len(b.shape) == 2 else -1
     if bias is not None and columns == bias.shape[0] and users[0].inputs[0] is not out:

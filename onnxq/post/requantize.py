@@ -279,9 +279,12 @@ class _Reader:
         """The op's integer weight."""
         if self.op is None:
             return constant_value(self.node.inputs[3])  # QLinearConv and QGemm
-        assert self.spec.weight is not None
-        dq = producer(self.op.inputs[self.spec.triples.index(self.spec.weight)])
+        dq = self._weight_dq()
         return constant_value(dq.inputs[0]) if dq is not None else None
+
+    def _weight_dq(self) -> gs.Node | None:
+        assert self.op is not None and self.spec.weight is not None
+        return producer(self.op.inputs[self.spec.triples.index(self.spec.weight)])
 
     def _bias_dq(self) -> gs.Node | None:
         assert self.op is not None
@@ -337,10 +340,8 @@ class _Reader:
             assert self.spec.bias is not None
             editor.set_input(self.node, self.spec.bias, rescaled)
             return
-        bias_dq = self._bias_dq()
-        assert bias_dq is not None and self.spec.weight is not None
-        w_dq = producer(self.op.inputs[self.spec.triples.index(self.spec.weight)])
-        assert w_dq is not None
+        bias_dq, w_dq = self._bias_dq(), self._weight_dq()
+        assert bias_dq is not None and w_dq is not None
         x_scale, w_scale = constant_value(dq.inputs[1]), constant_value(w_dq.inputs[1])
         assert x_scale is not None and w_scale is not None
         grid = (x_scale.astype(np.float64) * w_scale).astype(np.float32)
