@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
+from onnx import numpy_helper
 
 from onnxq.core.errors import ModelError
 from onnxq.core.optable import CARRIERS, FLOAT_OUTPUT_QOPS
@@ -42,6 +43,10 @@ from onnxq.post.float_outputs import starts_at_zero
 from onnxq.post.requantize import carried_source
 
 OV_DOMAIN = "org.openvinotoolkit"
+
+#: how a FakeQuantize's bounds follow from the solved values: scale and zero-point names,
+#: dtype, integer range (None: the dtype's), and the shape per-channel bounds take
+Bounds = tuple[str, str, str, int | None, int | None, tuple[int, ...] | None]
 
 
 def holds_fakequantize(model: onnx.ModelProto) -> bool:
@@ -73,31 +78,151 @@ def to_fakequantize(
     values: dict[str, np.ndarray],
     weight_qrange: tuple[int, int] | None = None,
     constants: dict[str, np.ndarray] | None = None,
+    cache: FakeQuantizeCache | None = None,
 ) -> onnx.ModelProto:
     """The FakeQuantize model of ``quantizer``'s annotation with ``values``.
 
     ``quantizer``: the onnxq.annotate.quantizer.Quantizer that annotated the float model;
     ``values``: the scales and zero points as the materialized model holds them; ``constants``:
     float biases and weights an algorithm replaced (bias correction, optimized rounding), by
-    name.
+    name. ``cache``: one kept across calls on the same annotation (:class:`FakeQuantizeCache`):
+    the same model, its graph built once.
     """
+    if cache is not None:
+        return cache.model(quantizer, values, weight_qrange, constants or {})
+    return _build(quantizer, values, weight_qrange, constants or {}, _Trace()).model
+
+
+class _Trace:
+    """What a build of the FakeQuantize graph did that depends on the solved values.
+
+    Everything else in the graph follows from the annotation alone, so two builds with the
+    same :meth:`decisions` differ only in initializer values: each FakeQuantize's bounds
+    (``bounds``: its node name → how they are computed) and the replaced constants
+    (``targets``: a constant's name → the initializers it is written to).
+    """
+
+    def __init__(self) -> None:
+        self.bounds: dict[str, Bounds] = {}
+        #: the MatMul/Gemm results no quantized op reads (left float unless their grid starts
+        #: at 0), and each second-grid read: (its grid, the grid the other readers see, whether
+        #: that is a rounded value)
+        self.float_outputs: list[QTensor] = []
+        self.reads: list[tuple[QTensor, QTensor, bool]] = []
+        self.targets: dict[str, list[str]] = {}
+        self.model = onnx.ModelProto()
+
+    def decisions(self, values: dict[str, np.ndarray]) -> tuple[Any, ...]:
+        """The value-dependent choices a build with ``values`` makes, given this one's reads."""
+        second = [
+            rounded and _same_grid(_bounds(qt, values), _bounds(first, values))
+            for qt, first, rounded in self.reads
+        ]
+        return _float_written(self.float_outputs, values), tuple(second)
+
+
+def _float_written(outputs: list[QTensor], values: dict[str, np.ndarray]) -> tuple[str, ...]:
+    """The MatMul/Gemm results of ``outputs`` written float (their grid does not start at 0)."""
+    return tuple(q.tensor for q in outputs if not starts_at_zero(values[q.zero_point]))
+
+
+class FakeQuantizeCache:
+    """The FakeQuantize model of one annotation under many values, its graph built once.
+
+    The recipe choice emulates each candidate from its FakeQuantize model; the candidates
+    differ in values only (ranges, rounded weights, corrected biases), and building the graph
+    (a copy of the float graph, the FakeQuantize nodes, the export) was most of the time of
+    each emulation. A model from the cache is the one :func:`to_fakequantize` builds, byte for
+    byte: its graph is rebuilt when the values change a decision of the build (a MatMul result
+    left float, a second rounding that is exact), else copied and its bounds and constants
+    written. Holds one copy of the float model while it lives.
+    """
+
+    def __init__(self) -> None:
+        self._key: tuple[Any, tuple[int, int] | None] | None = None
+        self._trace: _Trace | None = None
+        self._decided: tuple[Any, ...] = ()
+
+    def model(
+        self,
+        quantizer: Any,
+        values: dict[str, np.ndarray],
+        weight_qrange: tuple[int, int] | None,
+        constants: dict[str, np.ndarray],
+    ) -> onnx.ModelProto:
+        """:func:`to_fakequantize`'s model for these arguments."""
+        trace = self._trace
+        fresh = (
+            trace is None
+            or self._key is None
+            or self._key[0] is not quantizer
+            or self._key[1] != weight_qrange
+            or trace.decisions(values) != self._decided
+        )
+        if fresh:
+            trace = _build(quantizer, values, weight_qrange, {}, _Trace())
+            self._trace, self._key = trace, (quantizer, weight_qrange)
+            self._decided = trace.decisions(values)
+        assert trace is not None
+        return _filled(trace, values, constants)
+
+
+def _filled(
+    trace: _Trace, values: dict[str, np.ndarray], constants: dict[str, np.ndarray]
+) -> onnx.ModelProto:
+    """A copy of ``trace``'s model with the bounds of ``values`` and ``constants`` written."""
+    model = onnx.ModelProto()
+    model.CopyFrom(trace.model)
+    inits = {i.name: i for i in model.graph.initializer}
+    written: dict[str, np.ndarray] = {}
+    for node in model.graph.node:
+        params = trace.bounds.get(node.name)
+        if params is None:
+            continue
+        scale, zero_point, dtype, qmin, qmax, shape = params
+        low, high, _ = fq_bounds(values[scale], values[zero_point], dtype, qmin, qmax)
+        if shape is not None:
+            low, high = low.reshape(shape), high.reshape(shape)
+        written[node.input[1]], written[node.input[2]] = low, high
+    for name, targets in trace.targets.items():
+        if name in constants:
+            for target in (t for t in targets if t in inits):  # else unread: not exported
+                dims = tuple(inits[target].dims)
+                written[target] = np.asarray(constants[name], np.float32).reshape(dims)
+    for name, value in written.items():
+        inits[name].CopyFrom(numpy_helper.from_array(np.ascontiguousarray(value), name))
+    return model
+
+
+def _bounds(qt: QTensor, values: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray, int]:
+    return fq_bounds(values[qt.scale], values[qt.zero_point], qt.dtype)
+
+
+def _build(
+    quantizer: Any,
+    values: dict[str, np.ndarray],
+    weight_qrange: tuple[int, int] | None,
+    constants: dict[str, np.ndarray],
+    trace: _Trace,
+) -> _Trace:
+    """Build the FakeQuantize model into ``trace.model``, recording what depends on values."""
     graph = copy_graph(quantizer.float_graph)
     tensors = graph.tensors()
-    _replace_constants(graph, quantizer, constants or {})
+    trace.targets = _replace_constants(graph, quantizer, constants)
     editor = GraphEditor(graph)
     group_nodes = {n for rec in quantizer.records for n in rec.nodes}
     produced = {q.tensor for rec in quantizer.records for q in rec.outputs}
     by_tensor = {q.tensor: q for rec in quantizer.records for q in rec.outputs}
     read = {q.tensor for rec in quantizer.records for q in rec.inputs}
     # a MatMul/Gemm result no quantized op reads stays float (onnxq.post.float_outputs)
-    done = {
-        rec.outputs[0].tensor
+    trace.float_outputs = [
+        rec.outputs[0]
         for rec in quantizer.records
         if rec.lowering.op in FLOAT_OUTPUT_QOPS
         and rec.outputs
         and rec.outputs[0].tensor not in read
-        and not starts_at_zero(values[rec.outputs[0].zero_point])
-    }
+    ]
+    done = set(_float_written(trace.float_outputs, values))
     #: per activation: the grid every quantized reader sees, and whether that is a rounded
     #: value (an int8 op's output, or one carried from it) rather than the float tensor
     seen: dict[str, tuple[QTensor, bool]] = {}
@@ -107,7 +232,7 @@ def to_fakequantize(
                 done.add(qt.tensor)
                 t = tensors[qt.tensor]
                 if qt.role == "weight":
-                    _fq_weight(editor, t, qt, values, group_nodes, weight_qrange)
+                    _fq_weight(editor, t, qt, values, group_nodes, weight_qrange, trace)
                     continue
                 # every reader sees the grid the writing group wrote; like the requantize pass,
                 # data that reached this op through MaxPool, Split… from a quantized op keeps
@@ -118,47 +243,61 @@ def to_fakequantize(
                     or (by_tensor.get(carried.name) if carried is not None else None)
                     or qt
                 )
-                _fq_activation(
-                    editor, graph, t, source, values, group_nodes, all_readers=qt.tensor in produced
-                )
+                _fq_activation(editor, t, source, values, group_nodes, qt.tensor in produced, trace)
                 seen[qt.tensor] = (source, qt.tensor in produced or source is not qt)
             if k < len(rec.inputs) and qt.tensor in seen:
                 first, rounded = seen[qt.tensor]
                 if qt.dtype != first.dtype:
-                    _read_as(editor, tensors[qt.tensor], qt, first, values, set(rec.nodes), rounded)
-    return export_model(graph, quantizer.float_model)  # tidied there, as the editor would
+                    read_as = (qt, first, values, set(rec.nodes), rounded)
+                    _read_as(editor, tensors[qt.tensor], *read_as, trace)
+    trace.model = export_model(graph, quantizer.float_model)  # tidied there, as the editor would
+    return trace
 
 
-def _replace_constants(graph: gs.Graph, quantizer: Any, constants: dict[str, np.ndarray]) -> None:
-    """Write the constants an algorithm replaced into the float graph.
+def _replace_constants(
+    graph: gs.Graph, quantizer: Any, constants: dict[str, np.ndarray]
+) -> dict[str, list[str]]:
+    """Write the constants an algorithm replaced into the float graph; where each one goes.
 
     Weights and float layers' biases by tensor name; the biases of quantized layers by derived
-    name (``<node>.bias``, found by their original value).
+    name (``<node>.bias``), written to the tensors of their group that hold their original
+    value. Returns, for every constant that may be replaced, the tensors it is written to
+    (found before any is written).
     """
-    if not constants:
-        return
     tensors = graph.tensors()
     derived = {quantizer.biases[rec.bias].bias for rec in quantizer.records if rec.bias}
-    for name, new in constants.items():  # rounded weights, float layers' biases: tensor names
-        t = tensors.get(name)
-        if name not in derived and isinstance(t, gs.Constant):
-            t.values = np.asarray(new, np.float32).reshape(t.shape)
+    targets = {
+        name: [name]
+        for name, t in tensors.items()
+        if name not in derived and isinstance(t, gs.Constant)
+    }
     nodes = {n.name: n for n in graph.nodes}
     for rec in quantizer.records:
-        if rec.bias is None or quantizer.biases[rec.bias].bias not in constants:
+        if rec.bias is None:
             continue
         name = quantizer.biases[rec.bias].bias
         original = np.asarray(quantizer.float_value(name), np.float32).reshape(-1)
-        for node in (nodes[n] for n in rec.nodes if n in nodes):
-            for t in node.inputs:
-                value = constant_value(t)
-                if (
-                    isinstance(t, gs.Constant)
-                    and value is not None
-                    and value.size == original.size
-                    and np.array_equal(np.asarray(value, np.float32).reshape(-1), original)
-                ):
-                    t.values = np.asarray(constants[name], np.float32).reshape(t.shape)
+        targets[name] = [
+            t.name
+            for node in (nodes[n] for n in rec.nodes if n in nodes)
+            for t in node.inputs
+            if isinstance(t, gs.Constant) and _holds(t, original)
+        ]
+    for name, new in constants.items():
+        for target in targets.get(name, ()):
+            t = tensors[target]
+            t.values = np.asarray(new, np.float32).reshape(t.shape)
+    return targets
+
+
+def _holds(t: gs.Constant, original: np.ndarray) -> bool:
+    """Whether constant ``t`` holds the values of ``original`` (flat float32)."""
+    value = constant_value(t)
+    return (
+        value is not None
+        and value.size == original.size
+        and np.array_equal(np.asarray(value, np.float32).reshape(-1), original)
+    )
 
 
 def _fq_node(
@@ -169,11 +308,14 @@ def _fq_node(
     levels: int,
     name: str,
     out: gs.Variable | None = None,
+    trace: _Trace | None = None,
+    bounds: Bounds | None = None,
 ) -> gs.Variable:
+    """A FakeQuantize of ``x``; ``bounds``: how its bounds follow from the values (``trace``)."""
     lo = editor.constant(f"{name}/input_low", low)
     hi = editor.constant(f"{name}/input_high", high)
     out = out if out is not None else editor.variable(f"{name}/fq", np.float32, x.shape)
-    editor.add_node(
+    node = editor.add_node(
         "FakeQuantize",
         [x, lo, hi, lo, hi],
         [out],
@@ -181,27 +323,30 @@ def _fq_node(
         {"levels": int(levels)},
         OV_DOMAIN,
     )
+    if trace is not None and bounds is not None:
+        trace.bounds[node.name] = bounds
     return out
 
 
 def _fq_activation(
     editor: GraphEditor,
-    graph: gs.Graph,
     t: gs.Tensor,
     qt: QTensor,
     values: dict[str, np.ndarray],
     group_nodes: set[str],
     all_readers: bool,
+    trace: _Trace,
 ) -> None:
-    low, high, levels = fq_bounds(values[qt.scale], values[qt.zero_point], qt.dtype)
+    low, high, levels = _bounds(qt, values)
+    bounds = (qt.scale, qt.zero_point, qt.dtype, None, None, None)
     if all_readers and producer(t) is not None:
         # every reader (and a graph output, which keeps its name) sees the quantized value:
         # the producer now writes t/float and FakeQuantize writes t
         pre = editor.variable(f"{t.name}/float", np.float32, t.shape)
         editor.replace_producer(pre, t)
-        _fq_node(editor, pre, low, high, levels, t.name, out=t)
+        _fq_node(editor, pre, low, high, levels, t.name, t, trace, bounds)
         return
-    out = _fq_node(editor, t, low, high, levels, t.name)
+    out = _fq_node(editor, t, low, high, levels, t.name, None, trace, bounds)
     for node in [n for n in t.outputs if n.name in group_nodes]:
         for i, inp in enumerate(node.inputs):
             if inp is t:
@@ -216,6 +361,7 @@ def _read_as(
     values: dict[str, np.ndarray],
     nodes: set[str],
     rounded: bool,
+    trace: _Trace,
 ) -> None:
     """Let the group of ``nodes`` read activation ``t`` on its own grid ``qt``.
 
@@ -238,11 +384,13 @@ def _read_as(
     if not uses:
         return
     read = uses[0][0].inputs[uses[0][1]]
-    low, high, levels = fq_bounds(values[qt.scale], values[qt.zero_point], qt.dtype)
-    seen = fq_bounds(values[first.scale], values[first.zero_point], first.dtype)
-    if rounded and _same_grid((low, high, levels), seen):
+    trace.reads.append((qt, first, rounded))
+    low, high, levels = _bounds(qt, values)
+    if rounded and _same_grid((low, high, levels), _bounds(first, values)):
         return  # uint8 and int8 with one range: the same grid, the second rounding is exact
-    out = _fq_node(editor, read if rounded else t, low, high, levels, f"{t.name}/{qt.dtype}")
+    bounds = (qt.scale, qt.zero_point, qt.dtype, None, None, None)
+    name = f"{t.name}/{qt.dtype}"
+    out = _fq_node(editor, read if rounded else t, low, high, levels, name, None, trace, bounds)
     for node, i in uses:
         editor.set_input(node, i, out)
 
@@ -261,15 +409,19 @@ def _fq_weight(
     values: dict[str, np.ndarray],
     group_nodes: set[str],
     weight_qrange: tuple[int, int] | None,
+    trace: _Trace,
 ) -> None:
     lo_q, hi_q = weight_qrange or qrange(qt.dtype, narrow=False)
     low, high, levels = fq_bounds(values[qt.scale], values[qt.zero_point], qt.dtype, lo_q, hi_q)
     ndim = len(t.shape) if isinstance(t, gs.Constant) else 0  # not read: the model holds it
+    shape: tuple[int, ...] | None = None
     if qt.axis is not None and low.ndim == 1:
-        shape = [1] * ndim
-        shape[qt.axis] = -1
+        along = [1] * ndim
+        along[qt.axis] = -1
+        shape = tuple(along)
         low, high = low.reshape(shape), high.reshape(shape)
-    out = _fq_node(editor, t, low, high, levels, t.name)
+    bounds = (qt.scale, qt.zero_point, qt.dtype, lo_q, hi_q, shape)
+    out = _fq_node(editor, t, low, high, levels, t.name, None, trace, bounds)
     for node in list(t.outputs):
         if node.name in group_nodes:
             for i, inp in enumerate(node.inputs):

@@ -58,6 +58,7 @@ from onnxq.calibrators import (
 )
 from onnxq.core.callbacks import ObserverCallback
 from onnxq.io.progress import Ticker
+from onnxq.lower.fakequantize import FakeQuantizeCache
 from onnxq.options import spell
 from onnxq.passes.defaults import bias_mode, choosing, runs
 from onnxq.passes.manager import Pass, PassRecord, PassResult, State
@@ -182,6 +183,8 @@ class _Search:
         self.candidates: list[Candidate] = []
         #: the optimized rounding, computed once
         self.rounded: Rounded | None = None
+        #: the candidates' FakeQuantize graph, built once (they differ in values)
+        self.fq_cache = FakeQuantizeCache()
         #: the default callback of each range candidate: the method's, and MinMax read from
         #: its histograms
         o, calibrator = state.options, state.calibrator
@@ -297,7 +300,7 @@ class _Search:
         s.rounding, s.bias_corrections, s.records = {}, {}, []
         self.rounded = self.steps.fit(s, self.rounded)
         scores = (
-            sqnr(emulate(s, float_branches=False), self.held, self.refs)
+            sqnr(emulate(s, float_branches=False, fq_cache=self.fq_cache), self.held, self.refs)
             if self.held
             else np.empty(0)
         )

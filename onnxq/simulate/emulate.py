@@ -49,7 +49,7 @@ from onnxq.io.graph import (
     unfilled,
     values_apart,
 )
-from onnxq.lower.fakequantize import OV_DOMAIN, to_fakequantize
+from onnxq.lower.fakequantize import OV_DOMAIN, FakeQuantizeCache, to_fakequantize
 
 #: the emulation model's input that holds the switches
 FLAGS = "onnxq_debug_flags"
@@ -266,7 +266,12 @@ def _step(lo: np.ndarray, hi: np.ndarray, levels: int) -> np.ndarray:
     return np.where(width > 0, width / np.float32(levels - 1), np.float32(1.0)).astype(np.float32)
 
 
-def emulate(state: Any, int32_biases: bool = True, float_branches: bool = True) -> Emulation:
+def emulate(
+    state: Any,
+    int32_biases: bool = True,
+    float_branches: bool = True,
+    fq_cache: FakeQuantizeCache | None = None,
+) -> Emulation:
     """The emulation of a finished quantization (a :class:`~onnxq.passes.manager.State`).
 
     ``int32_biases``: round each Conv/Gemm bias to its int32 grid s_x·s_w, as the int8 model
@@ -277,11 +282,13 @@ def emulate(state: Any, int32_biases: bool = True, float_branches: bool = True) 
     ``float_branches=False`` leaves out the float weights and replaced constants a switch
     turned off would read: the emulation is then only good for :meth:`Emulation.resolved`
     with every switch on (the sequential bias correction's model), at a third of the memory.
+    ``fq_cache``: emulations of one annotation under many values share the FakeQuantize
+    graph's build (the recipe choice's candidates).
     """
     quantizer = state.quantizer
     raw = held_float(state.model)
     qrange = (-64, 63) if state.options.weight_bits == 7 else None
-    fq_model = to_fakequantize(quantizer, state.values, qrange, state.constants)
+    fq_model = to_fakequantize(quantizer, state.values, qrange, state.constants, fq_cache)
     records = list(quantizer.records)
     group_of_node = {n: i for i, rec in enumerate(records) for n in rec.nodes}
     produced_by = {q.tensor: i for i, rec in enumerate(records) for q in rec.outputs}
