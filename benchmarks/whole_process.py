@@ -45,11 +45,16 @@ VARIANTS = ("onnxq", "onnxq-fixed", "onnxq-nearest", "nncf", "ort")
 _CHILD = """
 import sys
 import numpy as np, onnx
+from pathlib import Path
 variant, src, data, out, kind = sys.argv[1:6]
-with np.load(data) as z:
-    arrays = {k: z[k] for k in z.files}
-n = len(next(iter(arrays.values())))
-feeds = [{k: v[i : i + 1] for k, v in arrays.items()} for i in range(n)]
+files = sorted(Path(data).glob("*.npz")) if Path(data).is_dir() else [Path(data)]
+feeds = []
+for path in files:  # a folder: batches of different shapes (padded to their own length)
+    with np.load(path) as z:
+        arrays = {k: z[k] for k in z.files}
+    rows = len(next(iter(arrays.values())))
+    feeds += [{k: v[i : i + 1] for k, v in arrays.items()} for i in range(rows)]
+n = len(feeds)
 if variant == "nncf":
     import nncf
     kw = {"subset_size": n}
@@ -106,7 +111,11 @@ def timed(cmd: list[str], env: dict[str, str] | None = None) -> tuple[float, flo
 
 
 def zoo_case(name: str, scratch: Path) -> tuple[Path, Path, str]:
-    """A zoo model's file, its calibration samples as one .npz, and its kind.
+    """A zoo model's file, its calibration samples, and its kind.
+
+    The samples are one .npz, or a folder of one .npz per batch where the batches differ in
+    shape (a padded-batch encoder's sequence lengths); every variant reads them one sample
+    per batch.
 
     Written by a process of its own: a child inherits its parent's peak RSS on Linux (it is
     kept across ``fork`` and ``execve``), so the parent stays small for every figure to be the
@@ -117,7 +126,9 @@ def zoo_case(name: str, scratch: Path) -> tuple[Path, Path, str]:
         check=True,
     )
     kind = (scratch / f"{name}.kind").read_text()
-    return scratch / f"{name}.onnx", scratch / f"{name}.npz", kind
+    folder = scratch / f"{name}.batches"
+    data = folder if folder.is_dir() else scratch / f"{name}.npz"
+    return scratch / f"{name}.onnx", data, kind
 
 
 def _prepare(name: str, scratch: Path) -> None:
@@ -126,7 +137,14 @@ def _prepare(name: str, scratch: Path) -> None:
     _, model, recipe, files = _setup(name)
     feeds = recipe.calibration(model.calibration)
     names = list(feeds[0])
-    np.savez(scratch / f"{name}.npz", **{k: np.concatenate([f[k] for f in feeds]) for k in names})
+    if all(f[k].shape[1:] == feeds[0][k].shape[1:] for f in feeds for k in names):
+        arrays = {k: np.concatenate([f[k] for f in feeds]) for k in names}
+        np.savez(scratch / f"{name}.npz", **arrays)
+    else:
+        folder = scratch / f"{name}.batches"
+        folder.mkdir()
+        for i, feed in enumerate(feeds):
+            np.savez(folder / f"{i:05d}.npz", **feed)
     shutil.copy(files["model"], scratch / f"{name}.onnx")
     (scratch / f"{name}.kind").write_text(model.kind)
 
@@ -173,7 +191,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("models", nargs="*", help="zoo models")
     ap.add_argument("--model", type=Path, help="your own model (with --data)")
-    ap.add_argument("--data", type=Path, help="its calibration samples: an .npz, axis 0")
+    ap.add_argument(
+        "--data", type=Path, help="its calibration samples: an .npz (axis 0), or a folder of them"
+    )
     ap.add_argument("--kind", default="cnn", help="cnn or transformer (NNCF's model_type)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))

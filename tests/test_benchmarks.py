@@ -8,7 +8,8 @@ from pathlib import Path
 import numpy as np
 import onnx
 import pytest
-from helpers import DIGITS_CNN
+from helpers import DIGITS_CNN, make_model
+from onnx import helper as oh
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -86,6 +87,29 @@ def test_whole_process_times_each_variant_in_a_process_of_its_own(tmp_path):
         wall, peak = float(cells[2].split()[0]), float(cells[3].split()[0])
         assert wall > 0 and peak > 50  # a whole Python process with numpy and onnxruntime
         assert cells[4] == "–"  # no NNCF row to compare with
+
+
+def test_whole_process_reads_batches_of_different_shapes_from_a_folder(tmp_path):
+    # a padded-batch encoder's batches differ in sequence length: they cannot be one .npz
+    r = np.random.default_rng(0)
+    nodes = [oh.make_node("MatMul", ["x", "w"], ["m"]), oh.make_node("Relu", ["m"], ["y"])]
+    inits = {"w": r.normal(0, 1, (8, 4)).astype(np.float32)}
+    model = make_model(nodes, [("x", ["n", "seq", 8])], [("y", ["n", "seq", 4])], inits)
+    onnx.save(model, tmp_path / "m.onnx")
+    folder = tmp_path / "batches"
+    folder.mkdir()
+    for i, length in enumerate((3, 5, 7)):
+        np.savez(folder / f"{i}.npz", x=r.normal(0, 1, (2, length, 8)).astype(np.float32))
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks.whole_process", "--model", str(tmp_path / "m.onnx")]
+        + ["--data", str(folder), "--rounds", "1", "--variants", "onnxq", "ort"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = done.stdout.strip().splitlines()[2:]
+    assert len(rows) == 2 and not any("failed" in row for row in rows), done.stdout
 
 
 def test_whole_process_compares_with_nncf(tmp_path):
