@@ -77,3 +77,27 @@ def test_probe_matches_what_the_runtime_computes():
     # and the automatic choice is accurate in the default session on this machine
     qa, _ = onnxq.quantize(model, data, progress=False)
     assert np.abs(run(qa, x)[0] - ref).max() < 0.05 * np.abs(ref).max()
+
+
+def test_a_model_the_exact_path_cannot_load_is_loaded_without_its_error_shown(monkeypatch, capfd):
+    # two layers sharing one int8 weight, QDQ with the TensorRT target's dedicated pairs: on a
+    # CPU without VNNI onnxruntime's exact U8S8 path fails to build it ("Attempt to replace
+    # the existing tensor"); the default path loads it, and nothing of the first try is shown
+    from onnxq.io import session
+
+    monkeypatch.setattr(session, "u8s8_saturates", lambda: True)
+    g = rng(0)
+    w = g.normal(0, 0.3, (16, 16)).astype(np.float32)
+    nodes = [
+        h.make_node("MatMul", ["x", "W"], ["a"], "mm1"),
+        h.make_node("Tanh", ["a"], ["b"], "t1"),
+        h.make_node("MatMul", ["b", "W"], ["c"], "mm2"),
+        h.make_node("Tanh", ["c"], ["y"], "t2"),
+    ]
+    model = make_model(nodes, [("x", ["N", 16])], [("y", ["N", 16])], {"W": w})
+    data = {"x": g.normal(0, 1, (64, 16)).astype(np.float32)}
+    q, _ = onnxq.quantize(model, data, target="tensorrt", progress=False)
+    capfd.readouterr()
+    sess = session.make_session(q, exact=True)
+    assert sess.run(None, data)[0].shape == (64, 16)
+    assert "onnxruntime" not in capfd.readouterr().err

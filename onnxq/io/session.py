@@ -59,7 +59,10 @@ def make_session(
 
     def options(precise: bool) -> Any:
         opts = ort.SessionOptions()
-        opts.log_severity_level = 3
+        # the exact path is tried first and may fail where the default loads (onnxruntime 1.32
+        # cannot build it for int8 weights that several QDQ layers share): its error is not
+        # the user's to see
+        opts.log_severity_level = 4 if precise else 3
         if precise:
             opts.add_session_config_entry(PRECISE_OPTION, "1")
         opts.intra_op_num_threads = threads
