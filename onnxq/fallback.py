@@ -123,7 +123,7 @@ def output_cosine(float_model: onnx.ModelProto, held: list[Any]) -> Metric:
     reference = [session.run(names, f) for f in held]
 
     def metric(model: onnx.ModelProto) -> float:
-        q = make_session(model)
+        q = runtime_session(model)  # the target's: a FakeQuantize model runs in OpenVINO
         cosines = []
         for feed, ref in zip(held, reference, strict=True):
             for r, g in zip(ref, q.run(names, feed), strict=True):
@@ -150,21 +150,25 @@ def user_metric(ref: str | Callable[..., Any], cli: bool, name: str = "metric") 
     return lambda model: float(np.mean(scores(model)))
 
 
-def latency_ms(model: onnx.ModelProto, held: list[Any]) -> float:
-    """Latency per batch of ``held`` in ms in the model's runtime: 1 thread, median of 3 passes.
+def runtime_session(model: onnx.ModelProto, threads: int = 0) -> Any:
+    """A session of ``model`` in its runtime (``threads`` 0: the runtime's choice).
 
-    OpenVINO for a FakeQuantize model (onnxruntime cannot load one; debug on the openvino target
+    OpenVINO for a FakeQuantize model (onnxruntime cannot load one: debug on the openvino target
     failed here), else onnxruntime.
     """
-    if holds_fakequantize(model):
-        if not openvino_available():
-            raise ConfigError(
-                "the model holds OpenVINO FakeQuantize nodes, which only the OpenVINO runtime "
-                "runs; pip install openvino"
-            )
-        session: Any = OpenVINOSession(model, threads=1)
-    else:
-        session = make_session(model, threads=1)
+    if not holds_fakequantize(model):
+        return make_session(model, threads=threads)
+    if not openvino_available():
+        raise ConfigError(
+            "the model holds OpenVINO FakeQuantize nodes, which only the OpenVINO runtime "
+            "runs; pip install openvino"
+        )
+    return OpenVINOSession(model, threads=threads or None)
+
+
+def latency_ms(model: onnx.ModelProto, held: list[Any]) -> float:
+    """Latency per batch of ``held`` in ms in the model's runtime: 1 thread, median of 3 passes."""
+    session = runtime_session(model, threads=1)
     times = []
     for _ in range(3):
         start = time.perf_counter()

@@ -607,6 +607,19 @@ def test_debug_returns_first_the_groups_where_the_runtime_parts(tmp_path, monkey
     assert runtime.agreement(str(out)) == pytest.approx(result.fixed)
 
 
+def test_debug_on_the_openvino_target_measures_its_default_metric_in_openvino(tmp_path):
+    """Without --eval, debug's output cosine loaded the FakeQuantize model in onnxruntime,
+    which cannot run it: ``onnxq debug --target openvino`` failed on every model."""
+    pytest.importorskip("openvino", reason="pip install openvino")
+    from onnxq.tools import debug as debug_module
+
+    model, calib, _ = _digits()
+    fix = tmp_path / "fix.toml"
+    result = debug_module.debug(model, calib, target="openvino", budget=0, output=fix)
+    assert result.fp32 == pytest.approx(100.0)
+    assert 99.0 < result.int8 < 100.0, result.summary()
+
+
 def test_quantize_warns_when_openvino_computes_the_model_apart(tmp_path, monkeypatch):
     """quantize --target openvino wrote nudenet's model in silence, though OpenVINO computed its
     output at 14 dB from fp32 where the same model fake-quantized is at 41 dB."""
