@@ -779,6 +779,7 @@ def _compare(args: argparse.Namespace) -> int:
     float_model = load_model(args.float_model)
     quant_model = load_model(args.quant_model)
     _check_compare_order(args.float_model, float_model, args.quant_model, quant_model)
+    _check_same_inputs(args.float_model, float_model, args.quant_model, quant_model)
     dataset = as_dataset(args.data, model_inputs(float_model), args.batch_size, args.samples)
     result = compare(float_model, quant_model, dataset)
     if args.json:
@@ -794,6 +795,20 @@ def _compare(args: argparse.Namespace) -> int:
         title = f"onnxq compare: {Path(args.quant_model).name}"
         write_text_atomic(args.report, compare_page(title, float_model, quant_model, result, feeds))
     return 0
+
+
+def _check_same_inputs(
+    float_path: str, float_model: Any, quant_path: str, quant_model: Any
+) -> None:
+    """Both models read the same inputs: else they are not one model before and after."""
+    first = [i.name for i in model_inputs(float_model)]
+    second = [i.name for i in model_inputs(quant_model)]
+    if set(first) != set(second):
+        raise ConfigError(
+            f"'{shown(quant_path)}' reads {', '.join(map(repr, second))} and "
+            f"'{shown(float_path)}' reads {', '.join(map(repr, first))}: compare measures a "
+            "quantized model against the float model it was quantized from; give that pair"
+        )
 
 
 def _check_compare_order(

@@ -87,6 +87,28 @@ def test_cli_compare_json_and_html(tmp_path, capsys):
     assert main(["compare", str(CNN), str(q), "--data", str(tmp_path / "none.npz")]) == 2
 
 
+def test_cli_compare_refuses_a_pair_that_reads_other_inputs(tmp_path, capsys):
+    # a quantized model of another float model: onnxruntime's "Required inputs are missing"
+    # came out as a calibration-data error naming batch 0
+
+    data = tmp_path / "d.npz"
+    np.savez(data, input=X)
+    q = tmp_path / "q.onnx"
+    assert main(["quantize", str(CNN), "-o", str(q), "--data", str(data), "--quiet"]) == 0
+    other = onnx.load(str(CNN))
+    renamed = "pixels"
+    for node in other.graph.node:
+        node.input[:] = [renamed if x == "input" else x for x in node.input]
+    other.graph.input[0].name = renamed
+    path = tmp_path / "other.onnx"
+    onnx.save(other, str(path))
+    capsys.readouterr()
+    assert main(["compare", str(path), str(q), "--data", str(data)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "'pixels'" in err and "'input'" in err
+    assert "give that pair" in err
+
+
 def test_a_peer_qdq_model_without_value_info_compares(tmp_path, capsys):
     # onnxruntime's quantize_static writes no value_info: the exposed QuantizeLinear outputs
     # were declared float, and onnxruntime refused the model ("Type Error ... tensor(int8)")
