@@ -331,6 +331,16 @@ def proto_size(proto: Any) -> int:
     return min(size, TWO_GIB)
 
 
+def weight_bytes(model: onnx.ModelProto) -> int:
+    """The bytes of every initializer of ``model`` (its bodies' too), from their dims.
+
+    For the decisions that weigh a model by its weights (how to hand them to onnxruntime,
+    whether a collection pays): :func:`proto_size` serializes the whole message to measure it
+    (upb's ``ByteSize``; 0.1 s a call on a 70 MB encoder, 16 calls in one quantize).
+    """
+    return sum(_nbytes(t) for g in all_graphs(model.graph) for t in g.initializer)
+
+
 def save_model(proto: onnx.ModelProto, path: str | os.PathLike[str]) -> None:
     """Write ``proto`` to ``path`` atomically (temp files in the same folder, then rename).
 

@@ -133,12 +133,13 @@ def _session(
         values = [ort.OrtValue.ortvalue_from_numpy(weights[n]) for n in names]
         opts.add_external_initializers(names, values)
         return ort.InferenceSession(serialize(model), opts, providers=providers)
-    if graph.proto_size(model) < SHARED_WEIGHTS_BYTES:
+    size = graph.weight_bytes(model)
+    if size < SHARED_WEIGHTS_BYTES:
         return ort.InferenceSession(serialize(model), opts, providers=providers)
     # serialized bytes, onnxruntime's parsed copy and its tensors were three copies of the
     # weights at once (VGG19: +1.7 GB): give it the weights as arrays beside a weightless graph.
     # onnxruntime copies them while it loads the model; they are freed on return.
-    if graph.proto_size(model) < FILE_WEIGHTS_BYTES:
+    if size < FILE_WEIGHTS_BYTES:
         stub, held = graph.split_weights(model)
         values = [ort.OrtValue.ortvalue_from_numpy(graph.tensor_array(t)) for t in held]
         opts.add_external_initializers([t.name for t in held], values)
@@ -183,7 +184,7 @@ def free_memory(model: onnx.ModelProto | None = None) -> None:
     """
     import gc
 
-    if model is None or graph.proto_size(model) >= FREE_MEMORY_BYTES:
+    if model is None or graph.weight_bytes(model) >= FREE_MEMORY_BYTES:
         graph.forget_recent()
         gc.collect()
     trim_heap()

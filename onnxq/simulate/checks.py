@@ -27,7 +27,7 @@ import onnx
 
 from onnxq.calibrate.dataset import Feed, IterableDataset, model_inputs, shared_batch
 from onnxq.calibrate.streaming import run_checked
-from onnxq.io.graph import proto_size
+from onnxq.io.graph import weight_bytes
 from onnxq.io.session import make_session
 from onnxq.simulate.compare import TensorStats, compare
 
@@ -97,7 +97,7 @@ def accuracy_warnings(
     if not low:
         return []
     where = "; run `onnxq compare` to see every layer (the model is too large to search here)"
-    if proto_size(float_model) <= LAYER_SEARCH_BYTES:
+    if weight_bytes(float_model) <= LAYER_SEARCH_BYTES:
         specs = model_inputs(float_model)
         data = IterableDataset([_first_sample(feeds[0], specs)]).bind(specs)
         layers = sorted(compare(float_model, quant_model, data).layers, key=lambda s: s.order)
@@ -143,7 +143,7 @@ def narrowed_warning(model: onnx.ModelProto) -> str | None:
         for n in graph.node
         if n.op_type in ("MatMul", "Gemm") and n.input and n.input[0] in wide
     }
-    if not readers or proto_size(model) > NARROWED_SEARCH_BYTES:
+    if not readers or weight_bytes(model) > NARROWED_SEARCH_BYTES:
         return None
     import onnxruntime as ort
 
