@@ -2,7 +2,7 @@
 
     python -m benchmarks.calibration [--samples 64 256 1024] [--methods minmax entropy percentile]
                                      [--models residual_cnn fashion_cnn zoo:mobilenetv2_dogs]
-                                     [--workers 1 2] [--markdown FILE]
+                                     [--workers 1 2] [--ranges] [--markdown FILE]
 
 Every (tool, method, sample count, model) runs in its own process, so peak RSS (``VmHWM``,
 benchmarks.memory) is that run's alone. Every tool reads the same feeds from a generator (the
@@ -13,7 +13,11 @@ data set itself is never held in memory by the harness for the two small models)
   ``calibrate N.NNs`` of the CLI summary) is reported as a ratio to it, for each ``--workers``
   count and for ``--ray`` tasks on a local cluster started for the run (its start-up is in
   the step; the feeds are written to a folder of .npz files first, untimed, for the tasks to
-  read); onnxruntime's and NNCF's whole quantization (they time no step apart) likewise.
+  read); onnxruntime's and NNCF's whole quantization (they time no step apart) likewise. With
+  the defaults the step also gathers optimized rounding's Hessians and the bias correction's
+  sums; ``--ranges`` adds ``onnxq-ranges``, one process gathering the ranges alone (``rounding
+  nearest``, no bias correction, ``--recipe fixed``), the figure to hold against the runtime's
+  exposure floor (benchmarks.exposure_cost).
 * ``residual_cnn``: the 5-conv residual CNN of ``latency.py`` with a 1×3×64×64 input and seeded
   random weights; quality is the top-1 agreement with fp32 on 500 held-out inputs.
 * ``fashion_cnn``: the trained Fashion-MNIST CNN of ``models/``; quality is test accuracy (10k).
@@ -149,6 +153,12 @@ def worker(tool: str, method: str, n: int, model: str) -> dict:
         import onnxq
 
         workers = int(tool.split("-w")[1]) if "-w" in tool else 1
+        # the range statistics alone: no Hessians, no correction sums, nothing held back
+        alone = (
+            {"rounding": "nearest", "bias_correction": "none", "recipe": "fixed"}
+            if tool == "onnxq-ranges"
+            else {}
+        )
         data, ray = (lambda: samples(n)), None
         if tool.startswith("onnxq-ray"):  # tasks read their own files: one .npz per feed
             data, ray = _feed_folder(samples(n), out.parent / "feeds"), ""
@@ -161,6 +171,7 @@ def worker(tool: str, method: str, n: int, model: str) -> dict:
             progress=False,
             workers=workers,
             ray=ray,
+            **alone,
         )
         step = report.seconds["calibrate"]
     elif tool == "nncf":
@@ -231,6 +242,12 @@ def main() -> int:
         "--ray", type=int, default=2, help="Ray tasks on a local cluster (0: leave Ray out)"
     )
     ap.add_argument("--no-nncf", action="store_true", help="leave NNCF out")
+    ap.add_argument(
+        "--ranges",
+        action="store_true",
+        help="also onnxq-ranges: the calibrate step gathering the ranges alone (the defaults "
+        "also gather optimized rounding's Hessians and the bias correction's sums in it)",
+    )
     ap.add_argument("--markdown", default=None, help="also write the table here")
     ap.add_argument("--worker", nargs=4, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -241,6 +258,8 @@ def main() -> int:
     onnxq_tools = [f"onnxq-w{w}" for w in args.workers]
     if args.ray:
         onnxq_tools.append(f"onnxq-ray-w{args.ray}")
+    if args.ranges:
+        onnxq_tools.append("onnxq-ranges")
     rows = []
     for model in args.models:
         for n in args.samples:
@@ -321,13 +340,14 @@ def _table(rows: list, tools: list[str], methods: list[str], models: list[str]) 
                         f"- {model} {method} {t}: peak RSS at {hi} samples is {growth:.3f}× "
                         f"that at {lo}"
                     )
-            if len(tools) > 1:
+            scaling = [t for t in tools if t != "onnxq-ranges"]  # workers against one process
+            if len(scaling) > 1:
                 for n, r in sel.items():
-                    one, more = r[tools[0]], r[tools[-1]]
+                    one, more = r[scaling[0]], r[scaling[-1]]
                     if one and more and more["step"]:
                         lines.append(
-                            f"- {model} {method} {n}: {tools[-1]} calibrates "
-                            f"{one['step'] / more['step']:.2f}× as fast as {tools[0]}"
+                            f"- {model} {method} {n}: {scaling[-1]} calibrates "
+                            f"{one['step'] / more['step']:.2f}× as fast as {scaling[0]}"
                         )
     return "\n".join(lines)
 

@@ -162,3 +162,24 @@ def test_leave_family_out_picks_the_recipe_without_the_family_it_scores():
     # without "cnn", only t1 chooses: b; without "text", the CNNs choose a (9.0 loss on t1)
     assert f"| cnn | m1 | {b} | 1.000 |" in lines[2]
     assert f"| text | t1 | {a} | 9.000 | 0.500 | 0.200 | {b} (0.100) |" in lines[4]
+
+
+def test_calibration_times_the_ranges_alone_beside_the_defaults():
+    # the defaults' calibrate step also gathers optimized rounding's Hessians and the bias
+    # correction's sums: the figure held against the exposure floor is the ranges' alone
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks.calibration", "--samples", "16"]
+        + ["--methods", "minmax", "--models", "residual_cnn", "--workers", "1"]
+        + ["--ray", "0", "--no-nncf", "--ranges"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    table = [r for r in done.stdout.splitlines() if r.startswith("| residual_cnn")]
+    head = next(r for r in done.stdout.splitlines() if r.startswith("| model"))
+    cells = dict(zip(head.split("|")[1:-1], table[0].split("|")[1:-1], strict=True))
+    default = float(cells[" onnxq-w1 calibrate s (× floor) "].split()[0])
+    alone = float(cells[" onnxq-ranges calibrate s (× floor) "].split()[0])
+    assert 0 < alone < default
+    assert "as fast as" not in done.stdout  # one process each: no workers comparison
