@@ -115,7 +115,7 @@ class _Trace:
     def decisions(self, values: dict[str, np.ndarray]) -> tuple[Any, ...]:
         """The value-dependent choices a build with ``values`` makes, given this one's reads."""
         second = [
-            rounded and _same_grid(_bounds(qt, values), _bounds(first, values))
+            rounded and _same_grid(_bounds_of(_read(qt), values), _bounds_of(_read(first), values))
             for qt, first, rounded in self.reads
         ]
         return _float_written(self.float_outputs, values), tuple(second)
@@ -152,14 +152,13 @@ class FakeQuantizeCache:
     ) -> onnx.ModelProto:
         """:func:`to_fakequantize`'s model for these arguments."""
         trace = self._trace
-        fresh = (
+        if (
             trace is None
             or self._key is None
             or self._key[0] is not quantizer
             or self._key[1] != weight_qrange
             or trace.decisions(values) != self._decided
-        )
-        if fresh:
+        ):
             trace = _build(quantizer, values, weight_qrange, {}, _Trace())
             self._trace, self._key = trace, (quantizer, weight_qrange)
             self._decided = trace.decisions(values)
@@ -179,11 +178,7 @@ def _filled(
         params = trace.bounds.get(node.name)
         if params is None:
             continue
-        scale, zero_point, dtype, qmin, qmax, shape = params
-        low, high, _ = fq_bounds(values[scale], values[zero_point], dtype, qmin, qmax)
-        if shape is not None:
-            low, high = low.reshape(shape), high.reshape(shape)
-        written[node.input[1]], written[node.input[2]] = low, high
+        written[node.input[1]], written[node.input[2]], _ = _bounds_of(params, values)
     for name, targets in trace.targets.items():
         if name in constants:
             for target in (t for t in targets if t in inits):  # else unread: not exported
@@ -194,8 +189,18 @@ def _filled(
     return model
 
 
-def _bounds(qt: QTensor, values: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray, int]:
-    return fq_bounds(values[qt.scale], values[qt.zero_point], qt.dtype)
+def _read(qt: QTensor) -> Bounds:
+    """How an activation's FakeQuantize bounds follow from the values: its own grid."""
+    return (qt.scale, qt.zero_point, qt.dtype, None, None, None)
+
+
+def _bounds_of(bounds: Bounds, values: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray, int]:
+    """(input_low, input_high, levels) of a FakeQuantize whose ``bounds`` are these."""
+    scale, zero_point, dtype, qmin, qmax, shape = bounds
+    low, high, levels = fq_bounds(values[scale], values[zero_point], dtype, qmin, qmax)
+    if shape is not None:
+        low, high = low.reshape(shape), high.reshape(shape)
+    return low, high, levels
 
 
 def _build(
@@ -248,8 +253,8 @@ def _build(
             if k < len(rec.inputs) and qt.tensor in seen:
                 first, rounded = seen[qt.tensor]
                 if qt.dtype != first.dtype:
-                    read_as = (qt, first, values, set(rec.nodes), rounded)
-                    _read_as(editor, tensors[qt.tensor], *read_as, trace)
+                    nodes = set(rec.nodes)
+                    _read_as(editor, tensors[qt.tensor], qt, first, values, nodes, rounded, trace)
     trace.model = export_model(graph, quantizer.float_model)  # tidied there, as the editor would
     return trace
 
@@ -337,8 +342,8 @@ def _fq_activation(
     all_readers: bool,
     trace: _Trace,
 ) -> None:
-    low, high, levels = _bounds(qt, values)
-    bounds = (qt.scale, qt.zero_point, qt.dtype, None, None, None)
+    bounds = _read(qt)
+    low, high, levels = _bounds_of(bounds, values)
     if all_readers and producer(t) is not None:
         # every reader (and a graph output, which keeps its name) sees the quantized value:
         # the producer now writes t/float and FakeQuantize writes t
@@ -385,10 +390,10 @@ def _read_as(
         return
     read = uses[0][0].inputs[uses[0][1]]
     trace.reads.append((qt, first, rounded))
-    low, high, levels = _bounds(qt, values)
-    if rounded and _same_grid((low, high, levels), _bounds(first, values)):
+    bounds = _read(qt)
+    low, high, levels = _bounds_of(bounds, values)
+    if rounded and _same_grid((low, high, levels), _bounds_of(_read(first), values)):
         return  # uint8 and int8 with one range: the same grid, the second rounding is exact
-    bounds = (qt.scale, qt.zero_point, qt.dtype, None, None, None)
     name = f"{t.name}/{qt.dtype}"
     out = _fq_node(editor, read if rounded else t, low, high, levels, name, None, trace, bounds)
     for node, i in uses:
@@ -412,15 +417,15 @@ def _fq_weight(
     trace: _Trace,
 ) -> None:
     lo_q, hi_q = weight_qrange or qrange(qt.dtype, narrow=False)
-    low, high, levels = fq_bounds(values[qt.scale], values[qt.zero_point], qt.dtype, lo_q, hi_q)
     ndim = len(t.shape) if isinstance(t, gs.Constant) else 0  # not read: the model holds it
     shape: tuple[int, ...] | None = None
-    if qt.axis is not None and low.ndim == 1:
+    grid = np.broadcast_shapes(np.shape(values[qt.scale]), np.shape(values[qt.zero_point]))
+    if qt.axis is not None and len(grid) == 1:  # per channel: along the weight's axis
         along = [1] * ndim
         along[qt.axis] = -1
         shape = tuple(along)
-        low, high = low.reshape(shape), high.reshape(shape)
     bounds = (qt.scale, qt.zero_point, qt.dtype, lo_q, hi_q, shape)
+    low, high, levels = _bounds_of(bounds, values)
     out = _fq_node(editor, t, low, high, levels, t.name, None, trace, bounds)
     for node in list(t.outputs):
         if node.name in group_nodes:
