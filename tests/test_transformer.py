@@ -14,7 +14,15 @@ from onnxq.calibrators import METHODS
 from onnxq.core.errors import ConfigError
 from onnxq.passes.smoothquant import _apply, _readers
 from onnxq.prepare.kind import detect
-from onnxq.solve.smoothquant import Smoothing, choose, smoothing_scales
+from onnxq.solve.smoothquant import (
+    Smoothing,
+    choose,
+    fake_quant_activation,
+    fake_quant_weight,
+    output_error,
+    scaled_product,
+    smoothing_scales,
+)
 
 D, HEADS, VOCAB, FLOAT_MIN = 16, 1, 50, float(np.finfo(np.float32).min)
 
@@ -202,6 +210,34 @@ def test_smoothquant_choice_never_makes_the_measured_error_worse():
     flat = r.normal(0, 1, (512, 16))
     plain = choose(flat, np.abs(flat).max(0), flat.min(0), flat.max(0), [w], bits=8)
     assert plain.error_after <= plain.error_before
+
+
+@pytest.mark.parametrize("k, bits", [(40, 8), (1201, 8), (3001, 7), (64, 16)])
+def test_the_int8_product_is_exact_in_float32_slices(k, bits):
+    """Codes of 8 and 8 bits: past 518 inputs a float32 product would round, so it is sliced;
+    16-bit codes do not fit float32's 24 bits at all and take float64."""
+    r = rng(k)
+    top = 2 ** (bits - 1) - 1
+    a = r.integers(-255, 256, (64, k)).astype(np.float64)
+    b = r.integers(-top, top + 1, (k, 24)).astype(np.float64)
+    a[0], b[:, 0] = 255, top  # the largest terms, all of one sign: the widest partial sums
+    scale = r.uniform(0.5, 2.0, (1, 24))
+    exact = (a.astype(np.int64) @ b.astype(np.int64)).astype(np.float64) * scale
+    np.testing.assert_array_equal(scaled_product(a, b, scale), exact)
+
+
+def test_the_smoothing_error_is_the_float64_error_of_the_fake_quantized_product():
+    """The error measured on codes equals the one of fake-quantized float64 matrices."""
+    r = rng(5)
+    x = r.normal(0, 1, (300, 700))
+    x[:, 9] *= 40
+    w = r.normal(0, 0.1, (700, 50))
+    s = smoothing_scales(np.abs(x).max(0), np.abs(w).max(1), 0.6)
+    lo, hi = (x.min(0) / s).min(), (x.max(0) / s).max()
+    ref = x @ w
+    got = fake_quant_activation(x / s, lo, hi) @ fake_quant_weight(w * s[:, None], 8)
+    want = np.sqrt(np.sum((got - ref) ** 2) / np.sum(ref**2))
+    assert output_error(x, lo, hi, w, s, 8, ref) == pytest.approx(want, rel=1e-12)
 
 
 @pytest.mark.parametrize("where", ["layernorm", "mul"])
