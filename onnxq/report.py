@@ -78,6 +78,8 @@ class QuantizeReport:
     #: its difference from auto's pick and that difference's noise (dB), its seconds; the
     #: choice and why; or {"skipped": why not}
     choice: dict[str, Any] = field(default_factory=dict)
+    #: every read of the calibration data in order: the pass, the batches read and what for
+    data_reads: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def quantized_nodes(self) -> list[str]:
@@ -148,6 +150,9 @@ class QuantizeReport:
         if self.choice.get("skipped"):
             lines.append(f"recipe: not chosen on held-back samples ({self.choice['skipped']})")
         lines += [f"  {name}: {text}" for name, text in self.algorithms.items()]
+        if self.data_reads:
+            lines.append(f"data read {len(self.data_reads)} time(s):")
+            lines += [f"  {r['pass']}: {r['batches']} batches, {r['why']}" for r in self.data_reads]
         lines.append("passes:")
         lines += [
             f"  {p.name} {p.seconds:.2f} s" + (f": {p.changed}" if p.changed else "")
@@ -188,6 +193,7 @@ class QuantizeReport:
             "fallback": self.fallback,
             "budget": self.budget,
             "choice": self.choice,
+            "data_reads": self.data_reads,
         }
 
 
@@ -293,6 +299,7 @@ def build_report(state: State) -> QuantizeReport:
         rounding=dict(state.rounding),
         budget=dict(state.budget),
         choice=dict(state.choice),
+        data_reads=list(state.data_reads),
     )
     explain_constraints(report.decisions, sol)
     if not o.cli:

@@ -33,6 +33,8 @@ def test_a_generous_budget_keeps_every_default_and_changes_nothing():
     assert report.budget["float_pass_seconds"] > 0
     assert "sequential" in report.algorithms["bias-correction"]
     assert "every default algorithm fit" in report.summary(verbose=True)
+    assert [r["pass"] for r in report.data_reads][:2] == ["budget", "calibrate"]
+    assert report.data_reads[0]["batches"] == 1
 
 
 def test_a_tight_budget_leaves_the_costly_defaults_out_as_if_the_cheap_ones_were_asked():

@@ -86,6 +86,31 @@ def test_the_default_chooses_on_held_back_batches_and_reports_every_candidate():
     assert isinstance(model, onnx.ModelProto)
 
 
+def test_the_report_lists_every_read_of_the_data_and_why():
+    """One calibration stream feeds ranges, Hessians and the correction's float sums; the
+    sequential correction reads the first samples once more (a candidate of the choice), and
+    a layerwise correction needs the solved grids: one more stream, said so."""
+    model, data = _cnn()
+    _, report = onnxq.quantize(model, data, progress=False)
+    reads = report.data_reads
+    assert reads[0]["pass"] == "calibrate" and reads[0]["batches"] == 56
+    assert "Hessians" in reads[0]["why"] and "sequential bias correction" in reads[0]["why"]
+    assert [r["pass"] for r in reads[1:]] == [
+        "bias-correction (candidate mse/optimized/sequential)"
+    ]
+    assert reads[1]["batches"] == 56  # the first 64 samples of the 56 fitted on: all of them
+    assert report.to_dict()["data_reads"] == reads
+    assert "data read 2 time(s):" in report.summary(verbose=True)
+    _, pinned = onnxq.quantize(
+        model, data, progress=False, recipe="fixed", bias_correction="layerwise"
+    )
+    assert [(r["pass"], r["batches"]) for r in pinned.data_reads] == [
+        ("calibrate", 64),
+        ("bias-correction", 64),
+    ]
+    assert "solved int8 grids" in pinned.data_reads[1]["why"]
+
+
 def test_the_score_is_what_onnxruntime_computes_from_the_written_model():
     # the held-back score of the chosen candidate is the written QDQ model's own output SQNR
     model, data = _cnn()

@@ -281,8 +281,13 @@ def test_smoothquant_lowers_the_error_on_outlier_channels_and_is_reported():
             assert mul.reason.startswith("SmoothQuant: divides 'x' by s")
             assert entry["error_after"] < entry["error_before"]
             assert "smoothed" in report.algorithms["smoothquant"]
+            # its statistics are of the model before smoothing: one stream more, said so
+            first, then = report.data_reads[0], report.data_reads[1]
+            assert (first["pass"], first["batches"]) == ("smoothquant", 16)
+            assert "the smoothed model" in first["why"] and then["pass"] == "calibrate"
         else:
             assert report.algorithms["smoothquant"].startswith("off")
+            assert [r["pass"] for r in report.data_reads][:1] == ["calibrate"]
     assert errors["on"] < errors["off"]
 
 

@@ -34,7 +34,7 @@ from onnxq.io.session import make_session
 from onnxq.match.dfpattern import node_attr
 from onnxq.passes.defaults import bias_mode as mode
 from onnxq.passes.defaults import choosing
-from onnxq.passes.manager import PassResult, State, release
+from onnxq.passes.manager import PassResult, State, record_read, release
 from onnxq.solve.bias_correction import (
     SEQUENTIAL_SAMPLES,
     Layer,
@@ -192,6 +192,12 @@ def _sequential(
         axes = [input_axis(j[4]) for j in jobs]
         session = make_session(q.float_model, expose=float_names)
         per_batch = _output_sums(session, float_names, batches, axes)
+        record_read(
+            state,
+            "bias-correction",
+            len(batches),
+            "the float layers' output means (not gathered while calibrating)",
+        )
     runs, sizes = _merged(state, batches)
     if len(runs) < len(batches):
         if session is None:
@@ -235,6 +241,13 @@ def _sequential(
 
     used = run_in_order(graph, targets, runs, correct, weights=weights)
     del graph, weights
+    record_read(
+        state,
+        "bias-correction",
+        sum(sizes[:used]),
+        "the int8 model run layer by layer: each bias is set on the outputs of the layers "
+        "corrected before it",
+    )
     samples = sum(feed_samples(b) for b in runs[:used])
     steps = list(state.bias_corrections.values())
     floats_done = sum(1 for j in jobs if j[2] is None and j[3] not in skipped)
@@ -484,7 +497,9 @@ def _quantized_input_means(
     sums: dict[str, list[Any]] = {}
     ds.reset()
     session = make_session(state.quantizer.float_model, expose=names)
+    read = 0
     for feed in ds.batches():
+        read += 1
         for x, arr in zip(names, session.run(names, feed), strict=True):
             arr = np.asarray(arr)
             qp, axis = grids[x]
@@ -495,4 +510,10 @@ def _quantized_input_means(
             acc = sums.setdefault(x, [0.0, 0.0, 0])
             acc[0], acc[1], acc[2] = acc[0] + f_sum, acc[1] + q_sum, acc[2] + count
     ds.reset()
+    record_read(
+        state,
+        "bias-correction",
+        read,
+        "the layers' inputs on their solved int8 grids, known only after calibration",
+    )
     return {x: (f / max(n, 1), q / max(n, 1)) for x, (f, q, n) in sums.items()}

@@ -30,7 +30,7 @@ from typing import Any
 from onnxq.io.session import make_session
 from onnxq.options import spell
 from onnxq.passes.defaults import DEFAULTS, picks
-from onnxq.passes.manager import PassResult, State
+from onnxq.passes.manager import PassResult, State, record_read
 from onnxq.passes.stream import open_dataset
 from onnxq.solve.bias_correction import SEQUENTIAL_SAMPLES
 
@@ -79,6 +79,7 @@ def pass_seconds(state: State) -> tuple[float | None, str]:
         session.run(None, first)
         times.append(time.perf_counter() - start)
     one = min(times)
+    record_read(state, "budget", 1, "the float model timed on the first batch")
     return one * n, f"{n} batches × {one * 1e3:.1f} ms"
 
 

@@ -14,7 +14,7 @@ from onnxq.calibrate.calibration import Calibrator
 from onnxq.calibrate.ranges import read_channel_means, read_ranges
 from onnxq.calibrators import method_callback
 from onnxq.core.callbacks import CalibrationCallback, RangeTableCallback
-from onnxq.passes.manager import CHECK_BATCHES, PassResult, State, release
+from onnxq.passes.manager import CHECK_BATCHES, PassResult, State, record_read, release
 from onnxq.passes.stream import open_dataset
 
 
@@ -73,4 +73,13 @@ class Calibrate:
         release(state)
         state.calibrator = calibrator
         rep = calibrator.report
+        if rep.batches:
+            gathered = ["the ranges"]
+            if state.hessians:
+                gathered.append("optimized rounding's Hessians")
+            if calibrator.channel_axes:
+                gathered.append("the layers' input means (fast bias correction)")
+            if state.output_sums:
+                gathered.append("the float layers' output means (sequential bias correction)")
+            record_read(state, "calibrate", rep.batches, ", ".join(gathered))
         return PassResult(f"{len(state.values)} values from {rep.samples} samples")

@@ -298,7 +298,10 @@ class _Search:
         s.options = replace(o, recipe="/".join(picked), **setting)
         s.values, s.constants = dict(self.ranges[ranges]), dict(base.constants)
         s.rounding, s.bias_corrections, s.records = {}, {}, []
+        first = len(base.data_reads)  # the list is shared: the candidate's reads land there too
         self.rounded = self.steps.fit(s, self.rounded)
+        for read in base.data_reads[first:]:
+            read["pass"] += f" (candidate {s.options.recipe})"
         scores = (
             sqnr(emulate(s, float_branches=False, fq_cache=self.fq_cache), self.held, self.refs)
             if self.held

@@ -90,7 +90,14 @@ def _ranges(
     """Per-channel (axis 1) minimum and maximum of each tensor over the calibration data."""
     lo: dict[str, np.ndarray] = {}
     hi: dict[str, np.ndarray] = {}
-    for values in float_batches(state, model, tensors):
+    for values in float_batches(
+        state,
+        model,
+        tensors,
+        "depthwise-scaling",
+        "per-channel ranges of depthwise inputs before rescaling; calibration reads the "
+        "rescaled model",
+    ):
         for t in tensors:
             v = values[t]
             if v.ndim < 3 or not np.issubdtype(v.dtype, np.floating) or v.size == 0:

@@ -270,7 +270,13 @@ def _ranges(
     names = sorted({c.first.output[0] for c in chains})
     lo: dict[str, np.ndarray] = {}
     hi: dict[str, np.ndarray] = {}
-    for values in float_batches(state, model, names):
+    for values in float_batches(
+        state,
+        model,
+        names,
+        "equalization",
+        "per-channel ranges before the rewrite; calibration reads the equalized model",
+    ):
         for t, v in values.items():
             flat = np.moveaxis(v, 1, 0).reshape(v.shape[1], -1).astype(np.float64)
             flat = np.where(np.isfinite(flat), flat, np.nan)

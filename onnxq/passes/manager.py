@@ -130,6 +130,9 @@ class State:
     #: what whole-model int4 weight-only quantization did (onnxq.post.weight_only)
     weight_only: Any = None
     records: list[PassRecord] = field(default_factory=list)
+    #: every read of the calibration data, in order: the pass, the batches it read and what
+    #: for (:func:`record_read`); the report lists them
+    data_reads: list[dict[str, Any]] = field(default_factory=list)
 
     def proto(self) -> onnx.ModelProto:
         """The model being produced as a ModelProto: the graph exported, once, if it is one.
@@ -141,6 +144,11 @@ class State:
             self.model = export_model(self.graph, self.quantizer.template)
             self.graph = None
         return self.model
+
+
+def record_read(state: State, reader: str, batches: int, why: str) -> None:
+    """Note that ``reader`` read ``batches`` calibration batches, and ``why`` it needed them."""
+    state.data_reads.append({"pass": reader, "batches": batches, "why": why})
 
 
 def graph_histogram(graph: Any) -> dict[str, int]:

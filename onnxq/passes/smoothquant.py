@@ -139,7 +139,14 @@ def _as_kn(init: onnx.TensorProto, transposed: bool) -> np.ndarray:
 def _collect(state: State, model: onnx.ModelProto, tensors: list[str]) -> dict[str, _Stats]:
     """Per-channel |max|, min, max and a row sample of each tensor over the calibration data."""
     stats: dict[str, _Stats] = {}
-    for values in float_batches(state, model, tensors):
+    for values in float_batches(
+        state,
+        model,
+        tensors,
+        "smoothquant",
+        "per-channel ranges and rows of MatMul inputs to choose alpha; calibration reads "
+        "the smoothed model",
+    ):
         for t in tensors:
             v = values[t]
             if v.ndim < 1 or not np.issubdtype(v.dtype, np.floating):

@@ -22,7 +22,7 @@ from onnxq.calibrate.streaming import run_ahead
 from onnxq.calibrators import DEFAULT_METHOD
 from onnxq.io.session import make_session
 from onnxq.options import QuantizeOptions, spell
-from onnxq.passes.manager import State
+from onnxq.passes.manager import State, record_read
 
 #: with the recipe chosen on held-back data, every HOLD_EVERY-th calibration batch is held back
 HOLD_EVERY = 8
@@ -86,19 +86,26 @@ def _no_hold_back(o: QuantizeOptions, ds: DatasetManager) -> str:
 
 
 def float_batches(
-    state: State, model: onnx.ModelProto, tensors: list[str]
+    state: State, model: onnx.ModelProto, tensors: list[str], reader: str, why: str
 ) -> Iterator[dict[str, np.ndarray]]:
-    """Per calibration batch: ``tensors`` of ``model`` (float), by name."""
+    """Per calibration batch: ``tensors`` of ``model`` (float), by name.
+
+    ``reader`` (the pass) and ``why`` (what it needs that the calibrate pass's stream cannot
+    give it) go to the report's list of data reads.
+    """
     ds = open_dataset(state)
     ds.reset()
     kept: list[dict[str, np.ndarray]] | None = None if ds.replayable else []
     session = make_session(model, expose=tensors)
     # onnxruntime runs the next batch on a thread of its own while the caller folds this one
     # (in order: the statistics are the same as one run after another)
+    read = 0
     for feed, values in run_ahead(session, tensors, ds.batches()):
         if kept is not None:
             kept.append(feed)
+        read += 1
         yield {t: np.asarray(v) for t, v in zip(tensors, values, strict=True)}
+    record_read(state, reader, read, why)
     if kept is not None:  # a one-shot source: later passes read the kept batches
         state.dataset = as_dataset(kept, model_inputs(model))
     else:
