@@ -57,7 +57,8 @@ def activation_codes(
     lo, hi = min(float(lo), 0.0), max(float(hi), 0.0)
     scale = (hi - lo) / (levels - 1) if hi > lo else 1.0
     zero = np.round(-lo / scale)
-    q = np.round(x / scale)
+    q = np.divide(x, scale)
+    np.round(q, out=q)
     q += zero
     np.clip(q, 0, levels - 1, out=q)
     q -= zero
