@@ -111,6 +111,21 @@ def test_the_report_lists_every_read_of_the_data_and_why():
     assert "solved int8 grids" in pinned.data_reads[1]["why"]
 
 
+def test_outputs_fp32_computes_as_nan_are_left_out_of_the_scores():
+    """A second output that is NaN wherever the input is negative (a float Sqrt, the same in
+    both models): every candidate still has a finite score, and the choice a reason."""
+    model, data = _cnn()
+    g = model.graph
+    g.node.append(h.make_node("Sqrt", ["x"], ["root"], "root"))
+    g.output.append(h.make_tensor_value_info("root", onnx.TensorProto.FLOAT, ["N", 3, 12, 12]))
+    _, report = onnxq.quantize(model, data, progress=False)
+    scores = [c["sqnr_db"] for c in report.choice["candidates"]]
+    assert all(np.isfinite(scores)) and min(scores) > 10
+    assert "nan" not in report.summary()
+    hole = next(w for w in report.warnings if w.startswith("fp32's output 'root'"))
+    assert "left out of every SQNR" in hole and "is NaN or ±Inf in" in hole
+
+
 def test_the_score_is_what_onnxruntime_computes_from_the_written_model():
     # the held-back score of the chosen candidate is the written QDQ model's own output SQNR
     model, data = _cnn()

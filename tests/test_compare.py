@@ -154,6 +154,30 @@ def test_the_streamed_sums_are_the_float64_sums():
     assert st.count == f.size
 
 
+def test_values_the_float_model_computes_as_nan_are_left_out():
+    """fp32's own NaN/Inf are nothing to compare with; an int8 NaN where fp32 is finite is the
+    worst error (before, one NaN made the tensor's every figure NaN)."""
+    from onnxq.simulate.compare import TensorStats
+
+    f = np.linspace(-1, 1, 1000).astype(np.float32)
+    q = f + np.float32(0.01)
+    f_nan = f.copy()
+    f_nan[::10] = np.nan
+    f_nan[5] = np.inf
+    clean, holed = TensorStats("t", False, 0), TensorStats("t", False, 0)
+    known = np.isfinite(f_nan)
+    clean.add(f[known], q[known])
+    holed.add(f_nan, q)
+    assert holed.float_nonfinite == 101 and holed.count == 1000
+    assert holed.sqnr_db == pytest.approx(clean.sqnr_db, abs=1e-4)
+    assert holed.cosine == pytest.approx(clean.cosine, abs=1e-7)
+    broken = TensorStats("t", False, 0)
+    q_nan = q.copy()
+    q_nan[3] = np.nan
+    broken.add(f, q_nan)
+    assert broken.sqnr_db == -np.inf
+
+
 def test_a_large_batch_runs_in_parts_with_the_same_sums(monkeypatch):
     """Both models run the next part while this one is folded; parts sum as one batch."""
     import onnxq.simulate.compare as cmp

@@ -59,6 +59,18 @@ def output_sqnr(
     ``quant_session``: an onnxruntime session of ``quant_model`` already built (by verify).
     ``float_outputs``: fp32's outputs on ``feeds`` when already computed (by calibration).
     """
+    stats = output_stats(float_model, quant_model, feeds, quant_session, float_outputs)
+    return {n: st.sqnr_db for n, st in stats.items()}
+
+
+def output_stats(
+    float_model: onnx.ModelProto,
+    quant_model: onnx.ModelProto,
+    feeds: Sequence[Feed],
+    quant_session: Any = None,
+    float_outputs: Sequence[dict[str, np.ndarray]] | None = None,
+) -> dict[str, TensorStats]:
+    """The agreement statistics of every float graph output (see :func:`output_sqnr`)."""
     names = [
         o.name
         for o in float_model.graph.output
@@ -75,7 +87,7 @@ def output_sqnr(
         )
         for name, f, q in zip(names, ref, run_checked(qs, names, feed, i)):
             stats[name].add(f, q)
-    return {n: st.sqnr_db for n, st in stats.items()}
+    return stats
 
 
 def accuracy_warnings(
@@ -92,10 +104,17 @@ def accuracy_warnings(
     """
     if not feeds:
         return []
-    sqnr = output_sqnr(float_model, quant_model, feeds, quant_session, float_outputs)
-    low = {n: v for n, v in sqnr.items() if v < SQNR_FLOOR_DB}
+    stats = output_stats(float_model, quant_model, feeds, quant_session, float_outputs)
+    holes = [
+        f"fp32's output '{n}' is NaN or ±Inf in {st.float_nonfinite} of its {st.count} values "
+        f"on the {len(feeds)} check batches: they are left out of every SQNR onnxq reports "
+        "(check the data, or the model where it divides, takes a log or a square root)"
+        for n, st in stats.items()
+        if st.float_nonfinite
+    ]
+    low = {n: st.sqnr_db for n, st in stats.items() if st.sqnr_db < SQNR_FLOOR_DB}
     if not low:
-        return []
+        return holes
     where = "; run `onnxq compare` to see every layer (the model is too large to search here)"
     if weight_bytes(float_model) <= LAYER_SEARCH_BYTES:
         specs = model_inputs(float_model)
@@ -109,7 +128,7 @@ def accuracy_warnings(
             if first is not None
             else "; no single layer falls below the floor: run `onnxq compare` for every layer"
         )
-    return [
+    return holes + [
         f"output '{name}' is {value:.1f} dB SQNR against fp32 on {len(feeds)} calibration "
         f"batch(es), below the {SQNR_FLOOR_DB:g} dB floor{where}"
         for name, value in low.items()

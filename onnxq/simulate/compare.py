@@ -81,17 +81,36 @@ class TensorStats:
     fq: float = 0.0
     qq: float = 0.0
     count: int = 0
+    #: values the float model itself computed as NaN or ±Inf (left out of the sums)
+    float_nonfinite: int = 0
     #: SQNR of the nearest compared tensors this one is computed from (inf: graph inputs)
     input_sqnr_db: float = math.inf
 
     def add(self, f: np.ndarray, q: np.ndarray) -> None:
-        """Fold one batch in: the sums of f·f, q·q, f·q and (f−q)·(f−q)."""
+        """Fold one batch in: the sums of f·f, q·q, f·q and (f−q)·(f−q).
+
+        Values where the float model itself holds NaN or ±Inf are left out (there is nothing
+        to compare with; :attr:`float_nonfinite` counts them); a NaN or ±Inf of the quantized
+        model where the float value is finite makes the error infinite.
+        """
         f32, q32 = _rows(f), _rows(q)
-        self.ff += _dot(f32, f32)
-        self.qq += _dot(q32, q32)
-        self.fq += _dot(f32, q32)
+        sums = _dot(f32, f32), _dot(q32, q32), _dot(f32, q32)
         d = f32 - q32
-        self.ee += _dot(d, d)
+        err = _dot(d, d)
+        if not all(math.isfinite(x) for x in (*sums, err)):  # the rare case: sort it out
+            f_flat = np.asarray(f, np.float64).ravel()
+            q_flat = np.broadcast_to(np.asarray(q, np.float64), np.shape(f)).ravel()
+            known = np.isfinite(f_flat)
+            self.float_nonfinite += int(known.size - np.count_nonzero(known))
+            f_flat, q_flat = f_flat[known], q_flat[known]
+            broken = not np.all(np.isfinite(q_flat))
+            q_flat = np.where(np.isfinite(q_flat), q_flat, 0.0)
+            sums = (float(f_flat @ f_flat), float(q_flat @ q_flat), float(f_flat @ q_flat))
+            err = math.inf if broken else float(np.sum((f_flat - q_flat) ** 2))
+        self.ff += sums[0]
+        self.qq += sums[1]
+        self.fq += sums[2]
+        self.ee += err
         self.count += f.size
 
     @property
@@ -99,7 +118,7 @@ class TensorStats:
         """Signal-to-quantization-noise ratio in dB (inf when identical)."""
         if self.ee == 0.0:
             return math.inf
-        if self.ff == 0.0:
+        if self.ff == 0.0 or math.isinf(self.ee):
             return -math.inf
         return 10.0 * math.log10(self.ff / self.ee)
 

@@ -25,7 +25,8 @@ from onnxq.calibrate.dataset import feed_samples
 from onnxq.io.session import make_session
 from onnxq.simulate.emulate import Emulation
 
-#: SQNR given to a batch the candidate reproduces exactly (dB)
+#: SQNR given to a batch the candidate reproduces exactly (dB); its negative is the floor (a
+#: NaN or ±Inf where fp32 is finite)
 EXACT_DB = 120.0
 
 
@@ -67,10 +68,19 @@ def sqnr(
         errors = np.zeros(rows)
         for g, r in pairs:
             g2, r2 = g.reshape(rows, -1), r.reshape(rows, -1)
-            noise = np.sum((g2 - r2) ** 2, axis=1)
-            errors += noise / np.maximum(np.sum(r2**2, axis=1), 1e-30) / len(pairs)
+            # where fp32 itself is NaN or ±Inf there is nothing to compare with: left out;
+            # a non-finite int8 value where fp32 is finite is the worst error there is
+            known = np.isfinite(r2)
+            with np.errstate(invalid="ignore", over="ignore"):
+                diff = np.where(known, g2 - r2, 0.0)
+                noise = np.sum(diff**2, axis=1)
+            noise[~np.isfinite(noise)] = np.inf
+            signal = np.sum(np.where(known, r2, 0.0) ** 2, axis=1)
+            errors += noise / np.maximum(signal, 1e-30) / len(pairs)
         exact = errors <= 10 ** (-EXACT_DB / 10)
-        out.append(np.where(exact, EXACT_DB, -10 * np.log10(np.maximum(errors, 1e-300))))
+        with np.errstate(divide="ignore"):
+            db = -10 * np.log10(np.maximum(errors, 1e-300))
+        out.append(np.clip(np.where(exact, EXACT_DB, db), -EXACT_DB, EXACT_DB))
     return np.concatenate(out) if out else np.empty(0)
 
 
