@@ -85,6 +85,51 @@ def test_pieces_measure_what_one_run_of_the_whole_model_computes():
     assert model.graph.node[2].output[0] == "y1"  # the caller's model is left as it was
 
 
+def test_a_branch_runs_in_the_piece_of_the_target_that_needs_it(monkeypatch):
+    """Two branches interleaved in graph order (as exporters write a multi-head model): the
+    second branch's Mul and Relu, written before the first branch's Conv, run with the second
+    Conv, so no piece hands the other branch a half-computed tensor; the measurements are
+    those of one run of the whole model."""
+    import onnxq.calibrate.sequential as sequential
+
+    r = rng(5)
+    nodes = [
+        h.make_node("Mul", ["x", "two"], ["b1"], "b_mul"),
+        h.make_node("Conv", ["x", "WA", "BA"], ["ya"], "conv_a"),
+        h.make_node("Relu", ["b1"], ["b2"], "b_relu"),
+        h.make_node("Conv", ["b2", "WB", "BB"], ["yb"], "conv_b"),
+        h.make_node("Add", ["ya", "yb"], ["out"], "join"),
+    ]
+    inits = {
+        "two": np.float32(2.0),
+        "WA": r.normal(0, 0.3, (4, 3, 1, 1)).astype(np.float32),
+        "BA": r.normal(0, 0.1, 4).astype(np.float32),
+        "WB": r.normal(0, 0.3, (4, 3, 1, 1)).astype(np.float32),
+        "BB": r.normal(0, 0.1, 4).astype(np.float32),
+    }
+    model = make_model(nodes, [("x", ["N", 3, 4, 4])], [("out", None)], inits)
+    batches = [{"x": r.normal(0, 1, (2, 3, 4, 4)).astype(np.float32)} for _ in range(3)]
+    pieces: list = []
+    real = sequential._submodel
+
+    def spy(m, piece_nodes, *args, **kwargs):
+        pieces.append([n.name for n in piece_nodes])
+        return real(m, piece_nodes, *args, **kwargs)
+
+    monkeypatch.setattr(sequential, "_submodel", spy)
+    seen = {}
+
+    def correct(k, sums, count, used):
+        seen[["ya", "yb"][k]] = sums / count
+
+    run_in_order(model, [("ya", 1), ("yb", 1)], batches, correct)
+    assert pieces[0] == ["conv_a"]
+    assert pieces[1] == ["b_mul", "conv_a", "ya/Shift", "b_relu", "conv_b"]
+    ref, count = _exposed_sums(model, batches, ["ya", "yb"])
+    for name in ref:
+        np.testing.assert_allclose(seen[name], ref[name] / count, rtol=1e-5, atol=1e-6)
+
+
 def test_a_shift_is_applied_before_the_next_target_is_measured():
     """Shift y1 by +1 per channel: y2 and y3 are measured on the shifted model (each piece
     starts from the held, shifted tensors), as one run of the model with B1 + 1 computes."""

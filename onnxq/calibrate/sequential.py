@@ -170,34 +170,29 @@ def _pieces(
 ) -> list[list[int]]:
     """The node indices of each piece, in graph order.
 
-    A piece holds the previous target and its shift, the nodes up to the next target that some
-    target needs, that target, and the DequantizeLinears these read.
+    A piece holds the previous target and its shift, the nodes its target needs that no earlier
+    piece ran, that target, and the DequantizeLinears these read. A node runs in the piece of
+    the first target that needs it, not in the piece its place in the graph falls in: the
+    branches of a multi-head model then do not hand each other their half-computed tensors
+    (LEADER's three heads held three GELUs' intermediates at 128×128 between pieces). The values
+    are the same: a node runs once, after every shift it depends on is set.
     """
-    needed: set[int] = set()
-    stack = list(ends)
-    while stack:
-        i = stack.pop()
-        if i in needed:
-            continue
-        needed.add(i)
-        stack.extend(producer[x] for x in reads[i] if x in producer)
+    done: set[int] = set()
     pieces = []
-    start = 0
     for p, end in enumerate(ends):
-        body = [] if p == 0 else [ends[p - 1], ends[p - 1] + 1]  # the target, its shift
-        body += [i for i in range(start, end) if i in needed and i not in lazy]
-        body.append(end)
-        todo = list(body)
-        members = set(body)
-        while todo:  # the DequantizeLinears read, and theirs in turn
-            i = todo.pop()
+        members = set() if p == 0 else {ends[p - 1], ends[p - 1] + 1}  # the target, its shift
+        members.add(end)
+        stack = list(members)
+        while stack:  # what these need that no earlier piece ran (DequantizeLinears: again)
+            i = stack.pop()
             for x in reads[i]:
                 j = producer.get(x)
-                if j is not None and j in lazy and j not in members:
-                    members.add(j)
-                    todo.append(j)
+                if j is None or j in done or j in members:
+                    continue
+                members.add(j)
+                stack.append(j)
+        done |= {i for i in members if i not in lazy}
         pieces.append(sorted(members))
-        start = end + 2
     return pieces
 
 
