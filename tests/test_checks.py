@@ -48,6 +48,34 @@ def test_a_broken_layer_is_named_in_the_warning(tmp_path):
     assert "first jumps at node 'conv2'" in low[0] and "try exclude=['conv2']" in low[0]
 
 
+def test_a_search_too_large_to_hand_out_at_once_runs_in_groups(tmp_path, monkeypatch):
+    """Tensors of one sample past the bound are compared a group at a time, in graph order,
+    until a group holds a layer below the floor: the layer and its drop are those of the
+    search that hands every tensor out at once."""
+    model, data = _chain()
+    ranges = tmp_path / "r.json"
+    q, _ = onnxq.quantize(model, data, progress=False, save_ranges=ranges)
+    table = json.loads(ranges.read_text())
+    table["tensors"]["b"] = [-0.01, 0.01]
+    ranges.write_text(json.dumps(table))
+    q, _ = onnxq.quantize(model, data, progress=False, load_ranges=ranges)
+    feed = {"x": data["x"][:1]}
+    whole = checks.first_below_floor(model, q, feed)
+    # x, a, ar, b, y: 768, 1024, 1024, 1024, 1024 bytes, each counted twice
+    assert [len(g) for g in checks.search_groups(model, feed)] == [5]
+    monkeypatch.setattr(checks, "LAYER_SEARCH_RUN_BYTES", 4096)
+    assert checks.search_groups(model, feed) == [["x", "a"], ["ar", "b"], ["y"]]
+    seen = []
+    real = checks.compare
+    monkeypatch.setattr(
+        checks, "compare", lambda *a, names=None: seen.append(names) or real(*a, names=names)
+    )
+    grouped = checks.first_below_floor(model, q, feed)
+    assert seen == [["x", "a"], ["ar", "b"]]  # the group holding conv2 ends the search
+    assert whole is not None and grouped is not None and grouped.node == whole.node == "conv2"
+    assert grouped.drop_db == whole.drop_db and grouped.sqnr_db == whole.sqnr_db
+
+
 def test_latency_warning_only_when_int8_is_slower():
     assert Latency(1.0, 1.4, 50).warning().startswith("the int8 model runs 1.40× slower")
     assert Latency(1.0, 1.02, 50).warning() == ""

@@ -29,7 +29,13 @@ from onnxq.calibrate.dataset import Feed, IterableDataset, model_inputs, shared_
 from onnxq.calibrate.streaming import run_checked
 from onnxq.io.graph import weight_bytes
 from onnxq.io.session import make_session
-from onnxq.simulate.compare import TensorStats, compare
+from onnxq.simulate.compare import (
+    TensorStats,
+    compare,
+    float_inputs,
+    link_inputs,
+    tensor_bytes,
+)
 
 #: an output below this SQNR against fp32 (on the check's samples) is warned about
 SQNR_FLOOR_DB = 15.0
@@ -41,6 +47,8 @@ SLOWER_MS = 0.05
 RUNTIME_GAP_DB = 6.0
 #: the layer search (every tensor exposed) runs on one batch of models up to this size
 LAYER_SEARCH_BYTES = 64 * 2**20
+#: the layer search hands out at most this many bytes of tensors at once (both models)
+LAYER_SEARCH_RUN_BYTES = 512 * 2**20
 #: onnxruntime's optimized graph is asked for models up to this size (it is written to a file)
 NARROWED_SEARCH_BYTES = 2**30
 #: the onnxruntime session option that sets MatMulNBits' arithmetic (4: int8 activations)
@@ -117,10 +125,7 @@ def accuracy_warnings(
         return holes
     where = "; run `onnxq compare` to see every layer (the model is too large to search here)"
     if weight_bytes(float_model) <= LAYER_SEARCH_BYTES:
-        specs = model_inputs(float_model)
-        data = IterableDataset([_first_sample(feeds[0], specs)]).bind(specs)
-        layers = sorted(compare(float_model, quant_model, data).layers, key=lambda s: s.order)
-        first = next((s for s in layers if s.sqnr_db < SQNR_FLOOR_DB), None)
+        first = first_below_floor(float_model, quant_model, feeds[0])
         where = (
             f"; the error first jumps at node '{first.node}' ({first.op}, {first.sqnr_db:.1f} "
             f"dB, {first.drop_db:.1f} dB lost there): try --exclude {first.node}, or `onnxq "
@@ -232,6 +237,65 @@ def runtime_warnings(
                 "find the groups that cost it, or `onnxq compare` for every layer"
             )
     return warnings
+
+
+def first_below_floor(
+    float_model: onnx.ModelProto, quant_model: onnx.ModelProto, feed: Feed
+) -> TensorStats | None:
+    """The first layer, in graph order, below :data:`SQNR_FLOOR_DB` on ``feed``'s first sample.
+
+    Every tensor of both models is handed out at once when one sample's fit in
+    :data:`LAYER_SEARCH_RUN_BYTES`; otherwise the tensors are compared in groups of that size,
+    in graph order, each group by two sessions of its own, until one holds such a layer
+    (LEADER's fingerprint network: 1.4 GB of float tensors for one 256×256 image, 3.2 GB
+    held when every tensor of both models was handed out at once).
+    """
+    specs = model_inputs(float_model)
+    sample = _first_sample(feed, specs)
+    data = IterableDataset([sample]).bind(specs)
+    groups = search_groups(float_model, sample)
+    stats: dict[str, TensorStats] = {}
+    for group in groups:
+        found = compare(float_model, quant_model, data, names=group)
+        for st in [*found.outputs, *found.layers]:
+            stats[st.name] = st
+        data.reset()
+        if any(st.sqnr_db < SQNR_FLOOR_DB for st in found.layers):
+            break
+    if len(groups) > 1:  # the drops across groups: each layer's inputs from any group
+        link_inputs(float_model, stats)
+        rank = {n: i for i, n in enumerate(name for g in groups for name in g)}
+        for st in stats.values():
+            st.order = rank.get(st.name, len(rank))
+    inputs = set(float_inputs(float_model))
+    layers = sorted(
+        (st for st in stats.values() if not st.is_output and st.name not in inputs),
+        key=lambda st: st.order,
+    )
+    return next((st for st in layers if st.sqnr_db < SQNR_FLOOR_DB), None)
+
+
+def search_groups(model: onnx.ModelProto, sample: Feed) -> list[list[str]]:
+    """The model's tensors in graph order, cut where one sample's would pass the search's bound.
+
+    Each tensor counts twice (the float model's and the quantized model's); one whose size
+    shape inference cannot tell counts as the median of those it can. One group (every
+    tensor) when they fit.
+    """
+    names = float_inputs(model) + [o for n in model.graph.node for o in n.output if o]
+    sizes = tensor_bytes(model, sample)
+    known = sorted(sizes.values())
+    typical = known[len(known) // 2] if known else 0
+    groups: list[list[str]] = [[]]
+    held = 0
+    for name in names:
+        size = 2 * sizes.get(name, typical)
+        if groups[-1] and held + size > LAYER_SEARCH_RUN_BYTES:
+            groups.append([])
+            held = 0
+        groups[-1].append(name)
+        held += size
+    return groups
 
 
 def _first_sample(feed: Feed, specs: Sequence[Any]) -> Feed:

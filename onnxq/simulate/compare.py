@@ -17,6 +17,7 @@ is where to look (``--exclude`` it, or try another calibration method).
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -186,20 +187,27 @@ def _initializers(model: onnx.ModelProto) -> dict[str, np.ndarray]:
 
 
 def compare(
-    float_model: onnx.ModelProto, quant_model: onnx.ModelProto, dataset: DatasetManager
+    float_model: onnx.ModelProto,
+    quant_model: onnx.ModelProto,
+    dataset: DatasetManager,
+    names: Sequence[str] | None = None,
 ) -> Comparison:
-    """Stream ``dataset`` through both models and compare every matched float tensor."""
+    """Stream ``dataset`` through both models and compare every matched float tensor.
+
+    ``names``: compare only these tensors (their statistics are those of a comparison of
+    every tensor; the drops of the first ones lack the inputs left out).
+    """
     try:
         float_model = onnx.shape_inference.infer_shapes(float_model)
     except Exception:  # shape inference is best effort; unknown tensors are skipped
         pass
     f_types = output_types(float_model)
-    inits = {i.name for i in float_model.graph.initializer}
-    graph_inputs = [i.name for i in float_model.graph.input if i.name not in inits]
+    graph_inputs = float_inputs(float_model)
+    only = set(names) if names is not None else None
     f_names = [
         o
         for o in graph_inputs + [o for n in float_model.graph.node for o in n.output]
-        if o and f_types.get(o) in FLOAT_TYPES
+        if o and f_types.get(o) in FLOAT_TYPES and (only is None or o in only)
     ]
     outputs = {o.name for o in float_model.graph.output}
     q_inits = _initializers(quant_model)
@@ -232,6 +240,46 @@ def compare(
         key=lambda s: (-s.drop_db, s.order),
     )
     return Comparison(outs, layers, samples)
+
+
+def float_inputs(model: onnx.ModelProto) -> list[str]:
+    """The graph inputs that are not initializers."""
+    inits = {i.name for i in model.graph.initializer}
+    return [i.name for i in model.graph.input if i.name not in inits]
+
+
+def tensor_bytes(model: onnx.ModelProto, feeds: Mapping[str, Any]) -> dict[str, int]:
+    """Bytes of every node output of ``model`` run on ``feeds``, where shapes tell them.
+
+    Shapes are inferred with the inputs fixed to the feeds' shapes and constants propagated
+    (a Reshape's target computed from a Shape is then known); tensors whose size stays
+    unknown are left out.
+    """
+    fixed = onnx.ModelProto()
+    fixed.CopyFrom(model)
+    del fixed.graph.value_info[:]
+    for vi in fixed.graph.input:
+        if vi.name in feeds and vi.type.tensor_type.HasField("shape"):
+            dims = vi.type.tensor_type.shape.dim
+            for dim, size in zip(dims, np.shape(feeds[vi.name]), strict=False):
+                dim.Clear()
+                dim.dim_value = int(size)
+    try:
+        fixed = onnx.shape_inference.infer_shapes(fixed, data_prop=True)
+    except Exception:  # best effort: nothing known
+        return {}
+    out = {}
+    for vi in [*fixed.graph.value_info, *fixed.graph.output]:
+        t = vi.type.tensor_type
+        dims = [d.dim_value if d.HasField("dim_value") else -1 for d in t.shape.dim]
+        if not t.HasField("shape") or any(d < 0 for d in dims):
+            continue
+        try:
+            itemsize = onnx.helper.tensor_dtype_to_np_dtype(t.elem_type).itemsize
+        except (KeyError, TypeError, ValueError):
+            continue
+        out[vi.name] = int(np.prod(dims, dtype=np.int64)) * itemsize
+    return out
 
 
 #: bytes of exposed tensors (both models) one run may hand out: a batch above it is compared in
