@@ -115,6 +115,39 @@ def test_patches_times_the_weight_is_what_onnxruntime_computes(
     np.testing.assert_allclose(out.reshape(len(ref), m), ref, atol=1e-4)
 
 
+@pytest.mark.parametrize("auto_pad", ["SAME_UPPER", "SAME_LOWER"])
+@pytest.mark.parametrize(
+    "kernel,strides,dilations,size",
+    [
+        ((3, 3), (2, 2), (1, 1), (9, 10)),
+        ((4, 1), (3, 1), (1, 1), (10, 7)),
+        ((3, 2), (1, 2), (1, 1), (8, 9)),
+    ],
+)
+def test_same_pads_follow_each_input_size_as_onnxruntime_pads(
+    auto_pad, kernel, strides, dilations, size
+):
+    """TF-exported Convs write auto_pad SAME (afis' LEADER: 65 of 78): the pads depend on the
+    input's size (odd totals put the odd one at the end or the beginning); as onnxruntime
+    computes them, for sizes that divide by the stride and sizes that do not (onnxruntime
+    refuses SAME with dilations)."""
+    r = rng(6)
+    x = r.normal(0, 1, (2, 4, *size)).astype(np.float32)
+    w = r.normal(0, 1, (5, 4, *kernel)).astype(np.float32)
+    node = h.make_node(
+        "Conv", ["x", "W"], ["y"], kernel_shape=list(kernel), strides=list(strides),
+        dilations=list(dilations), auto_pad=auto_pad,
+    )  # fmt: skip
+    y = run(make_model([node], [("x", ["N", 4, "H", "W"])], [("y", None)], {"W": w}), {"x": x})[0]
+    conv = ConvShape(kernel, strides, dilations, (0,) * 4, 1, auto_pad)
+    patches = conv_patches(x, conv, cap=10**6)
+    out = np.einsum("gkr,gmk->rgm", patches, w.reshape(1, 5, -1))
+    np.testing.assert_allclose(out.reshape(-1, 5), np.moveaxis(y, 1, -1).reshape(-1, 5), atol=1e-4)
+    sparse = conv_patches(x, conv, cap=8)  # the gather path reads the same pads
+    grid = patches.reshape(1, patches.shape[1], 2, *y.shape[2:])
+    assert sparse.shape[2] < patches.shape[2] and np.isin(sparse, grid).all()
+
+
 @pytest.mark.parametrize(
     "kernel, strides, dilations, pads, group, size",
     [

@@ -10,7 +10,7 @@ then removes the mean shift of the rounding actually used.
 
 ``rounding``: ``optimized`` rounds every eligible layer, ``nearest`` none, ``auto`` (the
 default) the layers of CNNs and transformers. The layer's weight must be a constant read by
-this node alone; a convolution needs explicit pads (``auto_pad`` NOTSET or VALID). Bounds:
+this node alone; a convolution's ``auto_pad`` SAME pads are resolved for each batch's size. Bounds:
 a layer needs at least as many calibration rows as its weight has inputs (fewer over-fit the
 calibration data), and the Hessians of one model hold at most :data:`MEMORY_BUDGET` bytes
 (the rest keep nearest rounding, each with the reason).
@@ -80,6 +80,7 @@ def _layers(state: State) -> tuple[list[_Layer], dict[str, str]]:
                 tuple(node_attr(node, "dilations") or [1] * spatial),
                 tuple(int(p) for p in pads),
                 int(node_attr(node, "group") or 1),
+                _auto_pad(node),
             )
         transposed = node.op == "Gemm" and bool(int(node_attr(node, "transB") or 0))
         layers.append(
@@ -96,15 +97,19 @@ def _layers(state: State) -> tuple[list[_Layer], dict[str, str]]:
     return layers, skipped
 
 
+def _auto_pad(node: Any) -> str:
+    """A Conv's ``auto_pad`` (NOTSET when not written)."""
+    pad = node_attr(node, "auto_pad")
+    return (pad.decode() if isinstance(pad, bytes) else pad) or "NOTSET"
+
+
 def _unsupported(node: Any, w: Any, axis: int | None, readers: int) -> str:
     """Why this layer keeps nearest rounding ('' when it can be rounded)."""
     if readers != 1:
         return f"its weight '{node.inputs[1].name}' is shared by {readers} nodes"
     if node.op == "Conv":
-        pad = node_attr(node, "auto_pad")
-        pad = pad.decode() if isinstance(pad, bytes) else pad
-        if pad not in (None, "NOTSET", "VALID"):
-            return f"auto_pad {pad} (explicit pads needed)"
+        if _auto_pad(node) not in ("NOTSET", "VALID", "SAME_UPPER", "SAME_LOWER"):
+            return f"auto_pad {_auto_pad(node)}"
         if w.ndim < 3 or axis not in (None, 0):
             return "not a per-output-channel convolution weight"
         return ""

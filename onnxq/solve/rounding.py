@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -182,6 +182,24 @@ class ConvShape:
     #: begin pads then end pads, as ONNX writes them
     pads: tuple[int, ...]
     group: int
+    #: ``SAME_UPPER`` or ``SAME_LOWER``: the pads follow each input's size (:meth:`at`)
+    auto_pad: str = "NOTSET"
+
+    def at(self, spatial: tuple[int, ...]) -> ConvShape:
+        """The shape with the explicit pads an input of ``spatial`` size gets.
+
+        ``SAME_*`` pads so that the output is ``ceil(input / stride)``, the odd one at the end
+        (``SAME_UPPER``) or at the beginning (``SAME_LOWER``), as ONNX defines them.
+        """
+        if self.auto_pad not in ("SAME_UPPER", "SAME_LOWER"):
+            return self
+        begin, end = [], []
+        for size, k, s, d in zip(spatial, self.kernel, self.strides, self.dilations, strict=True):
+            total = max(0, (-(-size // s) - 1) * s + (k - 1) * d + 1 - size)
+            small, big = total // 2, total - total // 2
+            begin.append(small if self.auto_pad == "SAME_UPPER" else big)
+            end.append(big if self.auto_pad == "SAME_UPPER" else small)
+        return replace(self, pads=(*begin, *end), auto_pad="NOTSET")
 
 
 #: multiply-adds one layer's Hessian may cost (G·K² per row), and rows per weight input: they
@@ -222,6 +240,7 @@ def conv_patches(x: np.ndarray, conv: ConvShape, cap: int) -> np.ndarray:
     x = np.asarray(x)
     n, c = x.shape[:2]
     spatial = len(conv.kernel)
+    conv = conv.at(x.shape[2:])
     begin, end = conv.pads[:spatial], conv.pads[spatial:]
     extent = tuple((k - 1) * d + 1 for k, d in zip(conv.kernel, conv.dilations, strict=True))
     out_shape = tuple(
