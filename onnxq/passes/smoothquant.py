@@ -47,11 +47,15 @@ class _Reader:
 
 @dataclass
 class _Stats:
-    absmax: np.ndarray
     lo: np.ndarray
     hi: np.ndarray
     rows: list[np.ndarray]
     seen: int = 0
+
+    @property
+    def absmax(self) -> np.ndarray:
+        """The largest magnitude per channel (from the extremes: no pass of its own)."""
+        return np.maximum(np.maximum(-self.lo, self.hi), 0.0)
 
 
 class SmoothQuant:
@@ -137,7 +141,7 @@ def _as_kn(init: onnx.TensorProto, transposed: bool) -> np.ndarray:
 
 
 def _collect(state: State, model: onnx.ModelProto, tensors: list[str]) -> dict[str, _Stats]:
-    """Per-channel |max|, min, max and a row sample of each tensor over the calibration data."""
+    """Per-channel min and max (|max| from them) and a row sample of each tensor over the data."""
     stats: dict[str, _Stats] = {}
     for values in float_batches(
         state,
@@ -156,8 +160,7 @@ def _collect(state: State, model: onnx.ModelProto, tensors: list[str]) -> dict[s
             st = stats.get(t)
             if st is None:
                 k = rows.shape[1]
-                st = stats[t] = _Stats(np.zeros(k), np.full(k, np.inf), np.full(k, -np.inf), [])
-            st.absmax = np.maximum(st.absmax, np.abs(rows).max(0))
+                st = stats[t] = _Stats(np.full(k, np.inf), np.full(k, -np.inf), [])
             st.lo = np.minimum(st.lo, rows.min(0))
             st.hi = np.maximum(st.hi, rows.max(0))
             room = SAMPLE_ROWS - st.seen
