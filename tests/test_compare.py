@@ -178,6 +178,32 @@ def test_values_the_float_model_computes_as_nan_are_left_out():
     assert broken.sqnr_db == -np.inf
 
 
+def test_tensors_too_large_to_hand_out_at_once_are_compared_in_groups(monkeypatch):
+    """Past the bound for one sample, each group of tensors streams the data on its own: the
+    figures (and the drops, linked across groups) are those of one stream of every tensor."""
+    import onnxq.simulate.compare as cmp
+
+    fp32 = onnx.load(str(CNN))
+    q, _ = onnxq.quantize(fp32, {"input": X}, progress=False)
+    data = as_dataset({"input": X}, model_inputs(fp32), batch_size=8)
+    whole = compare(fp32, q, data)
+    streams = []
+    real = cmp._stream
+    monkeypatch.setattr(cmp, "GROUP_BYTES", 40_000)
+    monkeypatch.setattr(cmp, "_stream", lambda *a: streams.append(a[3]) or real(*a))
+    data.reset()
+    grouped = compare(fp32, q, data)
+    assert (
+        len(streams) > 2
+        and sum(len(g) for g in streams) == len(whole.layers) + len(whole.outputs) + 1
+    )  # the graph input is compared too
+    assert grouped.samples == whole.samples == 32
+    key = [(s.name, s.order) for s in whole.layers]
+    assert [(s.name, s.order) for s in grouped.layers] == key
+    for a, b in zip(whole.layers + whole.outputs, grouped.layers + grouped.outputs, strict=True):
+        assert (a.sqnr_db, a.drop_db, a.cosine) == (b.sqnr_db, b.drop_db, b.cosine)
+
+
 def test_a_large_batch_runs_in_parts_with_the_same_sums(monkeypatch):
     """Both models run the next part while this one is folded; parts sum as one batch."""
     import onnxq.simulate.compare as cmp

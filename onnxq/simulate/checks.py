@@ -34,7 +34,7 @@ from onnxq.simulate.compare import (
     compare,
     float_inputs,
     link_inputs,
-    tensor_bytes,
+    tensor_groups,
 )
 
 #: an output below this SQNR against fp32 (on the check's samples) is warned about
@@ -276,26 +276,9 @@ def first_below_floor(
 
 
 def search_groups(model: onnx.ModelProto, sample: Feed) -> list[list[str]]:
-    """The model's tensors in graph order, cut where one sample's would pass the search's bound.
-
-    Each tensor counts twice (the float model's and the quantized model's); one whose size
-    shape inference cannot tell counts as the median of those it can. One group (every
-    tensor) when they fit.
-    """
+    """The model's tensors in graph order, in groups the search hands out at once."""
     names = float_inputs(model) + [o for n in model.graph.node for o in n.output if o]
-    sizes = tensor_bytes(model, sample)
-    known = sorted(sizes.values())
-    typical = known[len(known) // 2] if known else 0
-    groups: list[list[str]] = [[]]
-    held = 0
-    for name in names:
-        size = 2 * sizes.get(name, typical)
-        if groups[-1] and held + size > LAYER_SEARCH_RUN_BYTES:
-            groups.append([])
-            held = 0
-        groups[-1].append(name)
-        held += size
-    return groups
+    return tensor_groups(model, names, sample, LAYER_SEARCH_RUN_BYTES)
 
 
 def _first_sample(feed: Feed, specs: Sequence[Any]) -> Feed:

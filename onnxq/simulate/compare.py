@@ -195,7 +195,11 @@ def compare(
     """Stream ``dataset`` through both models and compare every matched float tensor.
 
     ``names``: compare only these tensors (their statistics are those of a comparison of
-    every tensor; the drops of the first ones lack the inputs left out).
+    every tensor; the drops of the first ones lack the inputs left out). When one sample's
+    tensors of both models would pass :data:`GROUP_BYTES` (sized by shape inference on the
+    first batch), they are compared in graph-order groups of that size, the data streamed
+    once per group: onnxruntime holds every exposed tensor of a run, fetched or not (a source
+    that can be read once only is compared at once).
     """
     try:
         float_model = onnx.shape_inference.infer_shapes(float_model)
@@ -209,10 +213,56 @@ def compare(
         for o in graph_inputs + [o for n in float_model.graph.node for o in n.output]
         if o and f_types.get(o) in FLOAT_TYPES and (only is None or o in only)
     ]
-    outputs = {o.name for o in float_model.graph.output}
+    groups = [f_names]
+    if dataset.replayable:
+        first = next(iter(dataset.batches()), None)
+        dataset.reset()
+        if first is not None:
+            groups = tensor_groups(float_model, f_names, first, GROUP_BYTES)
+    stats: dict[str, TensorStats] = {}
+    samples = 0
     q_inits = _initializers(quant_model)
-    plan = tensor_plan(f_names, quant_model, q_inits)
-    stats = {n: TensorStats(n, n in outputs, i) for i, n in enumerate(plan)}
+    streamed = False
+    for group in groups:
+        plan = tensor_plan(group, quant_model, q_inits)
+        if not plan and streamed:  # nothing of this group is in the quantized model
+            continue
+        if streamed:
+            dataset.reset()
+        samples = _stream(float_model, (quant_model, q_inits), dataset, plan, stats)
+        streamed = True
+    for rank, st in enumerate(stats.values()):
+        st.order = rank
+    link_inputs(float_model, stats)
+    producers = {o: n for n in float_model.graph.node for o in n.output}
+    for name, st in stats.items():
+        node = producers.get(name)
+        if node is not None:
+            st.node, st.op = node.name or name, node.op_type
+    outs = [s for s in stats.values() if s.is_output]
+    # graph inputs are compared (the layers they feed start from them) but are no layer
+    layers = sorted(
+        (s for s in stats.values() if not s.is_output and s.name not in graph_inputs),
+        key=lambda s: (-s.drop_db, s.order),
+    )
+    return Comparison(outs, layers, samples)
+
+
+def _stream(
+    float_model: onnx.ModelProto,
+    quantized: tuple[onnx.ModelProto, dict[str, np.ndarray]],
+    dataset: DatasetManager,
+    plan: dict[str, tuple[str, str | None, str]],
+    stats: dict[str, TensorStats],
+) -> int:
+    """Fold the data's statistics of ``plan``'s tensors into ``stats``; the samples streamed.
+
+    ``quantized``: the quantized model and its initializers as arrays.
+    """
+    quant_model, q_inits = quantized
+    outputs = {o.name for o in float_model.graph.output}
+    for n in plan:
+        stats[n] = TensorStats(n, n in outputs, len(stats))
     f_sess = make_session(float_model, expose=list(plan))
     q_fetch = sorted({v[0] for v in plan.values()})
     q_sess = make_session(quant_model, expose=q_fetch)
@@ -227,19 +277,37 @@ def compare(
         samples += feed_samples(feeds) if feeds else 0
         for name, q in dequantized(plan, q_inits, q_vals).items():
             stats[name].add(np.asarray(f_vals[name]), q)
-    link_inputs(float_model, stats)
-    producers = {o: n for n in float_model.graph.node for o in n.output}
-    for name, st in stats.items():
-        node = producers.get(name)
-        if node is not None:
-            st.node, st.op = node.name or name, node.op_type
-    outs = [s for s in stats.values() if s.is_output]
-    # graph inputs are compared (the layers they feed start from them) but are no layer
-    layers = sorted(
-        (s for s in stats.values() if not s.is_output and s.name not in graph_inputs),
-        key=lambda s: (-s.drop_db, s.order),
-    )
-    return Comparison(outs, layers, samples)
+    return samples
+
+
+#: one sample's tensors of both models past this are compared in groups (:func:`compare`)
+GROUP_BYTES = 512 << 20
+
+
+def tensor_groups(
+    model: onnx.ModelProto, names: list[str], feeds: Mapping[str, Any], bound: int
+) -> list[list[str]]:
+    """``names`` in their order, cut where one sample's tensors of both models pass ``bound``.
+
+    Sizes come from :func:`tensor_bytes` on ``feeds`` (per sample where the feeds share a
+    batch axis); each tensor counts twice (the float model's and the quantized model's), one
+    whose size shape inference cannot tell as the median of those it can. One group when
+    they fit.
+    """
+    per = feed_samples(feeds) if shared_batch(feeds) else 1
+    sizes = {n: b // max(per, 1) for n, b in tensor_bytes(model, feeds).items()}
+    known = sorted(sizes.values())
+    typical = known[len(known) // 2] if known else 0
+    groups: list[list[str]] = [[]]
+    held = 0
+    for name in names:
+        size = 2 * sizes.get(name, typical)
+        if groups[-1] and held + size > bound:
+            groups.append([])
+            held = 0
+        groups[-1].append(name)
+        held += size
+    return groups
 
 
 def float_inputs(model: onnx.ModelProto) -> list[str]:
