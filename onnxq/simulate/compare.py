@@ -225,14 +225,12 @@ def compare(
     streamed = False
     for group in groups:
         plan = tensor_plan(group, quant_model, q_inits)
-        if not plan and streamed:  # nothing of this group is in the quantized model
+        if not plan:  # nothing of it in the quantized model (an empty fetch list fetches all)
             continue
         if streamed:
             dataset.reset()
         samples = _stream(float_model, (quant_model, q_inits), dataset, plan, stats)
         streamed = True
-    for rank, st in enumerate(stats.values()):
-        st.order = rank
     link_inputs(float_model, stats)
     producers = {o: n for n in float_model.graph.node for o in n.output}
     for name, st in stats.items():
@@ -261,7 +259,7 @@ def _stream(
     """
     quant_model, q_inits = quantized
     outputs = {o.name for o in float_model.graph.output}
-    for n in plan:
+    for n in plan:  # numbered in graph order across groups
         stats[n] = TensorStats(n, n in outputs, len(stats))
     f_sess = make_session(float_model, expose=list(plan))
     q_fetch = sorted({v[0] for v in plan.values()})
