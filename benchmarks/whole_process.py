@@ -60,7 +60,11 @@ if variant == "nncf":
     kw = {"subset_size": n}
     if kind == "transformer":
         kw["model_type"] = nncf.ModelType.TRANSFORMER
-    onnx.save(nncf.quantize(onnx.load(src), nncf.Dataset(feeds), **kw), out)
+    model = onnx.load(src)
+    if next(o.version for o in model.opset_import if o.domain in ("", "ai.onnx")) < 10:
+        from onnx import version_converter  # NNCF refuses these; its user converts first
+        model = version_converter.convert_version(model, 13)
+    onnx.save(nncf.quantize(model, nncf.Dataset(feeds), **kw), out)
 else:
     from onnxruntime.quantization import CalibrationDataReader, QuantFormat, quantize_static
     class Reader(CalibrationDataReader):

@@ -689,11 +689,14 @@ class PhotoClasses(Agreement):
     evaluation crops come from different photographs), normalized with the model's ``mean``
     and ``std`` (options). The photographs are not of the model's classes, so the float
     model's own top-1 class is the reference: a quantizer that moves close scores flips it.
+    ``pixels = "bgr-nhwc"`` with ``mean`` in pixel units, BGR order (no ``std``), feeds a
+    Caffe-style model: BGR channels last, the channel means subtracted.
     """
 
     def __init__(self, model_path: Path, files: dict[str, Path], options: dict[str, Any]):
         super().__init__(model_path, files, options)
         self.size = int(options.get("size", 224))
+        self.pixels = str(options.get("pixels", "rgb-nchw"))
         mean = options.get("mean", (0.485, 0.456, 0.406))
         std = options.get("std", (0.229, 0.224, 0.225))
         self.mean: tuple[float, float, float] = (float(mean[0]), float(mean[1]), float(mean[2]))
@@ -701,7 +704,12 @@ class PhotoClasses(Agreement):
         self.input = self._float.get_inputs()[0].name
 
     def _batches(self, part: str, n: int, batch: int) -> list[Feeds]:
-        x = photos.normalized(photos.crops(part, n, self.size), self.mean, self.std)
+        images = photos.crops(part, n, self.size)
+        if self.pixels == "bgr-nhwc":
+            bgr = images[..., ::-1].astype(np.float32)
+            x = np.ascontiguousarray(bgr - np.asarray(self.mean, np.float32))
+        else:
+            x = photos.normalized(images, self.mean, self.std)
         return [{self.input: x[i : i + batch]} for i in range(0, n, batch)]
 
     def calibration(self, n: int) -> list[Feeds]:
@@ -719,6 +727,42 @@ class PhotoClasses(Agreement):
             ref, hyp = self.float_run(feeds)[0], run(feeds)[0]
             agree.append(ref.argmax(-1) == hyp.argmax(-1))
         return np.concatenate(agree).astype(np.float64)
+
+
+def log_odds_correlation(ref: list[np.ndarray], hyp: list[np.ndarray]) -> float:
+    """Pearson correlation (%) of the log-odds log(p / (1 − p)) of two lists of probabilities."""
+    odds = []
+    for probs in (ref, hyp):
+        p = np.clip(np.concatenate([q.ravel() for q in probs]).astype(np.float64), 1e-7, 1 - 1e-7)
+        lo = np.log(p / (1 - p))
+        odds.append(lo - lo.mean())
+    a, b = odds
+    return 100.0 * float((a * b).sum() / np.sqrt((a * a).sum() * (b * b).sum()))
+
+
+class PhotoScores(PhotoClasses):
+    """A two-class image scorer on crops of real photographs: score correlation with fp32 (%).
+
+    The crops of :class:`PhotoClasses`; the model outputs class probabilities and its user
+    thresholds one of them (``positive``, an index: open_nsfw's NSFW probability). The
+    photographs rarely score high, so agreement of the thresholded decision says little; the
+    metric is the Pearson correlation (%) of that class's log-odds with the float model's over
+    every evaluation crop, which follows any change of the score.
+    """
+
+    metric = "score correlation with fp32"
+
+    def __init__(self, model_path: Path, files: dict[str, Path], options: dict[str, Any]):
+        super().__init__(model_path, files, options)
+        self.positive = int(options.get("positive", 1))
+
+    def evaluate(self, run: Runner, n: int) -> float:
+        """Correlation (%) of the positive class's log-odds over ``n`` evaluation crops."""
+        ref, hyp = [], []
+        for feeds in self._batches("evaluation", n, 16):
+            ref.append(self.float_run(feeds)[0][..., self.positive])
+            hyp.append(run(feeds)[0][..., self.positive])
+        return log_odds_correlation(ref, hyp)
 
 
 class FaceCandidates(Agreement):
@@ -804,12 +848,9 @@ class FaceCandidates(Agreement):
         """Correlation (%) of the face log-odds over ``n`` evaluation inputs."""
         ref, hyp = [], []
         for feeds in self._feeds("evaluation", n, 64):
-            for got, out in ((ref, self.float_run(feeds)), (hyp, run(feeds))):
-                p = np.clip(out[-1][..., 1].astype(np.float64), 1e-7, 1 - 1e-7)
-                got.append(np.log(p / (1 - p)).ravel())
-        a = np.concatenate(ref) - np.concatenate(ref).mean()
-        b = np.concatenate(hyp) - np.concatenate(hyp).mean()
-        return 100.0 * float((a * b).sum() / np.sqrt((a * a).sum() * (b * b).sum()))
+            ref.append(self.float_run(feeds)[-1][..., 1])
+            hyp.append(run(feeds)[-1][..., 1])
+        return log_odds_correlation(ref, hyp)
 
 
 class Saliency(Agreement):
@@ -898,6 +939,7 @@ RECIPES: dict[str, type] = {
     "sentence-embeddings": SentenceEmbeddings,
     "saliency": Saliency,
     "photo-classes": PhotoClasses,
+    "photo-scores": PhotoScores,
     "ocr-lines": OcrLines,
     "text-direction": TextDirection,
     "rotated-pages": RotatedPages,

@@ -344,3 +344,56 @@ def test_face_windows_are_the_float_pnets_proposals_on_other_photographs(tmp_pat
     assert not any(np.array_equal(a, b) for a in cal[:16] for b in ev[:16])
     feeds = recipe.calibration(5)
     assert len(feeds) == 5 and all(f[recipe.input].shape == (1, 24, 24, 3) for f in feeds)
+
+
+def test_photo_scores_feed_caffe_pixels_and_correlate_the_positive_log_odds(tmp_path):
+    # a toy two-class scorer: the logits are the mean of the B and the R channel (NHWC); the
+    # feed must be the crop in BGR order minus the given BGR means, and the metric the Pearson
+    # correlation of class 1's log-odds with the float model's
+    from onnx import TensorProto
+    from onnx import helper as h
+
+    from models import photos
+    from models.recipes import PhotoScores
+
+    nodes = [
+        h.make_node("ReduceMean", ["x"], ["m"], axes=[1, 2], keepdims=0),
+        h.make_node("Gather", ["m", "idx"], ["two"], axis=1),
+        h.make_node("Mul", ["two", "k"], ["logits"]),
+        h.make_node("Softmax", ["logits"], ["p"], axis=1),
+    ]
+    graph = h.make_graph(
+        nodes,
+        "toy_scores",
+        [h.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 32, 32, 3])],
+        [h.make_tensor_value_info("p", TensorProto.FLOAT, None)],
+        [
+            h.make_tensor("idx", TensorProto.INT64, [2], [0, 2]),
+            h.make_tensor("k", TensorProto.FLOAT, [], [0.05]),
+        ],
+    )
+    path = tmp_path / "scores.onnx"
+    onnx.save(h.make_model(graph, opset_imports=[h.make_opsetid("", 13)]), str(path))
+    mean = [104.0, 117.0, 123.0]
+    recipe = PhotoScores(path, {}, {"size": 32, "pixels": "bgr-nhwc", "mean": mean})
+    feeds = recipe.calibration(3)
+    rgb = photos.crops("calibration", 3, 32).astype(np.float32)
+    assert np.array_equal(feeds[1]["x"][0], rgb[1, :, :, ::-1] - np.float32(mean))
+    float_run = recipe.float_run
+    assert recipe.evaluate(float_run, 48) == pytest.approx(100.0)
+
+    def shifted(f):  # the same scores on another scale: perfectly correlated log-odds
+        p = float_run(f)[0]
+        z = 0.5 * (np.log(p[:, 1]) - np.log(p[:, 0]))
+        return [np.stack([1 / (1 + np.exp(z)), 1 / (1 + np.exp(-z))], axis=1)]
+
+    assert recipe.evaluate(shifted, 48) == pytest.approx(100.0)
+    rng = np.random.default_rng(0)
+
+    def noisy(f):
+        p = float_run(f)[0].astype(np.float64)
+        z = np.log(p[:, 1] / p[:, 0]) + rng.normal(0, 0.5, len(p))
+        return [np.stack([1 / (1 + np.exp(z)), 1 / (1 + np.exp(-z))], axis=1)]
+
+    got = recipe.evaluate(noisy, 48)
+    assert 0.0 < got < 99.9
