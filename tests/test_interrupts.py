@@ -317,7 +317,13 @@ def test_a_ctrl_c_between_the_model_and_its_data_comes_after_both(tmp_path, monk
     monkeypatch.setattr(interrupt, "_received", [])  # the SIGINT sent here is this test's only
     g = onnx.helper.make_graph([], "g", [], [onnx.helper.make_tensor_value_info("w", 1, [4])])
     g.initializer.append(onnx.numpy_helper.from_array(np.ones(4, np.float32), "w"))
-    with pytest.raises(KeyboardInterrupt):
-        graph._save_external(onnx.helper.make_model(g), tmp_path / "q.onnx", tmp_path)
+    # Python's own handler, whatever an earlier test in this process left (the suite failed
+    # once with "DID NOT RAISE" where another handler was set)
+    saved = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            graph._save_external(onnx.helper.make_model(g), tmp_path / "q.onnx", tmp_path)
+    finally:
+        signal.signal(signal.SIGINT, saved)
     assert renamed == ["q.onnx.data", "q.onnx"]  # both in place when the interrupt came
     assert interrupt.message().startswith("onnxq: interrupted after writing")
