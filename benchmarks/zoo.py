@@ -65,6 +65,16 @@ class _Reader:
         return next(self._it, None)
 
 
+def _opset_raised(model: onnx.ModelProto, below: int) -> onnx.ModelProto:
+    """``model`` converted to opset 13 when its default-domain opset is below ``below``."""
+    opset = next(o.version for o in model.opset_import if o.domain in ("", "ai.onnx"))
+    if opset >= below:
+        return model
+    from onnx import version_converter
+
+    return version_converter.convert_version(model, 13)
+
+
 def _ort(src: Path, feeds: list[dict[str, np.ndarray]], out: Path, best: bool) -> None:
     from onnxruntime.quantization import QuantFormat, quantize_static
     from onnxruntime.quantization.shape_inference import quant_pre_process
@@ -81,11 +91,9 @@ def _ort(src: Path, feeds: list[dict[str, np.ndarray]], out: Path, best: bool) -
                 file=sys.stderr,
             )
         model = onnx.load(str(path))
-        opset = next(o.version for o in model.opset_import if o.domain in ("", "ai.onnx"))
-        if opset < 13:
-            from onnx import version_converter
-
-            onnx.save(version_converter.convert_version(model, 13), str(pre))
+        raised = _opset_raised(model, below=13)
+        if raised is not model:
+            onnx.save(raised, str(pre))
             path = pre
     quantize_static(
         str(path), str(out), _Reader(feeds), quant_format=QuantFormat.QDQ, per_channel=best
@@ -98,12 +106,8 @@ def _nncf(src: Path, feeds: list[dict[str, np.ndarray]], out: Path, kind: str) -
     kwargs: dict[str, Any] = {"subset_size": len(feeds)}
     if kind == "transformer":
         kwargs["model_type"] = nncf.ModelType.TRANSFORMER
-    model = onnx.load(str(src))
-    opset = next(o.version for o in model.opset_import if o.domain in ("", "ai.onnx"))
-    if opset < 10:  # NNCF refuses these; its user converts first, as onnxruntime does itself
-        from onnx import version_converter
-
-        model = version_converter.convert_version(model, 13)
+    # NNCF refuses opsets below 10; its user converts first, as onnxruntime does itself
+    model = _opset_raised(onnx.load(str(src)), below=10)
     quantized = nncf.quantize(model, nncf.Dataset(feeds), **kwargs)
     onnx.save(quantized, str(out))
 

@@ -108,8 +108,9 @@ def _unsupported(node: Any, w: Any, axis: int | None, readers: int) -> str:
     if readers != 1:
         return f"its weight '{node.inputs[1].name}' is shared by {readers} nodes"
     if node.op == "Conv":
-        if _auto_pad(node) not in ("NOTSET", "VALID", "SAME_UPPER", "SAME_LOWER"):
-            return f"auto_pad {_auto_pad(node)}"
+        pad = _auto_pad(node)
+        if pad not in ("NOTSET", "VALID", "SAME_UPPER", "SAME_LOWER"):
+            return f"auto_pad {pad}"
         if w.ndim < 3 or axis not in (None, 0):
             return "not a per-output-channel convolution weight"
         return ""
