@@ -20,7 +20,8 @@ N: N calibration samples in one batch, on models whose batch dimension is free),
 ``--runs`` runs after 20 warm-up runs, the variants interleaved run by run; file size; wall
 time and peak RSS of the quantization (each in its own process, so the figures do not mix).
 Writes ``docs/benchmark.md`` (the README shows it), ``docs/benchmark.json`` and
-``docs/benchmark.png``.
+``docs/benchmark.png``. A run of some models replaces their rows and keeps the others' (the
+page then says which run measured which rows).
 """
 
 from __future__ import annotations
@@ -242,6 +243,7 @@ def markdown(results: list[dict[str, Any]], runs: int, batch: int = 1) -> str:
         f"Latency: batch {batch}, median of {runs} runs after warm-up, variants interleaved; "
         "ratio = variant / fp32 at "
         "the same thread count (below 1: faster). Peak RSS: the whole quantization process.",
+        *_runs_line(results),
         "",
         "| model | metric | variant | metric value | Δ vs fp32 | ms 1 thread | × fp32 "
         "| ms 2 threads | × fp32 | size KiB | quantize s | peak RSS MiB |",
@@ -286,6 +288,28 @@ def markdown(results: list[dict[str, Any]], runs: int, batch: int = 1) -> str:
     return "\n".join(lines)
 
 
+def _runs_line(results: list[dict[str, Any]]) -> list[str]:
+    """Which rows each run measured, when the scoreboard holds rows of more than one run."""
+    groups: dict[str, list[str]] = {}
+    for res in results:
+        run = res.get("run")
+        key = (
+            f"{run['date']} ({run['machine']}, onnxruntime {run['onnxruntime']}, batch "
+            f"{run['batch']}, median of {run['runs']} runs)"
+            if run
+            else "an earlier run"
+        )
+        groups.setdefault(key, []).append(res["model"])
+    if len(groups) < 2:
+        return []
+    return [
+        "",
+        "Rows measured in different runs: "
+        + "; ".join(f"{', '.join(models)}: {key}" for key, models in groups.items())
+        + ".",
+    ]
+
+
 def chart(results: list[dict[str, Any]], path: Path) -> None:
     """Two panels: metric change vs fp32 and latency ratio at 1 thread, per model and variant."""
     import matplotlib
@@ -325,6 +349,38 @@ def chart(results: list[dict[str, Any]], path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+def measured_by(runs: int, batch: int) -> dict[str, Any]:
+    """What a run's rows were measured with: the day, machine, runtime and latency runs."""
+    return {
+        "date": time.strftime("%Y-%m-%d"),
+        "machine": f"{platform.processor() or platform.machine()}, {mp.cpu_count()} cores",
+        "onnxruntime": ort.__version__,
+        "runs": runs,
+        "batch": batch,
+    }
+
+
+def merged(
+    earlier: list[dict[str, Any]], new: list[dict[str, Any]], order: list[str]
+) -> list[dict[str, Any]]:
+    """The scoreboard with ``new``'s models replacing their earlier rows, the others kept.
+
+    A run of a few models updates their rows and leaves the rest of the scoreboard as it was
+    (each row says when it was measured); models are listed in the manifest's order.
+    """
+    rows = {r["model"]: r for r in earlier}
+    rows.update({r["model"]: r for r in new})
+    rank = {name: i for i, name in enumerate(order)}
+    return sorted(rows.values(), key=lambda r: (rank.get(r["model"], len(rank)), r["model"]))
+
+
+def _write(path: Path, text: str) -> None:
+    """``text`` into ``path`` through a file beside it (an interrupted run leaves the old one)."""
+    part = path.with_name(path.name + ".part")
+    part.write_text(text)
+    part.replace(path)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("models", nargs="*")
@@ -359,9 +415,15 @@ def main() -> int:
                     if ln.startswith(f"| {name} ")
                 ]
                 print("\n".join(rows), file=sys.stderr, flush=True)
-    (out / "benchmark.json").write_text(json.dumps(results, indent=1))
+    run = measured_by(args.runs, args.batch)
+    for res in results:
+        res["run"] = run
+    earlier = out / "benchmark.json"
+    if earlier.exists():
+        results = merged(json.loads(earlier.read_text()), results, [m.name for m in manifest])
+    _write(out / "benchmark.json", json.dumps(results, indent=1))
     text = markdown(results, args.runs, args.batch)
-    (out / "benchmark.md").write_text(text)
+    _write(out / "benchmark.md", text)
     chart(results, out / "benchmark.png")
     print(text)
     return 0

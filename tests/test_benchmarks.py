@@ -183,3 +183,23 @@ def test_calibration_times_the_ranges_alone_beside_the_defaults():
     alone = float(cells[" onnxq-ranges calibrate s (× floor) "].split()[0])
     assert 0 < alone < default
     assert "as fast as" not in done.stdout  # one process each: no workers comparison
+
+
+def test_zoo_run_of_some_models_keeps_the_other_rows_of_the_scoreboard():
+    # `python -m benchmarks.zoo mtcnn_pnet` rewrote docs/benchmark.* with that model alone
+    from benchmarks.zoo import markdown, measured_by, merged
+
+    def result(model: str, metric: float, run: dict | None) -> dict:
+        row = {"seconds": 1.0, "rss_mib": 100.0, "error": "", "metric": metric, "bytes": 1024}
+        res = {"model": model, "metric": "accuracy", "unit": "%", "higher_is_better": True}
+        res["variants"] = {"fp32": {**row, "metric": 100.0}, "onnxq": row}
+        return res | ({"run": run} if run else {})
+
+    earlier = [result("a", 90.0, None), result("b", 80.0, None), result("c", 70.0, None)]
+    run = measured_by(7, 1)
+    board = merged(earlier, [result("b", 85.0, run), result("d", 60.0, run)], ["d", "c", "b", "a"])
+    assert [r["model"] for r in board] == ["d", "c", "b", "a"]  # the manifest's order
+    assert [r["variants"]["onnxq"]["metric"] for r in board] == [60.0, 70.0, 85.0, 90.0]
+    text = markdown(board, 7)
+    assert f"d, b: {run['date']}" in text and "c, a: an earlier run" in text
+    assert "different runs" not in markdown(earlier, 7)  # one run: the header as it was
