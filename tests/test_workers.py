@@ -194,6 +194,36 @@ def test_a_hessian_split_by_blocks_is_the_one_pass_hessian(conv):
     assert shards[1].rows == one.rows
 
 
+def test_the_hessians_buffer_rows_within_a_bound_and_shards_still_sum_alike(monkeypatch):
+    # each layer buffered up to 4 MiB of rows for one product: 115 MiB on a ResNet-50
+    import onnxq.calibrate.statistics as stats_module
+
+    budget = 3 * 8 * 64 * 4  # bytes: three layers' rows of 8 samples
+    monkeypatch.setattr(stats_module, "PENDING_BYTES", budget)
+    names = [f"t{i}" for i in range(6)]
+    batches = [[R.standard_normal((8, 64)).astype(np.float32) for _ in names] for _ in range(12)]
+
+    block = 3  # 4 blocks of batches, dealt to two shards in turn
+
+    def make() -> Statistics:
+        taps = {n: [HessianObserver(None, 1, 64, batches=len(batches))] for n in names}
+        return Statistics({n: [MinMaxObserver()] for n in names}, taps=taps, block=block)
+
+    one, shards = make(), [make(), make()]
+    for i, outs in enumerate(batches):
+        one.add(names, outs, 8, i)
+        assert sum(t[0].pending_bytes for t in one.taps.values()) <= budget
+        shards[(i // block) % 2].add(names, outs, 8, i)
+    shards[1].merge(shards[0])
+    for name in names:
+        hessian = one.taps[name][0].hessian()
+        np.testing.assert_array_equal(shards[1].taps[name][0].hessian(), hessian)
+        unbounded = HessianObserver(None, 1, 64, batches=len(batches))
+        for i, outs in enumerate(batches):
+            unbounded.observe(outs[names.index(name)], index=i, block=i // block)
+        np.testing.assert_allclose(hessian, unbounded.hessian(), rtol=1e-5, atol=1e-6)
+
+
 def test_statistics_merge_counts_and_channel_sums():
     def make() -> Statistics:
         return Statistics({"t": [MinMaxObserver()]}, channel_axes={"t": 1})

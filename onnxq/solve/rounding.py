@@ -359,7 +359,8 @@ class HessianObserver:
     has, when known. The layer takes about :func:`total_rows` rows in all, spread evenly over
     the batches (else :func:`row_cap` per batch from the first batches). Each batch gives its
     rows from itself alone (a regular grid of its positions); rows are buffered within a block
-    of batches up to :data:`FLUSH_BYTES` or :data:`FLUSH_ROWS` and multiplied as one float32
+    of batches up to :data:`FLUSH_BYTES` or :data:`FLUSH_ROWS` (and sooner when all layers'
+    buffers pass onnxq.calibrate.statistics.PENDING_BYTES) and multiplied as one float32
     product per group (relative error ~1e-7), the block's products summed in float64 in their
     fixed order (a function of the block's batches alone), and each block's sum added to an
     order-independent float64 sum (:class:`~onnxq.solve.sums.PairSum`): calibration split over
@@ -421,6 +422,24 @@ class HessianObserver:
         last = index == self.batches_used - 1
         if last or self._pending_rows >= FLUSH_ROWS or self._pending_bytes >= FLUSH_BYTES:
             self._product()
+
+    @property
+    def pending_bytes(self) -> int:
+        """Bytes of rows buffered, waiting for their product."""
+        return self._pending_bytes
+
+    @property
+    def pending_rows(self) -> int:
+        """Rows buffered, waiting for their product."""
+        return self._pending_rows
+
+    def multiply(self) -> None:
+        """Add the buffered rows to the open block's sum now (the caller bounds all buffers)."""
+        self._product()
+
+    def close_block(self) -> None:
+        """Close the open block now (the next batch starts another)."""
+        self._flush()
 
     def _product(self) -> None:
         """Add the buffered rows' ``x xᵀ`` to the open block's sum.
