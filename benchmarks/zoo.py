@@ -374,13 +374,6 @@ def merged(
     return sorted(rows.values(), key=lambda r: (rank.get(r["model"], len(rank)), r["model"]))
 
 
-def _write(path: Path, text: str) -> None:
-    """``text`` into ``path`` through a file beside it (an interrupted run leaves the old one)."""
-    part = path.with_name(path.name + ".part")
-    part.write_text(text)
-    part.replace(path)
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("models", nargs="*")
@@ -397,6 +390,7 @@ def main() -> int:
         (out / "benchmark.md").write_text(markdown(results, args.runs))
         chart(results, out / "benchmark.png")
         return 0
+    from onnxq.io.graph import write_text_atomic
     from onnxq.tools.zoo import load_manifest
 
     manifest = load_manifest(ROOT / "models" / "manifest.toml")
@@ -421,9 +415,9 @@ def main() -> int:
     earlier = out / "benchmark.json"
     if earlier.exists():
         results = merged(json.loads(earlier.read_text()), results, [m.name for m in manifest])
-    _write(out / "benchmark.json", json.dumps(results, indent=1))
+    write_text_atomic(out / "benchmark.json", json.dumps(results, indent=1))
     text = markdown(results, args.runs, args.batch)
-    _write(out / "benchmark.md", text)
+    write_text_atomic(out / "benchmark.md", text)
     chart(results, out / "benchmark.png")
     print(text)
     return 0
