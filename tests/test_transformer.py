@@ -27,9 +27,14 @@ from onnxq.solve.smoothquant import (
 D, HEADS, VOCAB, FLOAT_MIN = 16, 1, 50, float(np.finfo(np.float32).min)
 
 
-def _encoder(mask_value: float = FLOAT_MIN, outlier: float = 1.0) -> onnx.ModelProto:
+def _encoder(
+    mask_value: float = FLOAT_MIN, outlier: float = 1.0, fill: bool = False
+) -> onnx.ModelProto:
     """One attention block as exporters write it: ids → embeddings → LayerNorm → Q, K, V;
-    scores / sqrt(d) + (1 - mask) · mask_value → Softmax → · V → dense + bias → residual."""
+    scores / sqrt(d) + (1 - mask) · mask_value → Softmax → · V → dense + bias → residual.
+
+    ``fill``: the mask written over the scores instead, as PyTorch exports ``masked_fill``:
+    Where(mask == 0, mask_value, scores)."""
     r = rng(11)
     emb = r.normal(0, 1, (VOCAB, D)).astype(np.float32)
     emb[:, 3] *= outlier  # an outlier channel, as BERT-class encoders have
@@ -47,7 +52,22 @@ def _encoder(mask_value: float = FLOAT_MIN, outlier: float = 1.0) -> onnx.ModelP
         "minval": np.array(mask_value, np.float32),
         "axes1": np.array([1], np.int64),
         "perm_k": np.array(0, np.int64),
+        "zero_i": np.array(0, np.int64),
     }
+    if fill:
+        applied = [
+            h.make_node("Unsqueeze", ["mask", "axes1"], ["m1"], name="mask_unsqueeze"),
+            h.make_node("Equal", ["m1", "zero_i"], ["pad"], name="mask_pad"),
+            h.make_node("Where", ["pad", "minval", "sd"], ["masked"], name="mask_fill"),
+        ]
+    else:
+        applied = [
+            h.make_node("Unsqueeze", ["mask", "axes1"], ["m1"], name="mask_unsqueeze"),
+            h.make_node("Cast", ["m1"], ["mf"], name="mask_cast", to=TensorProto.FLOAT),
+            h.make_node("Sub", ["one", "mf"], ["inv"], name="mask_invert"),
+            h.make_node("Mul", ["inv", "minval"], ["bias"], name="mask_scale"),
+            h.make_node("Add", ["sd", "bias"], ["masked"], name="mask_add"),
+        ]
     nodes = [
         h.make_node("Gather", ["emb", "ids"], ["e"], name="embed"),
         h.make_node("LayerNormalization", ["e", "gamma", "beta"], ["x"], name="ln", axis=-1),
@@ -57,11 +77,7 @@ def _encoder(mask_value: float = FLOAT_MIN, outlier: float = 1.0) -> onnx.ModelP
         h.make_node("Transpose", ["k"], ["kt"], name="kt", perm=[0, 2, 1]),
         h.make_node("MatMul", ["q", "kt"], ["s"], name="scores"),
         h.make_node("Div", ["s", "sqrt_d"], ["sd"], name="scale"),
-        h.make_node("Unsqueeze", ["mask", "axes1"], ["m1"], name="mask_unsqueeze"),
-        h.make_node("Cast", ["m1"], ["mf"], name="mask_cast", to=TensorProto.FLOAT),
-        h.make_node("Sub", ["one", "mf"], ["inv"], name="mask_invert"),
-        h.make_node("Mul", ["inv", "minval"], ["bias"], name="mask_scale"),
-        h.make_node("Add", ["sd", "bias"], ["masked"], name="mask_add"),
+        *applied,
         h.make_node("Softmax", ["masked"], ["p"], name="softmax", axis=-1),
         h.make_node("MatMul", ["p", "v"], ["ctx"], name="context"),
         h.make_node("MatMul", ["ctx", "Wo"], ["o"], name="dense"),
@@ -121,6 +137,26 @@ def test_the_attention_mask_path_stays_float_and_never_sets_a_scale(mask_value, 
         np.abs(nh.to_array(i)).max() for i in q.graph.initializer if i.name.endswith("_scale")
     ]
     assert max(scales) < 1.0  # the mask's magnitude set none of them
+    for feeds in _padded(4, 2):
+        ref, got = run(model, feeds)[0], run(q, feeds)[0]
+        assert _cosines(ref, got, feeds["mask"]).min() > 0.99
+
+
+@pytest.mark.parametrize("mask_value", [-1e9, FLOAT_MIN], ids=["-1e9", "float-min"])
+def test_a_mask_written_over_the_scores_stays_float_too(mask_value):
+    """PyTorch's masked_fill exports as Where(padding, -1e9, scores) before Softmax: a GRU
+    transliterator's decoder (arabic-name-romanizer) quantized that Where's output on a scale of
+    3.9e6, its attention went uniform and 98% of its outputs changed."""
+    model = _encoder(mask_value, fill=True)
+    q, report = onnxq.quantize(model, _padded(8, 1), progress=False)
+    kept = {d.node: d for d in report.decisions if d.node in ("mask_fill", "softmax")}
+    assert all(not d.quantized and d.pattern == "placement" for d in kept.values()), kept
+    assert "written over the scores by 'mask_fill'" in kept["mask_fill"].reason
+    assert {"query", "key", "value", "context", "dense"} <= set(report.quantized_nodes)
+    scales = [
+        np.abs(nh.to_array(i)).max() for i in q.graph.initializer if i.name.endswith("_scale")
+    ]
+    assert max(scales) < 1.0
     for feeds in _padded(4, 2):
         ref, got = run(model, feeds)[0], run(q, feeds)[0]
         assert _cosines(ref, got, feeds["mask"]).min() > 0.99

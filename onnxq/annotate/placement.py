@@ -1,15 +1,17 @@
 """Transformer-aware placement: graph facts that keep nodes float before any rule matches.
 
-An additive attention mask (0 where a token is attended, a large negative number such as
--10000, float-min or -inf on padding) is added to the attention scores just before Softmax.
-Quantized, its huge negative values would set the scale of every tensor they reach, and the
-scores would be rounded to a handful of levels (a 6-layer encoder fell from a cosine of 0.999 to
-0.74 on padded batches). A mask never sets a scale here:
+An attention mask puts a large negative number (-10000, -1e9, float-min or -inf) on the
+attention scores of padding just before Softmax: added to them (an additive mask, 0 where a
+token is attended), or written over them (PyTorch's ``masked_fill``, exported as
+``Where(padding, -1e9, scores)``). Quantized, the huge negative values would set the scale of
+every tensor they reach, and the scores would be rounded to a handful of levels (a 6-layer
+encoder fell from a cosine of 0.999 to 0.74 on padded batches; a GRU transliterator's attention
+went uniform and 98% of its outputs changed). A mask never sets a scale here:
 
 * the mask path (every float node computing the mask from the graph inputs and constants, with no
   weighted op such as MatMul or Conv upstream) stays float,
-* the Add that applies it, the shape-only ops after it and the Softmax stay float too, since
-  their inputs hold the mask values. Softmax's output (0 to 1) is quantized by its reader.
+* the Add or Where that applies it, the shape-only ops after it and the Softmax stay float too,
+  since their inputs hold the mask values. Softmax's output (0 to 1) is quantized by its reader.
 
 A calibration set without padding cannot hide the problem: the decision is made from the graph,
 not from the values seen.
@@ -37,35 +39,50 @@ def attention_masks(graph: gs.Graph) -> dict[str, str]:
         if softmax.op != "Softmax":
             continue
         path: list[gs.Node] = [softmax]
-        for add in _adds_before(softmax.inputs[0], path):
-            for operand in add.inputs:
+        for applier in _appliers_before(softmax.inputs[0], path):
+            for operand in _values(applier):
                 mask = _mask_nodes(operand)
                 if mask is None:
                     continue
+                how = (
+                    "an additive attention mask added"
+                    if applier.op == "Add"
+                    else "an attention mask written over the scores"
+                )
                 why = (
-                    f"transformer placement: '{operand.name}' is an additive attention mask "
-                    f"added by '{add.name}' before Softmax '{softmax.name}'; the mask path and "
+                    f"transformer placement: '{operand.name}' is {how} by "
+                    f"'{applier.name}' before Softmax '{softmax.name}'; the mask path and "
                     "the masked scores stay float (mask values such as float-min or -10000 "
                     "would set the scale)"
                 )
-                for node in [*mask, add, *path]:
+                for node in [*mask, applier, *path]:
                     kept.setdefault(node.name, why)
     return kept
 
 
-def _adds_before(tensor: gs.Tensor, path: list[gs.Node]) -> list[gs.Node]:
-    """The Add nodes feeding ``tensor`` through shape-only ops (they join ``path``)."""
+def _values(node: gs.Node) -> list[gs.Tensor]:
+    """The operands of an Add or Where that may be the scores or the mask (not a condition)."""
+    return list(node.inputs[1:] if node.op == "Where" else node.inputs)
+
+
+def _appliers_before(tensor: gs.Tensor, path: list[gs.Node]) -> list[gs.Node]:
+    """The Add and Where nodes applying a mask to ``tensor`` through shape-only ops.
+
+    The shape-only ops join ``path``. An Add or Where counts when one of its operands is a
+    mask (:func:`_mask_nodes`): scores + bias + mask is a chain of Adds, a ``masked_fill``
+    may follow an additive mask.
+    """
     node = producer(tensor)
     while node is not None and node.op in _SHAPE_ONLY and node.inputs:
         path.append(node)
         node = producer(node.inputs[0])
-    if node is None or node.op != "Add":
+    if node is None or node.op not in ("Add", "Where"):
         return []
-    adds = [node]
-    for operand in node.inputs:  # scores + bias + mask: a chain of Adds
+    found = [node]
+    for operand in _values(node):
         if _mask_nodes(operand) is None:
-            adds += _adds_before(operand, path)
-    return adds
+            found += _appliers_before(operand, path)
+    return found
 
 
 def _mask_nodes(tensor: gs.Tensor) -> list[gs.Node] | None:
