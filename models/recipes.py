@@ -935,6 +935,117 @@ class SentenceEmbeddings(Agreement):
         return 100.0 * float(cosines.mean())
 
 
+class Transliteration:
+    """A sequence-to-sequence decoder (attention over an encoder's memory, its state fed back),
+    decoding greedily: character error rate (%) of its spellings against labelled ones.
+
+    Arabic personal names and their Latin spellings, as counted in the wheel's own dictionary
+    (asset ``names``, a SQLite file): one name per Arabic spelling, its most frequent Latin
+    spelling with its country and role (given name, surname). The names are shuffled once
+    (seed 0); evaluation takes them from the front, calibration from the back, so the two never
+    share a name. The encoder (asset ``encoder``) stays fp32 and runs once per batch of
+    ``batch`` names; the quantized model is the decoder, run step after step from ``<BOS>``
+    on its own previous choices (and hidden state) until every name ends or ``max_len`` steps.
+    Calibration feeds are the steps of the float decoder on ``n`` names (each step a feed).
+    """
+
+    metric, unit, higher_is_better = "CER", "%", False
+
+    def __init__(self, model_path: Path, files: dict[str, Path], options: dict[str, Any]):
+        import sqlite3
+
+        import onnxruntime as ort
+
+        self.batch = int(options.get("batch", 16))
+        self.max_len = int(options.get("max_len", 32))
+        self.tokens = json.loads(files["vocab"].read_text(encoding="utf-8"))["tokens"]
+        self.index = {t: i for i, t in enumerate(self.tokens)}
+        self.pad, self.bos, self.eos, self.unk = 0, 1, 2, 3
+        # read-only, without a journal or lock file beside the cached asset
+        uri = f"file:{files['names']}?mode=ro&immutable=1"
+        with sqlite3.connect(uri, uri=True) as db:
+            rows = db.execute(
+                "SELECT arabic_key, latin, country, role FROM units "
+                "ORDER BY arabic_key, count DESC, latin, country, role"
+            ).fetchall()
+        first: dict[str, tuple[str, str, str, str]] = {}
+        for row in rows:
+            first.setdefault(row[0], row)
+        names = [first[k] for k in sorted(first)]
+        order = np.random.default_rng(0).permutation(len(names))
+        self.names = [names[i] for i in order]
+        options_ = ort.SessionOptions()
+        options_.log_severity_level = 3
+        self._encoder = ort.InferenceSession(
+            str(files["encoder"]), options_, providers=["CPUExecutionProvider"]
+        )
+        self._decoder = ort.InferenceSession(
+            str(model_path), options_, providers=["CPUExecutionProvider"]
+        )
+
+    def _source(self, arabic: str, country: str, role: str) -> list[int]:
+        """Country token, role token, the characters, ``<EOS>``."""
+        roles = {"given": "<ROLE_GIVEN>", "surname": "<ROLE_SURNAME>"}
+        prefix = [f"<{country.upper()}>" if country else "<UNK_COUNTRY>"]
+        prefix.append(roles.get(role, "<ROLE_UNKNOWN>"))
+        ids = [self.index.get(t, self.unk) for t in [*prefix, *arabic]]
+        return [*ids, self.eos]
+
+    def _decode(
+        self, run: Runner, names: Sequence[tuple[str, str, str, str]], steps: list[Feeds]
+    ) -> list[str]:
+        """Greedy spellings of ``names`` by decoder ``run``; every step's feed joins ``steps``."""
+        sources = [self._source(arabic, country, role) for arabic, _, country, role in names]
+        src = np.full((len(sources), max(map(len, sources))), self.pad, np.int64)
+        for i, ids in enumerate(sources):
+            src[i, : len(ids)] = ids
+        memory, mask, hidden = self._encoder.run(None, {"src": src, "src_mask": src == self.pad})
+        prefix = np.full((len(names), 1), self.bos, np.int64)
+        done = np.zeros(len(names), bool)
+        out: list[list[int]] = [[] for _ in names]
+        for step in range(self.max_len):
+            feeds = {"prefix": prefix, "memory": memory, "src_mask": mask, "hidden": hidden}
+            steps.append(feeds)
+            logprobs, hidden = run(feeds)[:2]
+            if step == 0:  # no empty spelling
+                logprobs = np.where(np.arange(logprobs.shape[1]) == self.eos, -np.inf, logprobs)
+            chosen = logprobs.argmax(1)
+            for i, token in enumerate(chosen):
+                if not done[i]:
+                    done[i] = token == self.eos
+                    if not done[i]:
+                        out[i].append(int(token))
+            if done.all():
+                break
+            prefix = np.concatenate([prefix, chosen[:, None].astype(np.int64)], axis=1)
+        return [
+            "".join(self.tokens[t] for t in ids if not self.tokens[t].startswith("<")).strip()
+            for ids in out
+        ]
+
+    def _float_run(self, feeds: Feeds) -> list[np.ndarray]:
+        return self._decoder.run(None, feeds)
+
+    def calibration(self, n: int) -> list[Feeds]:
+        """The float decoder's steps on the last ``n`` names, ``batch`` names a feed."""
+        names = self.names[len(self.names) - n :]
+        steps: list[Feeds] = []
+        for i in range(0, len(names), self.batch):
+            self._decode(self._float_run, names[i : i + self.batch], steps)
+        return steps
+
+    def evaluate(self, run: Runner, n: int) -> float:
+        """CER (%) of the spellings of the first ``n`` names against the dictionary's."""
+        errors = total = 0
+        names = self.names[:n]
+        for i in range(0, len(names), self.batch):
+            part = names[i : i + self.batch]
+            for (_, latin, _, _), hyp in zip(part, self._decode(run, part, []), strict=True):
+                errors += edit_distance(latin, hyp)
+                total += len(latin)
+        return 100.0 * errors / total
+
+
 RECIPES: dict[str, type] = {
     "sentence-embeddings": SentenceEmbeddings,
     "saliency": Saliency,
@@ -950,6 +1061,7 @@ RECIPES: dict[str, type] = {
     "face-candidates": FaceCandidates,
     "voice-activity": VoiceActivity,
     "captcha-text": CaptchaText,
+    "transliteration": Transliteration,
 }
 
 
