@@ -155,17 +155,21 @@ def _session(path: Path, threads: int) -> ort.InferenceSession:
 
 def _batched(path: Path, feeds: list[dict[str, np.ndarray]], batch: int) -> dict[str, np.ndarray]:
     """``batch`` samples of ``feeds`` in one feed on every input whose first dimension is
-    symbolic (the others: the first feed's value)."""
-    out = {}
+    symbolic (the others: the first feed's value). Only feeds shaped as the first one join it
+    (a decoder's steps, each prefix a token longer, or padded batches of other lengths)."""
+    dynamic, fixed = [], []
     for inp in onnx.load(str(path), load_external_data=False).graph.input:
         if inp.name not in feeds[0]:
             continue
         dims = inp.type.tensor_type.shape.dim
-        dynamic = bool(dims) and (dims[0].dim_param or dims[0].dim_value == 0)
-        if dynamic:
-            out[inp.name] = np.concatenate([f[inp.name] for f in feeds])[:batch]
+        if bool(dims) and (dims[0].dim_param or dims[0].dim_value == 0):
+            dynamic.append(inp.name)
         else:
-            out[inp.name] = feeds[0][inp.name]
+            fixed.append(inp.name)
+    first = feeds[0]
+    alike = [f for f in feeds if all(np.shape(f[x])[1:] == np.shape(first[x])[1:] for x in dynamic)]
+    out = {x: np.concatenate([f[x] for f in alike])[:batch] for x in dynamic}
+    out.update({x: first[x] for x in fixed})
     return out
 
 
@@ -390,7 +394,6 @@ def main() -> int:
         (out / "benchmark.md").write_text(markdown(results, args.runs))
         chart(results, out / "benchmark.png")
         return 0
-    from onnxq.io.graph import write_text_atomic
     from onnxq.tools.zoo import load_manifest
 
     manifest = load_manifest(ROOT / "models" / "manifest.toml")
@@ -412,15 +415,27 @@ def main() -> int:
     run = measured_by(args.runs, args.batch)
     for res in results:
         res["run"] = run
+    print(update_scoreboard(out, results, list(manifest.models), args.runs, args.batch))
+    return 0
+
+
+def update_scoreboard(
+    out: Path, results: list[dict[str, Any]], order: list[str], runs: int, batch: int = 1
+) -> str:
+    """Write ``results`` into ``out``'s benchmark.json, .md and .png, keeping the other rows.
+
+    ``order``: the manifest's model names (the rows' order). Returns the markdown.
+    """
+    from onnxq.io.graph import write_text_atomic
+
     earlier = out / "benchmark.json"
     if earlier.exists():
-        results = merged(json.loads(earlier.read_text()), results, [m.name for m in manifest])
+        results = merged(json.loads(earlier.read_text()), results, order)
     write_text_atomic(out / "benchmark.json", json.dumps(results, indent=1))
-    text = markdown(results, args.runs, args.batch)
+    text = markdown(results, runs, batch)
     write_text_atomic(out / "benchmark.md", text)
     chart(results, out / "benchmark.png")
-    print(text)
-    return 0
+    return text
 
 
 if __name__ == "__main__":

@@ -203,3 +203,49 @@ def test_zoo_run_of_some_models_keeps_the_other_rows_of_the_scoreboard():
     text = markdown(board, 7)
     assert f"d, b: {run['date']}" in text and "c, a: an earlier run" in text
     assert "different runs" not in markdown(earlier, 7)  # one run: the header as it was
+
+
+def test_a_zoo_run_merges_its_rows_into_the_files_on_disk(tmp_path):
+    # the run itself failed after the benchmark: it passed the manifest where its model
+    # names were wanted ("'Manifest' object is not iterable")
+    import json
+
+    from benchmarks.zoo import measured_by, update_scoreboard
+
+    def result(model: str, metric: float) -> dict:
+        row = {"seconds": 1.0, "rss_mib": 100.0, "error": "", "metric": metric, "bytes": 1024}
+        res = {"model": model, "metric": "accuracy", "unit": "%", "higher_is_better": True}
+        return res | {"variants": {"fp32": {**row, "metric": 100.0}, "onnxq": row}}
+
+    (tmp_path / "benchmark.json").write_text(json.dumps([result("a", 90.0), result("b", 80.0)]))
+    new = result("b", 85.0) | {"run": measured_by(5, 1)}
+    text = update_scoreboard(tmp_path, [new], ["a", "b"], 5)
+    board = json.loads((tmp_path / "benchmark.json").read_text())
+    assert [(r["model"], r["variants"]["onnxq"]["metric"]) for r in board] == [
+        ("a", 90.0),
+        ("b", 85.0),
+    ]
+    assert (tmp_path / "benchmark.md").read_text() == text and "| b " in text
+    assert (tmp_path / "benchmark.png").stat().st_size > 0
+
+
+def test_the_latency_feed_joins_only_feeds_shaped_alike(tmp_path):
+    # a decoder's calibration feeds are its steps, each prefix a token longer: joining them
+    # for the latency batch failed ("all the input array dimensions ... must match")
+    import onnx
+    from onnx import TensorProto
+    from onnx import helper as h
+
+    from benchmarks.zoo import _batched
+
+    graph = h.make_graph(
+        [h.make_node("Identity", ["prefix"], ["y"])],
+        "g",
+        [h.make_tensor_value_info("prefix", TensorProto.INT64, ["N", "T"])],
+        [h.make_tensor_value_info("y", TensorProto.INT64, ["N", "T"])],
+    )
+    path = tmp_path / "m.onnx"
+    onnx.save(h.make_model(graph), str(path))
+    feeds = [{"prefix": np.full((1, t), t, np.int64)} for t in (1, 2, 1, 3, 1)]
+    out = _batched(path, feeds, 2)
+    assert out["prefix"].shape == (2, 1) and (out["prefix"] == 1).all()
