@@ -136,6 +136,24 @@ def test_a_folder_given_as_the_model_is_named_a_folder(tmp_path, capsys):
     assert rc == 2 and "is a folder (it holds m.onnx)" in err and "does not exist" not in err
 
 
+def test_the_inputs_hint_names_a_symbolic_length():
+    """A decoder's [batch, src_len] input was shown as int64[N,N], as if both were samples."""
+    from onnx import TensorProto
+    from onnx import helper as h
+
+    from onnxq.calibrate.dataset import inputs_hint, model_inputs
+
+    graph = h.make_graph(
+        [h.make_node("Identity", ["src"], ["y"])],
+        "g",
+        [h.make_tensor_value_info("src", TensorProto.INT64, ["batch", "src_len"])],
+        [h.make_tensor_value_info("y", TensorProto.INT64, ["batch", "unk__3"])],
+    )
+    assert "'src' int64[N,src_len]" in inputs_hint(model_inputs(h.make_model(graph)))
+    graph.input[0].type.tensor_type.shape.dim[1].dim_param = "unk__3"
+    assert "'src' int64[N,N]" in inputs_hint(model_inputs(h.make_model(graph)))
+
+
 def test_the_npz_example_is_python_for_names_that_are_not_identifiers(tmp_path):
     # 'gpu_0/data_0' (the onnx light models) once gave "**{'gpu_0/data_0': ...}=samples_0"
     import ast

@@ -41,6 +41,8 @@ class InputSpec:
     name: str
     dtype: np.dtype
     shape: tuple[int | None, ...] | None
+    #: the model's names of its symbolic dimensions ("" where it names none), for messages
+    dim_names: tuple[str, ...] | None = None
 
     @property
     def fixed_batch(self) -> int | None:
@@ -60,9 +62,11 @@ def model_inputs(model: onnx.ModelProto) -> list[InputSpec]:
         tt = vi.type.tensor_type
         dtype = np.dtype(onnx.helper.tensor_dtype_to_np_dtype(tt.elem_type))
         shape: tuple[int | None, ...] | None = None
+        names: tuple[str, ...] | None = None
         if tt.HasField("shape"):
             shape = tuple(d.dim_value if d.HasField("dim_value") else None for d in tt.shape.dim)
-        specs.append(InputSpec(vi.name, dtype, shape))
+            names = tuple(d.dim_param for d in tt.shape.dim)
+        specs.append(InputSpec(vi.name, dtype, shape, names))
     return specs
 
 
@@ -297,7 +301,11 @@ def inputs_hint(inputs: list[InputSpec] | None) -> str:
     def dims(spec: InputSpec) -> str:
         if spec.shape is None:
             return "?"
-        return ",".join("N" if d is None or d <= 0 else str(d) for d in spec.shape)
+        names = spec.dim_names or ("",) * len(spec.shape)
+        return ",".join(
+            str(d) if d is not None and d > 0 else _dim_name(i, names[i])
+            for i, d in enumerate(spec.shape)
+        )
 
     listed = ", ".join(f"'{s.name}' {s.dtype}[{dims(s)}]" for s in inputs)
     keys = _savez_arguments([s.name for s in inputs])
@@ -306,6 +314,17 @@ def inputs_hint(inputs: list[InputSpec] | None) -> str:
         "of that dtype, samples stacked on a new axis 0 (or, for fixed-size inputs, one array of "
         "exactly that shape per .npz file in a folder)"
     )
+
+
+def _dim_name(axis: int, name: str) -> str:
+    """How the hint shows a symbolic dimension.
+
+    N on axis 0 (the samples), else the model's own name for it when it reads as one
+    (``seq_len``; not an exporter's ``unk__315``).
+    """
+    if axis == 0 or not name.isidentifier() or len(name) > 24 or name.startswith("unk__"):
+        return "N"
+    return name
 
 
 def _savez_arguments(names: list[str]) -> str:
