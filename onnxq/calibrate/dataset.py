@@ -620,6 +620,9 @@ class Member:
     dtype: np.dtype
     shape: tuple[int, ...]
     nbytes: int
+    #: stored in Fortran order; the bytes of the member before its array data
+    fortran: bool = False
+    header: int = 0
 
 
 def npz_headers(path: Path) -> dict[str, Member]:
@@ -636,8 +639,11 @@ def npz_headers(path: Path) -> dict[str, Member]:
             for info in archive.infolist():
                 name = info.filename[:-4] if info.filename.endswith(".npy") else info.filename
                 with archive.open(info) as handle:
-                    dtype, shape, nbytes = _check_header(handle, path, name, info.file_size)
-                out[name] = Member(name, info.filename, dtype, shape, nbytes)
+                    dtype, shape, nbytes, fortran = _check_header(
+                        handle, path, name, info.file_size
+                    )
+                    header = handle.tell()
+                out[name] = Member(name, info.filename, dtype, shape, nbytes, fortran, header)
     except (OSError, ValueError, zipfile.BadZipFile, EOFError, RuntimeError) as exc:
         raise _unreadable(path, exc) from None
     return out
@@ -701,25 +707,24 @@ class StoredArray:
 
     @classmethod
     def open(cls, path: Path, archive: zipfile.ZipFile, member: Member) -> StoredArray | None:
-        """The member as a StoredArray, or None when it is compressed or not in C order."""
+        """The member as a StoredArray, or None when it is compressed or not in C order.
+
+        Its array data starts past the zip's local file header and the numpy header that
+        :func:`npz_headers` measured.
+        """
         info = archive.getinfo(member.member)
         if info.compress_type != zipfile.ZIP_STORED or not member.shape:
+            return None
+        if member.fortran and len(member.shape) > 1:
             return None
         with open(path, "rb") as raw:
             raw.seek(info.header_offset)
             local = raw.read(30)  # the local file header: name and extra field lengths last
-            if len(local) < 30 or local[:4] != b"PK\x03\x04":
-                return None
-            start = info.header_offset + 30 + int.from_bytes(local[26:28], "little")
-            start += int.from_bytes(local[28:30], "little")
-            raw.seek(start)
-            fmt = np.lib.format
-            version = fmt.read_magic(raw)
-            read = fmt.read_array_header_1_0 if version == (1, 0) else fmt.read_array_header_2_0
-            shape, fortran, dtype = read(raw, max_header_size=10000)
-            if fortran and len(shape) > 1:
-                return None
-            return cls(path, raw.tell(), dtype, tuple(shape))
+        if len(local) < 30 or local[:4] != b"PK\x03\x04":
+            return None
+        start = info.header_offset + 30 + int.from_bytes(local[26:28], "little")
+        start += int.from_bytes(local[28:30], "little")
+        return cls(path, start + member.header, member.dtype, member.shape)
 
     def _read(self, first: int, count: int) -> np.ndarray:
         stat = os.stat(self.path)
@@ -765,7 +770,7 @@ def _unreadable(path: Path, exc: BaseException) -> DataError:
 
 def _check_header(
     handle: Any, path: Path, member: str | None, stored: int | None
-) -> tuple[np.dtype, tuple[int, ...], int]:
+) -> tuple[np.dtype, tuple[int, ...], int, bool]:
     fmt = np.lib.format
     where = f"'{shown(str(path))}'" + (f" member '{shown(member)}'" if member else "")
     try:
@@ -776,7 +781,7 @@ def _check_header(
             "one); save the file with numpy.savez(path, input_name=array)"
         ) from None
     read = fmt.read_array_header_1_0 if version == (1, 0) else fmt.read_array_header_2_0
-    shape, _, dtype = read(handle, max_header_size=10000)
+    shape, fortran, dtype = read(handle, max_header_size=10000)
     if dtype.hasobject:
         raise DataError(
             f"calibration data {where} holds an object array (pickled Python objects), which "
@@ -797,7 +802,7 @@ def _check_header(
             "at once (half the free memory); split the samples into a folder of .npz files, "
             "which onnxq reads one at a time"
         )
-    return dtype, tuple(shape), nbytes
+    return dtype, tuple(shape), nbytes, bool(fortran)
 
 
 class NpzDataset(ArrayDataset):
