@@ -99,16 +99,28 @@ def gptq(w: np.ndarray, h: np.ndarray, grid: Grid) -> np.ndarray:
     # arithmetic element by element (K = 2,304: 0.54 -> 0.43 s)
     wt = np.ascontiguousarray(np.swapaxes(w, 1, 2))
     ut = np.ascontiguousarray(np.swapaxes(u, 1, 2))  # ut[g, l, j] = u[g, j, l]
+    pivots = np.einsum("gkk->gk", u)[:, :, None]  # u[g, j, j], one (G, 1) column each
     qt = np.empty_like(wt)
+    # Grid.round and Grid.value written out on preallocated arrays: the same operations in the
+    # same order (the same bits), without two calls and six fresh arrays per column
+    # (MobileNetV2's 52 layers: 1.17 -> 1.03 s; the updates and factors dominate wider layers)
+    s, z = grid.scale, grid.zero_point
+    err = np.empty_like(s)
     for start in range(0, k, BLOCK):
         stop = min(start + BLOCK, k)
         errors = np.empty((groups, w.shape[1], stop - start))
         for j in range(start, stop):
-            col = wt[:, j, :]
-            qj = grid.round(col, j)
-            qt[:, j, :] = qj
-            err = (col - grid.value(qj, j)) / u[:, j, j][:, None]
-            wt[:, j + 1 : stop, :] -= err[:, None, :] * ut[:, j + 1 : stop, j, None]
+            col, qj = wt[:, j, :], qt[:, j, :]
+            np.divide(col, s, out=qj)
+            np.round(qj, out=qj)
+            np.add(qj, z, out=qj)
+            np.clip(qj, grid.lo, grid.hi, out=qj)
+            np.subtract(qj, z, out=err)
+            np.multiply(err, s, out=err)
+            np.subtract(col, err, out=err)
+            np.divide(err, pivots[:, j], out=err)
+            if j + 1 < stop:
+                wt[:, j + 1 : stop, :] -= err[:, None, :] * ut[:, j + 1 : stop, j, None]
             errors[:, :, j - start] = err
         if stop < k:
             wt[:, stop:, :] -= np.swapaxes(np.matmul(errors, u[:, start:stop, stop:]), 1, 2)
