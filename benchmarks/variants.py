@@ -5,7 +5,8 @@
 Each JSON object is a set of ``onnxq.quantize`` keyword arguments, applied over the manifest's
 own options for the model (target ``ort-cpu``); ``{}`` is the default. For every model and
 option set it prints the zoo metric of the int8 model (the scoreboard's), fp32's, and the
-quantize time in seconds, one line each. The ablation page's tables come from this command.
+quantize time in seconds, one line each, and under it what a ``budget`` left out (the
+summary's budget line). The ablation page's tables come from this command.
 """
 
 from __future__ import annotations
@@ -39,7 +40,14 @@ def main(argv: list[str] | None = None) -> int:
                 f"{result.unit} (fp32 {result.fp32:.2f}{result.unit})  {result.seconds:.1f} s",
                 flush=True,
             )
+            for line in budget_lines(result.summary):
+                print(f"    {line}", flush=True)
     return 0
+
+
+def budget_lines(summary: str) -> list[str]:
+    """The lines of a quantize summary that say what a ``budget`` kept and left out."""
+    return [line for line in summary.splitlines() if line.startswith("budget ")]
 
 
 if __name__ == "__main__":

@@ -11,6 +11,8 @@ import pytest
 from helpers import DIGITS_CNN, make_model
 from onnx import helper as oh
 
+import onnxq
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -249,3 +251,18 @@ def test_the_latency_feed_joins_only_feeds_shaped_alike(tmp_path):
     feeds = [{"prefix": np.full((1, t), t, np.int64)} for t in (1, 2, 1, 3, 1)]
     out = _batched(path, feeds, 2)
     assert out["prefix"].shape == (2, 1) and (out["prefix"] == 1).all()
+
+
+def test_variants_prints_the_line_saying_what_a_budget_left_out():
+    """The ablation's budget table reads its 'left out' and 'estimated' columns from it."""
+    from benchmarks.variants import budget_lines
+    from onnxq.demo import demo_files
+
+    path, data = demo_files()
+    calib = {"input": data["calib"][:16]}
+    _, tight = onnxq.quantize(str(path), calib, progress=False, budget=0.001)
+    lines = budget_lines(tight.summary())
+    assert len(lines) == 1
+    assert "estimated" in lines[0] and "left out bias-correction, rounding" in lines[0]
+    _, plain = onnxq.quantize(str(path), calib, progress=False, recipe="fixed")
+    assert budget_lines(plain.summary()) == []
