@@ -10,8 +10,8 @@ always runs; its estimate is spent first. Leaves ``state.budget`` for the report
 The unit of every estimate is one float inference pass over the calibration data, measured by
 running the float model on the first batch (once to warm the session up, then the fastest of
 three runs) times the number of batches. Each algorithm costs a fixed number of such passes:
-about the median ratio measured on the zoo's models (:data:`COST`; the table in
-docs/usage.md), so an estimate can err either way by about 2x; the summary puts the whole
+the median ratio measured on four zoo models (:data:`COST`), so an estimate can err either
+way by about 2x (docs/performance.md, "A time budget"); the summary puts the whole
 estimate beside the time taken. The calibrate pass and the rest of the call are reserved
 before any algorithm is kept. When not all fit, they are kept in :data:`PRIORITY` order (the
 largest accuracy gains measured first).
@@ -34,25 +34,29 @@ from onnxq.passes.manager import PassResult, State, record_read
 from onnxq.passes.stream import open_dataset
 from onnxq.solve.bias_correction import SEQUENTIAL_SAMPLES
 
-#: float passes over the calibration data each algorithm costs (about the median ratio of its
-#: measured time to one float pass on MobileNetV2, EfficientNet-Lite1, nudenet and MiniLM;
-#: rounding counts its Hessians, which the calibrate pass gathers, and its solve). The
-#: sequential bias correction runs on at most its first SEQUENTIAL_SAMPLES samples: its cost is
-#: per pass over those (6 to 14 on MobileNetV2, Lite1, nudenet, OriNet and fashion_cnn), scaled
-#: by their share of the data; the fast correction it falls back to costs next to nothing.
+#: float passes over the calibration data each algorithm costs: the median ratio of its
+#: measured time to one float pass (the ``--verbose`` pass times, with and without it) on
+#: MobileNetV2, EfficientNet-Lite1, nudenet_320n and MiniLM-L3, remeasured when the passes got
+#: faster. Rounding counts its Hessians, which the calibrate pass gathers, and its solve
+#: (6.6, 4.0, 11 and 2.9 passes); the sequential bias correction runs on at most its first
+#: SEQUENTIAL_SAMPLES samples, so its cost is per pass over those (11, 6 and 4.4 on the CNNs),
+#: scaled by their share of the data; the fast correction it falls back to costs next to
+#: nothing. SmoothQuant: 4 on MiniLM-L3. The ratios spread about 2x either way of the median.
 COST = {
-    "bias-correction": 9.0,
+    "bias-correction": 6.0,
     "equalization": 5.0,
-    "smoothquant": 7.0,
-    "rounding": 9.0,
+    "smoothquant": 4.0,
+    "rounding": 5.5,
     "layerwise": 6.0,
 }
-#: float passes the calibrate pass costs per method (histogram methods: :data:`HISTOGRAMS`;
-#: the Hessians of optimized rounding are counted in its own cost)
-CALIBRATE = {"minmax": 4.0, "average-max": 4.0, "output-aware": 50.0}
-HISTOGRAMS = 6.0
-#: the rest of the call (annotate, materialize, lower, verify, checks): passes and seconds
-REST_PASSES, REST_SECONDS = 2.0, 1.0
+#: float passes the calibrate pass costs per method (MinMax: 3.4, 2.3, 3.4, 1.8 on the four;
+#: the MSE histograms 7.1, 3.0, 4.8, 2.3: :data:`HISTOGRAMS`, the other histogram methods
+#: alike). The Hessians of optimized rounding are counted in its own cost.
+CALIBRATE = {"minmax": 3.0, "average-max": 3.0, "output-aware": 50.0}
+HISTOGRAMS = 4.0
+#: the rest of the call (load, annotate, materialize, lower, verify, checks): passes and
+#: seconds (1.4 to 3.3 s on the four)
+REST_PASSES, REST_SECONDS = 1.0, 1.0
 #: timed runs of the first batch after the warm-up; the fastest is taken (one run alone came
 #: out up to 1.6× slow on EfficientNet-Lite1, and every estimate with it)
 TIMED_RUNS = 3
