@@ -182,6 +182,41 @@ def test_sparse_patches_are_the_dense_patches_on_the_grid(
     assert not np.signbit(sparse[sparse == 0]).any()
 
 
+@pytest.mark.parametrize(
+    "c, group, kernel, strides, pads, size, n, cap",
+    [
+        (12, 12, (5, 5), (1, 1), (2, 2, 2, 2), (8, 8), 1, 7),  # depthwise, 4 positions kept
+        (6, 6, (3, 3), (2, 2), (1, 1, 1, 1), (15, 15), 3, 20),  # strided, samples skipped
+        (8, 1, (3, 3), (1, 1), (1, 1, 1, 1), (5, 5), 1, 10**6),  # every one of 25 positions
+        (8, 1, (1, 1), (1, 1), (0, 0, 0, 0), (8, 8), 1, 10**6),  # 1x1: the input itself
+        (8, 2, (1, 1), (2, 2), (0, 0, 0, 0), (15, 15), 2, 10**6),  # 1x1 strided, grouped
+        (4, 1, (3,), (1,), (1, 1), (40,), 2, 10**6),  # 1-D, 40 positions a sample
+    ],
+)
+def test_gathered_and_pointwise_patches_are_the_windows_copy_in_its_layout(
+    c, group, kernel, strides, pads, size, n, cap
+):
+    """The quicker ways conv_patches takes for few positions and for 1x1 kernels give the
+    windows' values in the windows' memory layout: the Hessian's float32 product takes its
+    bits from the layout too, so a change of way must not move a rounding decision."""
+    from onnxq.solve.rounding import _window_patches
+
+    x = rng(12).normal(0, 1, (n, c, *size)).astype(np.float32)
+    conv = ConvShape(kernel, strides, (1,) * len(kernel), pads, group)
+    out = [
+        (size[i] + pads[i] + pads[len(size) + i] - kernel[i]) // strides[i] + 1
+        for i in range(len(size))
+    ]
+    positions = int(np.prod(out))
+    step = 1 if n * positions <= cap else int(np.ceil((n * positions / cap) ** (1 / len(size))))
+    kept = int(np.prod([-(-o // step) for o in out]))
+    every = 1 if n * positions <= cap else max(1, -(-n * kept // cap))
+    got = conv_patches(x, conv, cap)
+    want = _window_patches(x[::every], conv, step)
+    np.testing.assert_array_equal(got, want)
+    assert got.strides == want.strides
+
+
 def test_hessian_observer_is_the_mean_outer_product_over_batches():
     r = rng(5)
     batches = [r.normal(0, 1, (3, 7, 5)).astype(np.float32) for _ in range(4)]  # dense input

@@ -18,6 +18,7 @@ weighs the border taps less than this assumes).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -61,7 +62,7 @@ def channel_means(batch: np.ndarray, axis: int) -> tuple[np.ndarray, int]:
     batch = np.asarray(batch)
     axis = axis % batch.ndim
     channels = batch.shape[axis]
-    before = int(np.prod(batch.shape[:axis]))
+    before = math.prod(batch.shape[:axis])
     if batch.size == 0:
         return np.zeros(channels), 0
     view = batch.reshape(before, channels, -1)
