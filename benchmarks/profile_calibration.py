@@ -126,9 +126,14 @@ def main() -> int:
     ap.add_argument("--samples", type=int, default=64)
     ap.add_argument("--batch-size", type=int, default=16)
     ap.add_argument("--method", default="minmax")
-    ap.add_argument("--data", default=None)
+    ap.add_argument("--data", default=None, help="one .npz of samples stacked on their first axis")
     ap.add_argument("--workers", type=int, default=1)
     args = ap.parse_args()
+    if args.data and not Path(args.data).is_file():
+        ap.error(
+            f"--data {args.data}: expected one .npz file of samples stacked on their first "
+            "axis (batches of different shapes: time them with onnxq quantize --verbose)"
+        )
     import onnxq
 
     model = onnx.load(args.model)

@@ -266,3 +266,18 @@ def test_variants_prints_the_line_saying_what_a_budget_left_out():
     assert "estimated" in lines[0] and "left out bias-correction, rounding" in lines[0]
     _, plain = onnxq.quantize(str(path), calib, progress=False, recipe="fixed")
     assert budget_lines(plain.summary()) == []
+
+
+def test_profile_calibration_names_a_data_folder_it_cannot_read(tmp_path):
+    """A folder of batches (the encoder's padded batches) is refused in one line, not with a
+    traceback from numpy.load."""
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks.profile_calibration", str(DIGITS_CNN)]
+        + ["--data", str(tmp_path)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 2
+    assert f"--data {tmp_path}: expected one .npz file" in done.stderr
+    assert "Traceback" not in done.stderr
