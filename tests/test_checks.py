@@ -106,6 +106,39 @@ def test_latency_is_measured_for_real():
     assert lat.runs >= 5 and lat.fp32_ms > 0 and lat.int8_ms > 0
 
 
+def _timed_sessions(monkeypatch, fp32_ms, int8_ms):
+    """Sessions whose runs take the given times on a fake clock (no real waiting)."""
+    clock = [0.0]
+
+    class Session:
+        def __init__(self, ms):
+            self.ms = ms
+
+        def run(self, names, feed):
+            clock[0] += self.ms / 1e3
+
+    made = iter([Session(fp32_ms), Session(int8_ms)])
+    monkeypatch.setattr(checks, "make_session", lambda model, threads: next(made))
+    monkeypatch.setattr(checks.time, "perf_counter", lambda: clock[0])
+    return clock
+
+
+def test_latency_stops_early_only_when_the_verdict_is_clear(monkeypatch):
+    # int8 at a quarter of fp32's time: clear after LATENCY_MIN_SECONDS (0.1 s of 2.5 ms pairs)
+    clock = _timed_sessions(monkeypatch, 2.0, 0.5)
+    lat = checks.latency(None, None, {}, seconds=0.3)
+    assert lat.ratio == 0.25 and lat.runs == 40
+    assert clock[0] < 0.2
+    # int8 as fast as fp32: as close to the warning as can be, timed the whole 2 × 0.3 s
+    clock = _timed_sessions(monkeypatch, 1.0, 1.0)
+    lat = checks.latency(None, None, {}, seconds=0.3)
+    assert lat.ratio == 1.0 and lat.runs == 300
+    # int8 at twice fp32's time: clearly slower, early too, and warned about
+    _timed_sessions(monkeypatch, 1.0, 2.0)
+    lat = checks.latency(None, None, {}, seconds=0.3)
+    assert lat.runs < 50 and lat.warning().startswith("the int8 model runs 2.00× slower")
+
+
 def test_the_layer_search_runs_on_one_sample_where_the_batch_is_free():
     # it exposes every tensor of both models: a batch of 8 OCR lines was 1.3 GB of outputs
     from onnxq.calibrate.dataset import InputSpec

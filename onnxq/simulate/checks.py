@@ -43,6 +43,10 @@ SQNR_FLOOR_DB = 15.0
 SLOWER_RATIO = 1.05
 #: the least difference per run (ms) a slower int8 model is flagged for
 SLOWER_MS = 0.05
+#: the latency check stops early where int8 takes under CLEARLY_FASTER or over CLEARLY_SLOWER
+#: of fp32's time, after at least LATENCY_MIN_RUNS runs of each and LATENCY_MIN_SECONDS
+CLEARLY_FASTER, CLEARLY_SLOWER = 0.8, 1.3
+LATENCY_MIN_RUNS, LATENCY_MIN_SECONDS = 5, 0.1
 #: an output the target runtime computes this much below the fake-quantized model is warned about
 RUNTIME_GAP_DB = 6.0
 #: the layer search (every tensor exposed) runs on one batch of models up to this size
@@ -324,20 +328,34 @@ class Latency:
 def latency(
     float_model: onnx.ModelProto, quant_model: onnx.ModelProto, feed: Feed, seconds: float = 0.3
 ) -> Latency:
-    """Time both models on ``feed`` for about ``seconds`` each (at least 5 runs, 1 thread)."""
-    times = {}
-    runs = 0
-    for key, model in (("fp32", float_model), ("int8", quant_model)):
-        session = make_session(model, threads=1)
+    """Time both models on ``feed``, one run of each in turn (1 thread), medians per model.
+
+    Taking turns keeps the ratio fair when the machine's speed drifts. Stops after at least
+    :data:`LATENCY_MIN_RUNS` runs of each and :data:`LATENCY_MIN_SECONDS` once the ratio is
+    clear of the warning (int8 under :data:`CLEARLY_FASTER` of fp32's time, or over
+    :data:`CLEARLY_SLOWER`); else after about ``seconds`` for each model (2,000 runs at most).
+    """
+    sessions = {
+        key: make_session(m, threads=1) for key, m in (("fp32", float_model), ("int8", quant_model))
+    }
+    for session in sessions.values():
         session.run(None, feed)  # warm-up
-        samples: list[float] = []
-        start = time.perf_counter()
-        while len(samples) < 5 or time.perf_counter() - start < seconds:
+    samples: dict[str, list[float]] = {key: [] for key in sessions}
+    start = time.perf_counter()
+    while True:
+        for key, session in sessions.items():
             t = time.perf_counter()
             session.run(None, feed)
-            samples.append(time.perf_counter() - t)
-            if len(samples) >= 2000:
+            samples[key].append(time.perf_counter() - t)
+        n = len(samples["fp32"])
+        spent = time.perf_counter() - start
+        if n >= 2000 or (n >= LATENCY_MIN_RUNS and spent >= 2 * seconds):
+            break
+        if n >= LATENCY_MIN_RUNS and spent >= LATENCY_MIN_SECONDS:
+            ratio = statistics.median(samples["int8"]) / max(
+                statistics.median(samples["fp32"]), 1e-12
+            )
+            if ratio <= CLEARLY_FASTER or ratio >= CLEARLY_SLOWER:
                 break
-        times[key] = statistics.median(samples) * 1e3
-        runs = len(samples) if not runs else min(runs, len(samples))
-    return Latency(times["fp32"], times["int8"], runs)
+    times = {key: statistics.median(v) * 1e3 for key, v in samples.items()}
+    return Latency(times["fp32"], times["int8"], len(samples["fp32"]))
