@@ -272,12 +272,12 @@ def conv_patches(x: np.ndarray, conv: ConvShape, cap: int) -> np.ndarray:
     step, every = 1, 1
     if n * positions > cap:  # a regular grid of positions, then of samples
         step = math.ceil((n * positions / cap) ** (1 / spatial))
-        kept = math.prod(-(-o // step) for o in out_shape)
+    kept = math.prod(-(-o // step) for o in out_shape)
+    if n * positions > cap:
         every = max(1, -(-n * kept // cap))
     # the samples are chosen before padding: padding the whole batch copied all of it (a
     # depthwise layer's 16 × 144 × 120 × 120 input for 36 positions of each sample)
     x = x[::every]
-    kept = math.prod(-(-o // step) for o in out_shape)
     read = math.prod(k * -(-o // step) for k, o in zip(conv.kernel, out_shape, strict=True))
     if step > 1 and read * 2 < math.prod(x.shape[2:]):
         return _sparse_patches(x, conv, out_shape, step)
