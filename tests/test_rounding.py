@@ -253,6 +253,136 @@ def test_hessian_observer_sums_a_block_once_whatever_its_products(monkeypatch):
     assert len(added) == 2  # one per block
 
 
+def _observed(batches, worker=None, conv=None, groups=1, k=6):
+    obs = HessianObserver(conv, groups=groups, inputs=k)
+    obs.worker = worker
+    for i, b in enumerate(batches):
+        obs.observe(b, index=i, block=i // 3)
+    return obs
+
+
+@pytest.mark.parametrize("dense", [True, False])
+def test_products_on_the_worker_thread_give_the_same_bits(monkeypatch, dense):
+    """The calibrate pass multiplies on a thread of its own: the same Hessians, bit for bit."""
+    import onnxq.solve.rounding as rounding
+
+    monkeypatch.setattr(rounding, "FLUSH_ROWS", 40)  # several products a block
+    r = rng(12)
+    if dense:
+        batches = [r.normal(0, 3, (5, 4, 24)).astype(np.float32) for _ in range(9)]
+        args = {"k": 24}
+    else:
+        conv = ConvShape((3, 3), (1, 1), (1, 1), (1, 1, 1, 1), 2)
+        batches = [r.normal(0, 3, (2, 4, 9, 9)).astype(np.float32) for _ in range(9)]
+        args = {"conv": conv, "groups": 2, "k": 18}
+    inline = _observed(batches, **args)
+    worker = rounding.Products(max_bytes=1)  # every job waits for the one before it
+    beside = _observed(batches, worker, **args)
+    beside._wait()
+    beside.worker = None
+    worker.close()
+    assert beside.rows == inline.rows > 0
+    assert beside.hessian().tobytes() == inline.hessian().tobytes()
+
+
+def test_products_beside_lets_the_caller_go_on_and_finishes_every_product():
+    """Inside the context the products run on the worker; leaving it, every one is done."""
+    import threading
+
+    import onnxq.solve.rounding as rounding
+
+    r = rng(13)
+    batches = [r.normal(0, 1, (64, 6)).astype(np.float32) for _ in range(6)]
+    threads = set()
+    real = HessianObserver._multiply
+
+    def recorded(self, pending):
+        threads.add(threading.current_thread().name)
+        real(self, pending)
+
+    obs = HessianObserver(None, groups=1, inputs=6)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(HessianObserver, "_multiply", recorded)
+        with rounding.products_beside([obs, object()]):  # other taps are left alone
+            assert obs.worker is not None
+            for i, b in enumerate(batches):
+                obs.observe(b, index=i)
+        assert obs.worker is None and not obs._jobs
+    assert threads and all(t.startswith("onnxq-hessians") for t in threads)
+    rows = np.concatenate(batches).astype(np.float64)
+    np.testing.assert_allclose(obs.hessian()[0], rows.T @ rows / len(rows), rtol=1e-5)
+
+
+def test_an_error_in_a_product_on_the_worker_reaches_the_caller(monkeypatch):
+    import onnxq.solve.rounding as rounding
+
+    def broken(self, pending):
+        raise MemoryError("no room for the product")
+
+    monkeypatch.setattr(HessianObserver, "_multiply", broken)
+    obs = HessianObserver(None, groups=1, inputs=4)
+    with pytest.raises(MemoryError, match="no room"):
+        with rounding.products_beside([obs]):
+            obs.observe(np.ones((8, 4), np.float32), index=0)
+            obs.multiply()
+    assert obs.worker is None
+
+
+def test_products_wait_past_their_byte_bound():
+    """A job is handed in only once the jobs before it hold less than the bound."""
+    import threading
+
+    import onnxq.solve.rounding as rounding
+
+    release, order = threading.Event(), []
+    worker = rounding.Products(max_bytes=100)
+    worker.submit(lambda: (release.wait(5), order.append("first")), 80)
+    threading.Timer(0.2, release.set).start()
+    worker.submit(lambda: order.append("second"), 40)  # 120 > 100: waits for the first
+    assert order == ["first"]
+    worker.close()
+    assert order == ["first", "second"]
+
+
+def test_a_hessian_with_nothing_queued_multiplies_on_the_caller_while_the_worker_is_behind():
+    """Rather than wait for the worker, the caller multiplies a Hessian that has no job there."""
+    import threading
+
+    import onnxq.solve.rounding as rounding
+
+    release = threading.Event()
+    worker = rounding.Products(max_bytes=1)
+    worker.submit(lambda: release.wait(5), 1)  # another Hessian's product, still running
+    obs = HessianObserver(None, groups=1, inputs=4)
+    obs.worker = worker
+    for index in range(2):  # one block
+        obs.observe(np.ones((8, 4), np.float32), index=index, block=0)
+        obs.multiply()
+        assert obs.rows == 8 * (index + 1) and not obs._jobs  # before the worker is free
+    assert not release.is_set()
+    release.set()
+    obs.worker = None
+    worker.close()
+
+
+def test_a_hessian_observer_pickles_with_its_products_done():
+    """A shard's observer goes back to the parent by pickle: products finished, no thread."""
+    import pickle
+
+    import onnxq.solve.rounding as rounding
+
+    r = rng(14)
+    worker = rounding.Products()
+    obs = _observed([r.normal(0, 1, (30, 6)).astype(np.float32) for _ in range(4)], worker)
+    obs.multiply()
+    back = pickle.loads(pickle.dumps(obs))
+    assert back.worker is None and not back._jobs and back.rows == 120
+    obs._wait()
+    obs.worker = None
+    worker.close()
+    assert back.hessian().tobytes() == obs.hessian().tobytes()
+
+
 @pytest.mark.parametrize("groups,k", [(1, 300), (1, 64), (1, 65), (7, 9), (3, 130)])
 def test_upper_factor_of_inverse_is_the_cholesky_factor_of_the_inverse(groups, k):
     r = rng(10)

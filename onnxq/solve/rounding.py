@@ -24,8 +24,12 @@ are batched over groups: weights ``(G, M, K)`` and Hessians ``(G, K, K)``.
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import functools
 import math
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -229,6 +233,8 @@ SPARSE_POSITIONS = 64
 #: and the most bytes one layer's buffer holds (every layer of the model buffers at once)
 FLUSH_ROWS = 4096
 FLUSH_BYTES = 4 << 20
+#: bytes of rows handed to :class:`Products` and not multiplied yet, past which the caller waits
+QUEUED_BYTES = 16 << 20
 
 
 def row_cap(k: int) -> int:
@@ -402,6 +408,78 @@ def symmetric(packed: np.ndarray, k: int) -> np.ndarray:
     return out
 
 
+class Products:
+    """One thread that multiplies the Hessians' rows while the calling thread goes on.
+
+    The calibrate pass folds every batch on one thread (ranges, histograms, Hessians) while
+    onnxruntime runs the next ones; the Hessians' float32 products were most of that thread's
+    time, with a core idle beside it. The jobs run one at a time in the order they were handed
+    in, so every Hessian sees the same operations in the same order as on the calling thread:
+    the same bits. At most :data:`QUEUED_BYTES` of rows wait; past it :meth:`submit` waits for
+    the oldest jobs. An error in a job is raised by :meth:`HessianObserver.hessian` (or by
+    :func:`products_beside` when the pass ends).
+    """
+
+    def __init__(self, max_bytes: int = QUEUED_BYTES):
+        self.max_bytes = max_bytes
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="onnxq-hessians")
+        self._queued: collections.deque[tuple[Future[None], int]] = collections.deque()
+        self._bytes = 0
+
+    def full(self, nbytes: int) -> bool:
+        """Whether a job of ``nbytes`` would wait for the jobs before it (:meth:`submit`)."""
+        while self._queued and self._queued[0][0].done():
+            done, size = self._queued.popleft()
+            done.result()
+            self._bytes -= size
+        return bool(self._queued) and self._bytes + nbytes > self.max_bytes
+
+    def submit(self, job: Callable[[], None], nbytes: int) -> Future[None]:
+        """Run ``job`` after the jobs handed in before it; ``nbytes``: the rows it holds."""
+        while self.full(nbytes):
+            done, size = self._queued.popleft()
+            done.result()
+            self._bytes -= size
+        future = self._pool.submit(job)
+        self._queued.append((future, nbytes))
+        self._bytes += nbytes
+        return future
+
+    def close(self) -> None:
+        """Wait for every job (raising the first error) and stop the thread."""
+        try:
+            while self._queued:
+                self._queued.popleft()[0].result()
+        finally:
+            self._pool.shutdown(wait=True)
+
+
+@contextlib.contextmanager
+def products_beside(taps: Iterable[Any]) -> Iterator[None]:
+    """The Hessians among ``taps`` multiply their rows on one thread of their own meanwhile.
+
+    On leaving, every product is done (and an error in one raised); the observers multiply
+    on their caller's thread again.
+    """
+    hessians = [t for t in taps if isinstance(t, HessianObserver)]
+    if not hessians:
+        yield
+        return
+    worker = Products()
+    for h in hessians:
+        h.worker = worker
+    try:
+        yield
+    finally:
+        try:
+            for h in hessians:
+                h._wait()
+        finally:
+            for h in hessians:
+                h.worker = None
+            worker.close()
+
+
 class HessianObserver:
     """Accumulates ``H = E[x xᵀ]`` per group from a layer's input batches.
 
@@ -439,6 +517,9 @@ class HessianObserver:
         self._block_sum: np.ndarray | None = None
         self._seen = 0
         self._block: int | None = None
+        #: where the products run (:func:`products_beside`); None: on the caller's thread
+        self.worker: Products | None = None
+        self._jobs: list[Future[None]] = []
 
     def observe(self, x: np.ndarray, index: int | None = None, block: int | None = None) -> None:
         """Add batch ``index`` of the layer's input (by default the next one).
@@ -492,15 +573,22 @@ class HessianObserver:
         self._flush()
 
     def _product(self) -> None:
-        """Add the buffered rows' ``x xᵀ`` to the open block's sum.
+        """Add the buffered rows' ``x xᵀ`` to the open block's sum (now, or on the worker)."""
+        if not self._pending:
+            return
+        pending, nbytes = self._pending, self._pending_bytes
+        self._pending, self._pending_rows, self._pending_bytes = [], 0, 0
+        self._run(functools.partial(self._multiply, pending), nbytes)
+
+    def _multiply(self, pending: list[np.ndarray]) -> None:
+        """The product of ``pending``'s rows, added to the open block's sum.
 
         A plain float64 sum: within a block the order of the products is fixed. Only the upper
         triangle is summed and kept (the product is symmetric: numpy computes ``A Aᵀ`` as one
         triangle, mirrored): half the memory of every layer's Hessian while calibrating.
         """
-        if not self._pending:
-            return
-        cols = np.concatenate(self._pending, axis=2)
+        cols = np.concatenate(pending, axis=2)
+        del pending[:]
         with np.errstate(over="ignore", invalid="ignore"):  # an overflow is seen by its user
             full = np.matmul(cols, np.swapaxes(cols, 1, 2))
         k = full.shape[-1]
@@ -513,7 +601,6 @@ class HessianObserver:
         else:
             self._block_sum += product
         self.rows += cols.shape[2]
-        self._pending, self._pending_rows, self._pending_bytes = [], 0, 0
 
     def _flush(self) -> None:
         """Close the block: its sum goes to the order-independent sum once.
@@ -523,19 +610,51 @@ class HessianObserver:
         product, took OriNet's calibrate step from 2.5 to 1.3 s.
         """
         self._product()
+        if self._jobs or self._block_sum is not None:  # else no block is open
+            self._run(self._close_block, 0)
+
+    def _close_block(self) -> None:
         if self._block_sum is not None:
             self.sum.add(self._block_sum, own=True)
             self._block_sum = None
 
+    def _run(self, job: Callable[[], None], nbytes: int) -> None:
+        """``job`` now, or after this observer's earlier jobs on :attr:`worker`."""
+        if self.worker is None:
+            self._wait()
+            job()
+            return
+        while self._jobs and self._jobs[0].done():
+            self._jobs.pop(0).result()
+        if not self._jobs and self.worker.full(nbytes):
+            job()  # the worker is behind and nothing of this Hessian waits there: no order
+            return  # to keep, so the caller's thread does this one rather than wait
+        self._jobs.append(self.worker.submit(job, nbytes))
+
+    def _wait(self) -> None:
+        """Until every product handed to the worker is in the sums (its error raised)."""
+        while self._jobs:
+            self._jobs.pop(0).result()
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickled (a shard's observer sent back) with its products done, without the worker."""
+        self._wait()
+        state = dict(self.__dict__)
+        state["worker"], state["_jobs"] = None, []
+        return state
+
     def merge(self, other: HessianObserver) -> None:
         """Fold in another shard's rows."""
         self._flush()
+        self._wait()
         other._flush()
+        other._wait()
         self.sum.merge(other.sum)
         self.rows += other.rows
 
     def release(self) -> None:
         """Let go of the accumulated sums (after :meth:`hessian` was taken)."""
+        self._wait()
         self.sum = PairSum()
         self._block_sum = None
         self._pending = []
@@ -543,6 +662,7 @@ class HessianObserver:
     def hessian(self) -> np.ndarray | None:
         """The mean ``x xᵀ`` per group (G, K, K), or None before any batch."""
         self._flush()
+        self._wait()
         if self.sum.empty:
             return None
         packed = self.sum.value()
