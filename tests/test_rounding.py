@@ -502,6 +502,34 @@ def test_deterministic(cnn_runs):
     assert again.SerializeToString() == first.SerializeToString()
 
 
+def test_the_calibrate_pass_multiplies_beside_the_folding_thread_and_keeps_the_bytes(monkeypatch):
+    """Two cores: the Hessians' products run on their own thread; ``threads=1``: on the caller.
+
+    The model written is the same either way.
+    """
+    import threading
+
+    import onnxq.calibrate.calibration as calibration
+
+    model, calib, _ = _small_cnn()
+    monkeypatch.setattr(calibration, "available_cores", lambda: 2)
+    seen: list[str] = []
+    real = HessianObserver._multiply
+
+    def recorded(self, pending):
+        seen.append(threading.current_thread().name)
+        real(self, pending)
+
+    monkeypatch.setattr(HessianObserver, "_multiply", recorded)
+    kw = dict(progress=False, method="minmax", bias_correction="none", recipe="fixed")
+    beside, _ = onnxq.quantize(model, calib, **kw)
+    on_worker = [t for t in seen if t.startswith("onnxq-hessians")]
+    seen.clear()
+    alone, _ = onnxq.quantize(model, calib, threads=1, **kw)
+    assert on_worker and not [t for t in seen if t.startswith("onnxq-hessians")]
+    assert beside.SerializeToString() == alone.SerializeToString()
+
+
 def test_auto_rounds_a_cnn_and_the_skips_say_why():
     model, calib, _ = _small_cnn()
     # W3 read by a second Conv too: a shared weight keeps nearest rounding
