@@ -429,27 +429,29 @@ class Products:
     def full(self, nbytes: int) -> bool:
         """Whether a job of ``nbytes`` would wait for the jobs before it (:meth:`submit`)."""
         while self._queued and self._queued[0][0].done():
-            done, size = self._queued.popleft()
-            done.result()
-            self._bytes -= size
+            self._retire_oldest()
         return bool(self._queued) and self._bytes + nbytes > self.max_bytes
 
     def submit(self, job: Callable[[], None], nbytes: int) -> Future[None]:
         """Run ``job`` after the jobs handed in before it; ``nbytes``: the rows it holds."""
         while self.full(nbytes):
-            done, size = self._queued.popleft()
-            done.result()
-            self._bytes -= size
+            self._retire_oldest()
         future = self._pool.submit(job)
         self._queued.append((future, nbytes))
         self._bytes += nbytes
         return future
 
+    def _retire_oldest(self) -> None:
+        """Wait for the oldest job (raising its error) and stop counting its rows."""
+        done, size = self._queued.popleft()
+        self._bytes -= size
+        done.result()
+
     def close(self) -> None:
         """Wait for every job (raising the first error) and stop the thread."""
         try:
             while self._queued:
-                self._queued.popleft()[0].result()
+                self._retire_oldest()
         finally:
             self._pool.shutdown(wait=True)
 
