@@ -262,3 +262,47 @@ def test_rescaled_bias_that_would_overflow_keeps_the_pair():
     rq = Requantizer()
     out = rq.requantize(qdq_model(nodes, inits))
     assert rq.stats.rescaled_pairs == 0 and ops(out).count("QuantizeLinear") == 2
+
+
+def _split_model(readers):
+    """q0 → dq0 → Split into a and b; ``readers`` reads them and writes y."""
+    nodes = [
+        h.make_node("QuantizeLinear", ["x", "s1", "z1"], ["q"], name="q0"),
+        h.make_node("DequantizeLinear", ["q", "s1", "z1"], ["d"], name="dq0"),
+        h.make_node("Split", ["d", "halves"], ["a", "b"], axis=1, name="split"),
+        *readers,
+    ]
+    inits = {**scalars(s1=0.02, z1=60), "halves": np.array([2, 2], np.int64)}
+    return qdq_model(nodes, inits, out_shape=(1, 2, 4, 4))
+
+
+def test_dq_stays_before_a_split_whose_parts_only_float_ops_read():
+    # moved past the Split it would become two dequantizers and fold with nothing
+    model = _split_model(
+        [
+            h.make_node("Sigmoid", ["a"], ["sa"], name="sig"),
+            h.make_node("Tanh", ["b"], ["tb"], name="tanh"),
+            h.make_node("Mul", ["sa", "tb"], ["y"], name="mul"),
+        ]
+    )
+    rq = Requantizer()
+    out = rq.requantize(model)
+    assert ops(out) == ["QuantizeLinear", "DequantizeLinear", "Split", "Sigmoid", "Tanh", "Mul"]
+    assert rq.stats.crossed_ops == []
+
+
+def test_dq_crosses_a_split_when_a_part_meets_a_quantizer():
+    model = _split_model(
+        [
+            h.make_node("QuantizeLinear", ["a", "s1", "z1"], ["qa"], name="q1"),
+            h.make_node("DequantizeLinear", ["qa", "s1", "z1"], ["da"], name="dq1"),
+            h.make_node("Tanh", ["b"], ["tb"], name="tanh"),
+            h.make_node("Mul", ["da", "tb"], ["y"], name="mul"),
+        ]
+    )
+    rq = Requantizer()
+    out = rq.requantize(model)
+    assert rq.stats.crossed_ops == ["split"]
+    assert rq.stats.folded_pairs == 1
+    assert ops(out).count("DequantizeLinear") == 2
+    np.testing.assert_array_equal(run(out, {"x": X})[0], run(model, {"x": X})[0])

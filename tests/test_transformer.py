@@ -372,6 +372,53 @@ def test_an_int8_reader_keeps_the_int8_output():
     assert "MatMulIntegerToFloat" in by_name.values()  # m2: its reader is the graph output
 
 
+def test_a_split_of_float_gates_leaves_the_matmul_writing_float():
+    """A recurrent cell's gates: MatMul → bias → Split → Sigmoid/Tanh. Only float ops read the
+    parts, so the MatMul writes float (no int8 rounding of the gates, one op fewer a step)."""
+    r = rng(10)
+    w = r.normal(0, 0.3, (8, 16)).astype(np.float32)
+    nodes = [
+        h.make_node("MatMul", ["x", "W"], ["g0"], name="gates"),
+        h.make_node("Add", ["g0", "B"], ["g"], name="gates_bias"),
+        h.make_node("Split", ["g", "halves"], ["a", "b"], axis=1, name="split"),
+        h.make_node("Sigmoid", ["a"], ["sa"], name="sig"),
+        h.make_node("Tanh", ["b"], ["tb"], name="tanh"),
+        h.make_node("Mul", ["sa", "tb"], ["y"], name="cell"),
+    ]
+    inits = {"W": w, "B": r.normal(0, 0.1, 16).astype(np.float32),
+             "halves": np.array([8, 8], np.int64)}  # fmt: skip
+    model = make_model(nodes, [("x", ["N", 8])], [("y", ["N", 8])], inits)
+    data = [{"x": r.normal(0, 1, (16, 8)).astype(np.float32)} for _ in range(8)]
+    q, report = onnxq.quantize(model, data, progress=False)
+    ops = [n.op_type for n in q.graph.node]
+    assert "gates" in report.quantized_nodes
+    assert ops == ["QuantizeLinear", "QGemm", "Split", "Sigmoid", "Tanh", "Mul"]  # bias fused
+    assert len(q.graph.node[1].input) == 7  # no output scale and zero point: it writes float
+    feed = {"x": r.normal(0, 1, (32, 8)).astype(np.float32)}
+    np.testing.assert_allclose(run(q, feed)[0], run(model, feed)[0], atol=0.03)
+
+
+def test_a_reshaped_result_that_only_float_ops_read_is_written_float():
+    """MatMul → Reshape → Tanh: the dequantizer stays before the Reshape, so the MatMul
+    writes float rather than round its result to int8 for a float reader."""
+    r = rng(11)
+    nodes = [
+        h.make_node("MatMul", ["x", "W"], ["m"], name="dense"),
+        h.make_node("Reshape", ["m", "shape"], ["r"], name="reshape"),
+        h.make_node("Tanh", ["r"], ["y"], name="tanh"),
+    ]
+    inits = {"W": r.normal(0, 0.3, (8, 16)).astype(np.float32),
+             "shape": np.array([-1, 4, 4], np.int64)}  # fmt: skip
+    model = make_model(nodes, [("x", ["N", 8])], [("y", ["N", 4, 4])], inits)
+    data = [{"x": r.normal(0, 1, (16, 8)).astype(np.float32)} for _ in range(8)]
+    q, report = onnxq.quantize(model, data, progress=False)
+    assert "dense" in report.quantized_nodes
+    assert [n.op_type for n in q.graph.node] == [
+        "QuantizeLinear", "MatMulIntegerToFloat", "Reshape", "Tanh"]  # fmt: skip
+    feed = {"x": r.normal(0, 1, (32, 8)).astype(np.float32)}
+    np.testing.assert_allclose(run(q, feed)[0], run(model, feed)[0], atol=0.03)
+
+
 def test_the_model_kind_is_read_from_the_graph_and_can_be_overridden(tmp_path):
     from helpers import trained_model
 
