@@ -6,15 +6,19 @@ Without ``--model`` it builds a 5-conv residual CNN (1×3×S×S input, Conv-BN-R
 residual blocks, global average pool, dense head) with seeded random weights, plus the bundled
 and zoo models. Every variant is measured in onnxruntime CPU with 1 thread and batch 1, median
 of ``--runs`` runs after warm-up, the variants interleaved round by round so machine noise hits
-them alike. Prints a table with ratios to fp32 and to onnxruntime's output.
+them alike, in an order shuffled each round. Prints a table with ratios to fp32 and to
+onnxruntime's output.
 """
 
 from __future__ import annotations
 
 import argparse
+import random
 import sys
 import tempfile
 import time
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -121,19 +125,37 @@ def session(path: Path) -> ort.InferenceSession:
     return ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
 
 
-def measure(paths: dict[str, Path], sample: np.ndarray, runs: int) -> dict[str, float]:
-    sessions = {k: session(p) for k, p in paths.items()}
-    names = {k: s.get_inputs()[0].name for k, s in sessions.items()}
-    for k, s in sessions.items():
-        for _ in range(30):
-            s.run(None, {names[k]: sample})
-    times: dict[str, list[float]] = {k: [] for k in sessions}
-    for _ in range(runs):
-        for k, s in sessions.items():
+def interleaved(
+    runs: int, calls: dict[str, Callable[[], object]], warmup: int, seconds: float = 0.0
+) -> dict[str, list[float]]:
+    """Seconds of each call: ``warmup`` calls each, then rounds of one call each, at least
+    ``runs`` of them and until ``seconds`` have passed.
+
+    Each round runs them in an order of its own (shuffled, seeded by the round): in a fixed
+    or rotated order one variant always follows fp32's, and it ran a few % slower on MTCNN,
+    a bias no number of rounds removes.
+    """
+    for call in calls.values():
+        for _ in range(warmup):
+            call()
+    times: dict[str, list[float]] = {k: [] for k in calls}
+    start, i = time.perf_counter(), 0
+    while i < runs or time.perf_counter() - start < seconds:
+        for k in random.Random(i).sample(list(calls), len(calls)):
             t = time.perf_counter()
-            s.run(None, {names[k]: sample})
+            calls[k]()
             times[k].append(time.perf_counter() - t)
-    return {k: float(np.median(v) * 1e3) for k, v in times.items()}
+        i += 1
+    return times
+
+
+def measure(paths: dict[str, Path], sample: np.ndarray, runs: int) -> dict[str, float]:
+    calls = {}
+    for k, p in paths.items():
+        s = session(p)
+        feed = {s.get_inputs()[0].name: sample}
+        calls[k] = partial(s.run, None, feed)
+    return {k: float(np.median(v) * 1e3) for k, v in interleaved(runs, calls, 30).items()}
 
 
 def bench(name: str, model_path: Path, calib: np.ndarray, runs: int, tmp: Path) -> None:
