@@ -253,6 +253,23 @@ def test_the_latency_feed_joins_only_feeds_shaped_alike(tmp_path):
     assert out["prefix"].shape == (2, 1) and (out["prefix"] == 1).all()
 
 
+def test_latency_rounds_change_who_runs_after_whom():
+    # in a fixed (or rotated) order the variant after fp32 always ran after fp32, and ran a
+    # few % slower whatever its model
+    from benchmarks.latency import interleaved
+
+    log: list[str] = []
+    calls = {k: (lambda k=k: log.append(k)) for k in ("fp32", "onnxq", "ort", "nncf")}
+    times = interleaved(40, calls, warmup=2)
+    assert {k: len(v) for k, v in times.items()} == dict.fromkeys(calls, 40)
+    rounds = [log[8 + 4 * i : 12 + 4 * i] for i in range(40)]
+    after_fp32 = {r[r.index("fp32") + 1] for r in rounds if r[-1] != "fp32"}
+    assert after_fp32 == {"onnxq", "ort", "nncf"}
+    assert {r[0] for r in rounds} == set(calls)
+    # a block of quick runs goes on until its seconds are spent
+    assert len(interleaved(1, calls, warmup=0, seconds=0.02)["ort"]) > 1
+
+
 def test_variants_prints_the_line_saying_what_a_budget_left_out():
     """The ablation's budget table reads its 'left out' and 'estimated' columns from it."""
     from benchmarks.variants import budget_lines
