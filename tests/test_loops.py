@@ -327,6 +327,19 @@ def test_fakequantize_output_leaves_the_body_float_with_its_reason():
     assert not d.quantized and "FakeQuantize output covers the main graph only" in d.reason
 
 
+def test_excluding_the_loop_node_keeps_its_body_float():
+    # a recurrent step at batch 1 can run slower in int8 than in float: the user's way out
+    model = loop_rnn(10)
+    q, report = onnxq.quantize(model, _feeds(10, 8), exclude=["rnn"], progress=False)
+    body = _body(q)
+    assert not {"QuantizeLinear", "DequantizeLinear"} & {n.op_type for n in body.node}
+    assert not any(n.domain for n in body.node)
+    d = next(d for d in report.decisions if d.node == "rnn")
+    assert not d.quantized and "excluded" in d.reason, d.reason
+    feed = _eval_feed(10)
+    np.testing.assert_allclose(run(q, feed)[1], run(model, feed)[1], atol=1e-5)
+
+
 def test_quantizing_a_loop_is_deterministic():
     model = loop_rnn(12)
     a, _ = onnxq.quantize(model, _feeds(12, 8), progress=False)

@@ -55,7 +55,12 @@ class Branches:
             return self.quantize(model, samples, options)
 
         state.model, state.branches = quantize_branches(
-            q.float_model, state.model, feeds, run, Iterations
+            q.float_model,
+            state.model,
+            feeds,
+            run,
+            Iterations,
+            state.options.kept_float(q.float_model),
         )
         done = sum(1 for b in state.branches if b.quantized)
         return PassResult(f"{done} of {len(state.branches)} bodies quantized")

@@ -25,8 +25,8 @@ it sees when it runs (define-by-run):
 
 A carried value is quantized at the start of each iteration and dequantized at its end, on
 one set of parameters for every iteration: one requantization per iteration at most. A body
-that no calibration sample runs, or whose quantization fails, stays float and the report says
-why.
+that no calibration sample runs, whose quantization fails, or whose If/Loop/Scan node the call
+excludes, stays float and the report says why.
 """
 
 from __future__ import annotations
@@ -232,6 +232,7 @@ def quantize_branches(
     feeds: list[dict[str, np.ndarray]],
     quantize: Callable[[onnx.ModelProto, Any], tuple[onnx.ModelProto, Any]],
     iterations: Callable[[onnx.NodeProto, onnx.ModelProto, list[str], list[Any]], Any],
+    kept: set[str] | frozenset[str] = frozenset(),
 ) -> tuple[onnx.ModelProto, list[BranchResult]]:
     """``result`` with the bodies of its top-level If, Loop and Scan nodes quantized.
 
@@ -239,7 +240,8 @@ def quantize_branches(
     quantizes a body model with the caller's options, on a list of feeds or a DatasetManager;
     ``iterations(node, body model, dynamic free variables, rows)`` gives a Loop or Scan body's
     feeds, one per iteration (onnxq.calibrate.iterations), with the count of the last read as
-    ``count`` (see the module doc).
+    ``count`` (see the module doc). The bodies of the nodes named in ``kept`` (the call's
+    ``exclude`` and ``keep_float``) stay float.
     """
     holders = [n for n in float_model.graph.node if n.op_type in BODY_OPS]
     out = copy.deepcopy(result)
@@ -259,6 +261,9 @@ def quantize_branches(
             report.append(res)
             if target is None:
                 res.reason = f"the {node.op_type} node is not in the quantized model"
+                continue
+            if node.name in kept:
+                res.reason = "excluded: the call keeps this node and its bodies float"
                 continue
             data: Any  # an If branch's feeds, or a Loop/Scan body's Iterations
             if node.op_type == "If":
