@@ -340,6 +340,17 @@ def test_excluding_the_loop_node_keeps_its_body_float():
     np.testing.assert_allclose(run(q, feed)[1], run(model, feed)[1], atol=1e-5)
 
 
+def test_a_slower_int8_loop_model_is_told_how_to_keep_the_body_float(monkeypatch):
+    from onnxq.simulate import checks
+
+    monkeypatch.setattr(checks, "latency", lambda *a, **k: checks.Latency(0.10, 0.16, 9))
+    model = loop_rnn(10)
+    _, report = onnxq.quantize(model, _feeds(10, 8), latency_check=True, progress=False)
+    slower = [w for w in report.warnings if "slower than fp32" in w]
+    assert len(slower) == 1, slower
+    assert slower[0].endswith("int8 body of 'rnn' runs every step: exclude=['rnn'] keeps it float")
+
+
 def test_quantizing_a_loop_is_deterministic():
     model = loop_rnn(12)
     a, _ = onnxq.quantize(model, _feeds(12, 8), progress=False)

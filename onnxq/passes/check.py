@@ -83,7 +83,7 @@ class Check:
             lat = checks.latency(float_model, state.model, feeds[0])
             slower = lat.warning()
             if slower:
-                warnings.append(slower)
+                warnings.append(slower + _body_hint(state))
             state.latency = {"fp32_ms": lat.fp32_ms, "int8_ms": lat.int8_ms, "ratio": lat.ratio}
         state.check_warnings = warnings
         return PassResult(f"{len(warnings)} warnings" if warnings else "")
@@ -101,3 +101,18 @@ def _depthwise_advice(float_model: Any, kept: set[str]) -> dict[str, str]:
         "depthwise input(s) in the model): try --depthwise-scaling on"
     )
     return {c.conv.name: hint for c in found}
+
+
+def _body_hint(state: State) -> str:
+    """For a slower int8 model: the Loop/Scan nodes whose bodies run int8 every step."""
+    graph = state.quantizer.float_model.graph
+    loops = {n.name for n in graph.node if n.op_type in ("Loop", "Scan")}
+    named = sorted({b.node for b in state.branches if b.quantized and b.node in loops})
+    if not named:
+        return ""
+    one = len(named) == 1
+    return (
+        f"; the int8 {'body' if one else 'bodies'} of {', '.join(repr(n) for n in named)} "
+        f"{'runs' if one else 'run'} every step: --exclude {' '.join(named)} keeps "
+        f"{'it' if one else 'them'} float"
+    )
