@@ -165,8 +165,8 @@ class Requantizer:
                 continue
             if _dtype(dq) not in (np.dtype(np.uint8), np.dtype(np.int8)) and op.op in BYTE_ONLY:
                 continue  # onnxruntime has these kernels for 8-bit integers only
-            if not _fold_ahead(op, opset) and (op.op == "Split" or self._could_write_float(dq)):
-                continue  # nothing to fold ahead, and the move would cost more than it saves
+            if (op.op == "Split" or self._could_write_float(dq)) and not _fold_ahead(op, opset):
+                continue  # the move would cost more than it saves, and nothing folds ahead
             if op.op == "Split":
                 editor.move_after_split(dq, op)
             elif op.op == "Pad" and _copying_pad(op, opset):
