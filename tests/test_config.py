@@ -365,6 +365,13 @@ def test_report_names_python_parameters_from_python_and_flags_from_the_cli(tmp_p
     assert "is in --exclude" in decisions["conv1"]["reason"]
 
 
+def test_an_unknown_exclude_is_named_in_the_callers_spelling():
+    data = {"input": rng(3).normal(0, 1, (4, 1, 28, 28)).astype(np.float32)}
+    with pytest.raises(ConfigError) as err:
+        onnxq.quantize(str(DIGITS_CNN), data, exclude=["nope"], progress=False)
+    assert str(err.value).startswith("exclude: node(s) ['nope'] are not in the model;"), err.value
+
+
 @pytest.mark.parametrize(
     "cli, python",
     [

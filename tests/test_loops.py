@@ -20,6 +20,7 @@ from onnxq.calibrate.iterations import Iterations
 from onnxq.io.bodies import body_iterations
 from onnxq.io.session import make_session
 from onnxq.post.subgraphs import branch_model
+from onnxq.prepare.preprocess import prepare
 
 D, H = 16, 32
 F = TensorProto.FLOAT
@@ -216,12 +217,17 @@ def test_loop_body_quantized_and_its_state_holds_through_100_iterations(fmt):
     q, report = onnxq.quantize(model, _feeds(100, 24), format=fmt, progress=False)
     onnx.checker.check_model(q)
     body_ops = [n.op_type for n in _body(q).node]
+    # the input projection runs once for every step before the Loop (onnxq.prepare.hoist);
+    # the body keeps the hidden state's MatMul
     if fmt == "qoperator":
-        assert body_ops.count("MatMulIntegerToFloat") + body_ops.count("QLinearMatMul") == 2
+        assert body_ops.count("MatMulIntegerToFloat") + body_ops.count("QLinearMatMul") == 1
+        assert "MatMul" not in body_ops
     else:
-        assert body_ops.count("DequantizeLinear") >= 4  # two weights, two activations
-    # the body holds its weights; the outer float copies no node reads are gone
-    assert {"wx", "wh", "b"}.isdisjoint(t.name for t in q.graph.initializer)
+        assert body_ops.count("DequantizeLinear") >= 2  # the weight and the activation
+        assert body_ops.count("MatMul") == 1
+    assert "input_mm" in report.quantized_nodes
+    # the body holds its weights (the bias joined the input projection outside)
+    assert {"wx", "wh"}.isdisjoint(t.name for t in q.graph.initializer)
     d = next(d for d in report.decisions if d.node == "rnn")
     assert d.quantized and "2,400 iterations" in d.reason, d.reason
     assert any(d.node.startswith("rnn/body/") and d.quantized for d in report.decisions)
@@ -238,7 +244,10 @@ def test_scan_body_quantized_in_either_direction():
         model = scan_rnn(30, reverse)
         q, report = onnxq.quantize(model, _feeds(30, 16), progress=False)
         body_ops = [n.op_type for n in _body(q).node]
-        assert body_ops.count("MatMulIntegerToFloat") + body_ops.count("QLinearMatMul") == 2
+        assert body_ops.count("MatMulIntegerToFloat") + body_ops.count("QLinearMatMul") == 1
+        assert "MatMul" not in body_ops and "input_mm" in report.quantized_nodes
+        prepared = next(p for p in report.passes if p.name == "prepare")
+        assert "moved before their loop: 'input_mm' of 'rnn'" in prepared.changed
         d = next(d for d in report.decisions if d.node == "rnn")
         assert "480 iterations" in d.reason, d.reason
         feed = _eval_feed(30)
@@ -334,6 +343,7 @@ def test_excluding_the_loop_node_keeps_its_body_float():
     body = _body(q)
     assert not {"QuantizeLinear", "DequantizeLinear"} & {n.op_type for n in body.node}
     assert not any(n.domain for n in body.node)
+    assert [n.op_type for n in body.node].count("MatMul") == 2  # nothing hoisted out of it
     d = next(d for d in report.decisions if d.node == "rnn")
     assert not d.quantized and "excluded" in d.reason, d.reason
     feed = _eval_feed(10)
@@ -420,8 +430,8 @@ def test_inspect_explains_the_nodes_of_a_loop_body(tmp_path, capsys):
     onnx.save(loop_rnn(5), str(path))
     assert main(["inspect", str(path), "--explain"]) == 0
     out = capsys.readouterr().out
-    # the body's MatMuls are matched; its Tanh stays float with its reason
-    assert "rnn/body/input_mm" in out and "rnn/body/hidden_mm" in out
+    # the body's MatMul is matched (the input's runs before the Loop); its Tanh stays float
+    assert "rnn/body/hidden_mm" in out and "input_mm" in out and "rnn/body/input_mm" not in out
     assert "rnn/body/tanh" in out
     assert "calibrated on every iteration" in out
 
@@ -433,13 +443,13 @@ def test_debug_measures_the_groups_inside_a_loop_body(tmp_path):
     page = tmp_path / "debug.html"
     result = debug(model, _feeds(20, 8), budget=5, output=tmp_path / "fix.toml", report=page)
     names = [g.name for g in result.body_groups]
-    assert sorted(names) == ["rnn/body/hidden_mm", "rnn/body/input_mm"], names
+    assert names == ["rnn/body/hidden_mm"], names  # the input's MatMul runs before the Loop
     for g in result.body_groups:  # each measured: a quantization with that MatMul float
         assert g.metric != result.int8
     assert "inside If/Loop/Scan bodies" in result.summary()
     assert {r["node"] for r in result.to_dict()["body_groups"]} == set(names)
     text = page.read_text()
-    assert "Groups inside If branches and Loop/Scan bodies" in text and "rnn/body/input_mm" in text
+    assert "Groups inside If branches and Loop/Scan bodies" in text and "rnn/body/hidden_mm" in text
 
 
 def test_sequential_bias_correction_runs_past_a_scan():
@@ -455,3 +465,90 @@ def test_sequential_bias_correction_runs_past_a_scan():
     assert "sequential" in report.summary()
     feed = _eval_feed(12)
     assert _sqnr(run(model, feed)[0], run(q, feed)[0]) > 25
+
+
+def _holder(model: onnx.ModelProto) -> onnx.NodeProto:
+    return next(n for n in model.graph.node if n.op_type in ("Loop", "Scan"))
+
+
+def _hoisted(model: onnx.ModelProto) -> onnx.ModelProto:
+    """``model`` prepared, checked, and computing what ``model`` computes."""
+    out, _ = prepare(model)
+    onnx.checker.check_model(out)
+    steps = next(t for t in model.graph.initializer if t.name == "steps")
+    feed = _eval_feed(int(nh.to_array(steps)))
+    for ref, got in zip(run(model, feed), run(out, feed), strict=True):
+        np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
+    return out
+
+
+@pytest.mark.parametrize("reverse", [False, True])
+def test_prepare_hoists_a_scan_bodys_input_projection_into_one_matmul(reverse):
+    out = _hoisted(scan_rnn(12, reverse))
+    body_ops = [n.op_type for n in _body(out).node]
+    # the hidden state's MatMul and the sum with it stay; the input's MatMul and the bias
+    # (added after the sum) run for all steps before the Scan, steps first
+    assert body_ops.count("MatMul") == 1 and body_ops.count("Add") == 1
+    by_name = {n.name: n for n in out.graph.node}
+    steps_first, mm, bias = by_name["input_mm_steps_first"], by_name["input_mm"], by_name["bias"]
+    assert h.get_attribute_value(steps_first.attribute[0]) == [1, 0, 2]
+    assert mm.input[0] == steps_first.output[0] and bias.input[0] == mm.output[0]
+    scan = _holder(out)
+    assert list(scan.input)[-1] == bias.output[0]
+    attrs = {a.name: h.get_attribute_value(a) for a in scan.attribute if a.name != "body"}
+    assert attrs["num_scan_inputs"] == 1 and attrs["scan_input_axes"] == [0]
+    assert attrs["scan_input_directions"] == [1 if reverse else 0]
+
+
+def test_a_scan_input_the_body_still_reads_stays_beside_its_projection():
+    model = scan_rnn(8)
+    body = _body(model)
+    body.node.append(h.make_node("Relu", ["x_t"], ["x_pos"], name="x_pos"))
+    body.output.append(h.make_tensor_value_info("x_pos", F, ["N", D]))
+    model.graph.node[-2].output.append("x_pos_all")
+    model.graph.output.append(h.make_tensor_value_info("x_pos_all", F, [8, "N", D]))
+    out = _hoisted(model)
+    attrs = {a.name: h.get_attribute_value(a) for a in _holder(out).attribute if a.name != "body"}
+    assert attrs["num_scan_inputs"] == 2 and attrs["scan_input_axes"] == [1, 0]
+    assert [n.op_type for n in _body(out).node].count("MatMul") == 1
+
+
+def test_a_scan_over_the_axis_the_matmul_sums_stays_as_it_is():
+    # x is (N, 16, 16) scanned along its last axis: x_t = x[:, :, t] multiplies wx over axis 1,
+    # while MatMul(x, wx) would sum over axis 2; nothing may move
+    model = scan_rnn(D)
+    scan = _holder(model)
+    next(a for a in scan.attribute if a.name == "scan_input_axes").ints[:] = [2]
+    out = _hoisted(model)
+    assert [n.op_type for n in _body(out).node].count("MatMul") == 2
+
+
+def test_a_loop_gathering_rows_is_hoisted_only_when_its_trip_count_covers_them():
+    out = _hoisted(loop_rnn(6))
+    body = _body(out)
+    assert [n.op_type for n in body.node].count("MatMul") == 1
+    row = next(n for n in body.node if n.op_type == "Gather" and n.input[1] == "i")
+    assert row.input[0] == next(n for n in out.graph.node if n.name == "bias").output[0]
+    assert h.get_attribute_value(row.attribute[0]) == 0  # the rows of one step lie together
+    # a Loop of 3 steps over 6 rows would multiply rows it never reads: left as it is
+    model = loop_rnn(6)
+    steps = next(t for t in model.graph.initializer if t.name == "steps")
+    steps.CopyFrom(nh.from_array(np.array(3, np.int64), "steps"))
+    model.graph.output.pop()  # its per-step states are now 3, not the declared 6
+    model.graph.output.append(h.make_tensor_value_info("states", F, [3, "N", H]))
+    out, _ = prepare(model)
+    assert [n.op_type for n in _body(out).node].count("MatMul") == 2
+
+
+def test_a_bias_added_to_the_projection_itself_moves_with_it():
+    model = scan_rnn(8)
+    body = _body(model)
+    nodes = {n.name: n for n in body.node}
+    nodes["sum"].input[:] = ["a", "b"]  # a = x_t·wx; s = a + b; s2 = s + c
+    nodes["bias"].input[:] = ["s", "c"]
+    out = _hoisted(model)
+    body_ops = [n.op_type for n in _body(out).node]
+    assert body_ops.count("MatMul") == 1 and body_ops.count("Add") == 1
+    by_name = {n.name: n for n in out.graph.node}
+    assert by_name["sum"].input[:] == [by_name["input_mm"].output[0], "b"]
+    assert list(_holder(out).input)[-1] == by_name["sum"].output[0]

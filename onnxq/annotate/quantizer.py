@@ -204,7 +204,7 @@ class Quantizer:
             self.float_model, float_graph = proto, prepared
         else:
             refuse_shared_names(proto, self.config.exclude)
-            self.float_model, float_graph = prepare(proto)
+            self.float_model, float_graph = prepare(proto, self.config.exclude)
         del proto
         self.patterns = list(patterns) if patterns is not None else default_patterns()
         self.records: list[PatternRecord] = []
@@ -463,8 +463,8 @@ class Quantizer:
         missing = [] if self.config.body else [e for e in self.config.exclude if e not in names]
         if missing:
             raise ConfigError(
-                f"--exclude names node(s) {missing} that are not in the model; "
-                "`onnxq inspect MODEL` lists node names"
+                f"--exclude: node(s) {missing} are not in the model; "
+                "`onnxq inspect MODEL --explain` lists node names"
             )
 
     @property

@@ -1057,6 +1057,18 @@ class GraphEditor:
         self._names.add(name)
         return name
 
+    def reserve(self, names: Iterable[str]) -> None:
+        """Keep ``names`` from new tensors and nodes (names of the bodies, or outer scopes)."""
+        self._names.update(names)
+
+    def names(self) -> frozenset[str]:
+        """The names taken so far (the graph's and those reserved)."""
+        return frozenset(self._names)
+
+    def free(self, name: str) -> None:
+        """Let a new node or tensor take ``name`` again (its holder left the graph)."""
+        self._names.discard(name)
+
     # creation ---------------------------------------------------------------------------
     def constant(self, name: str, value: np.ndarray, exact: bool = False) -> gs.Constant:
         """Create an initializer. With ``exact`` the name must be free (placeholders)."""

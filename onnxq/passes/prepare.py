@@ -2,17 +2,18 @@
 
 Needs ``state.float_model`` (loaded). Leaves it preprocessed (onnxq.prepare.preprocess: unique
 node names, constant subgraphs folded, BatchNormalization folded into the layer before it,
-HardSwish fused, shapes inferred) and ``state.float_graph``, the same model as the one graph
-the annotation copies (the call's one onnx-graphsurgeon import). The float rewrites after it
-(equalization, SmoothQuant, depthwise scaling) see the folded model; one that changes it lets
-go of the graph, and the annotation preprocesses their result again (new nodes need shapes).
+HardSwish fused, Loop/Scan input projections hoisted out of their bodies, shapes inferred) and
+``state.float_graph``, the same model as the one graph the annotation copies (the call's one
+onnx-graphsurgeon import). The float rewrites after it (equalization, SmoothQuant, depthwise
+scaling) see the folded model; one that changes it lets go of the graph, and the annotation
+preprocesses their result again (new nodes need shapes).
 """
 
 from __future__ import annotations
 
 from onnxq.annotate.quantizer import refuse_shared_names
 from onnxq.passes.manager import PassResult, State, op_changes, op_histogram
-from onnxq.prepare.preprocess import prepare
+from onnxq.prepare.preprocess import prepare_hoisting
 
 
 class Prepare:
@@ -25,5 +26,9 @@ class Prepare:
         before = op_histogram(state.float_model)
         # an --exclude name several nodes share is refused before preprocessing renames them
         refuse_shared_names(state.float_model, state.options.quantizer_config().exclude)
-        state.float_model, state.float_graph = prepare(state.float_model)
-        return PassResult(op_changes(before, op_histogram(state.float_model)))
+        kept = state.options.kept_float(state.float_model)
+        state.float_model, state.float_graph, moved = prepare_hoisting(state.float_model, kept)
+        changed = op_changes(before, op_histogram(state.float_model))
+        if moved:  # what a user sees as new MatMuls in the main graph
+            changed += f"; input projections moved before their loop: {', '.join(moved)}"
+        return PassResult(changed)

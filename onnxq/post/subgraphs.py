@@ -134,6 +134,7 @@ def branch_model(
         elem = helper.np_dtype_to_tensor_dtype(value.dtype)
         dims = [f"{name}_dim{i}" for i in range(value.ndim)]
         graph.input.append(helper.make_tensor_value_info(name, elem, dims))
+    _typed_by_inputs(graph)
     model = helper.make_model(graph, opset_imports=list(parent.opset_import))
     model.ir_version = parent.ir_version
     untyped = [o for o in model.graph.output if not o.type.tensor_type.HasField("shape")]
@@ -148,6 +149,19 @@ def branch_model(
                 )
             )
     return model
+
+
+def _typed_by_inputs(graph: onnx.GraphProto) -> None:
+    """Drop ``graph``'s value_info entries of its inputs.
+
+    A body's entry for an outer value it reads (exported with no shape) would override the
+    input's type where an import reads it.
+    """
+    inputs = {i.name for i in graph.input}
+    kept = [v for v in graph.value_info if v.name not in inputs]
+    if len(kept) != len(graph.value_info):
+        del graph.value_info[:]
+        graph.value_info.extend(kept)
 
 
 def declared_bodies(
@@ -180,6 +194,7 @@ def declared_bodies(
                     graph.input.append(
                         helper.make_tensor_value_info(name, onnx.TensorProto.FLOAT, None)
                     )
+            _typed_by_inputs(graph)
             body_model = helper.make_model(graph, opset_imports=list(model.opset_import))
             body_model.ir_version = model.ir_version
             yield node, attr_name, body_model

@@ -13,6 +13,7 @@ import contextlib
 import copy
 import logging
 import tempfile
+from collections.abc import Collection
 
 import numpy as np
 import onnx
@@ -24,6 +25,7 @@ from onnxq.io.graph import (
     constant_value,
     copy_fields,
     export_model,
+    graphs_of,
     import_graph,
     in_file,
     is_absent,
@@ -31,6 +33,7 @@ from onnxq.io.graph import (
     skeleton,
 )
 from onnxq.prepare.fusions import fuse_hardswish_graph
+from onnxq.prepare.hoist import hoist_projections
 from onnxq.prepare.opset import default_opset, raise_opset
 
 MIN_OPSET = 10
@@ -42,11 +45,23 @@ def preprocess(model: onnx.ModelProto) -> onnx.ModelProto:
     return prepare(model)[0]
 
 
-def prepare(model: onnx.ModelProto) -> tuple[onnx.ModelProto, gs.Graph]:
+def prepare(model: onnx.ModelProto, kept: Collection[str] = ()) -> tuple[onnx.ModelProto, gs.Graph]:
     """:func:`preprocess`, and the model it returns as a graph: the one import of the model.
 
     The graph the passes edited is handed on, with the shapes inference found written into it
     (onnxq.io.graph.as_imported), instead of importing the returned model again.
+    """
+    out, graph, _ = prepare_hoisting(model, kept)
+    return out, graph
+
+
+def prepare_hoisting(
+    model: onnx.ModelProto, kept: Collection[str] = ()
+) -> tuple[onnx.ModelProto, gs.Graph, list[str]]:
+    """:func:`prepare`, and the input projections it moved out of Loop and Scan bodies.
+
+    They are hoisted (onnxq.prepare.hoist) once shapes are known, except in the If/Loop/Scan
+    nodes named in ``kept``; that costs one more export and import, only where one moved.
     """
     if default_opset(model) < MIN_OPSET:
         model = raise_opset(model, TARGET_OPSET, f"QLinear ops (opset >= {MIN_OPSET})")
@@ -58,6 +73,18 @@ def prepare(model: onnx.ModelProto) -> tuple[onnx.ModelProto, gs.Graph]:
     _fold_affine(graph)
     out = export_model(graph, model)
     out, _, graph = fuse_hardswish_graph(out, graph)
+    out = _shaped(out, model)
+    graph = as_imported(graph, out)
+    bodies = any(True for n in out.graph.node for _ in graphs_of(n))
+    moved = hoist_projections(graph, kept) if bodies else []
+    if moved:
+        out = _shaped(export_model(graph, out), model)
+        graph = as_imported(graph, out)
+    return out, graph, moved
+
+
+def _shaped(out: onnx.ModelProto, model: onnx.ModelProto) -> onnx.ModelProto:
+    """``out`` with ``model``'s producer and the shapes ONNX and symbolic inference find."""
     out.producer_name = model.producer_name
     out.producer_version = model.producer_version
     try:
@@ -65,7 +92,7 @@ def prepare(model: onnx.ModelProto) -> tuple[onnx.ModelProto, gs.Graph]:
     except Exception as exc:  # shape inference is best effort: patterns cope with unknown shapes
         logging.getLogger("onnxq").info("shape inference failed: %s", exc)
     out.graph.value_info.extend(_symbolic_value_info(out))
-    return out, as_imported(graph, out)
+    return out
 
 
 def _with_weights(inferred: onnx.ModelProto, full: onnx.ModelProto) -> onnx.ModelProto:

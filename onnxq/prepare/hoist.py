@@ -1,0 +1,241 @@
+"""Move a recurrent body's input projection out of its Loop or Scan: one GEMM for all steps.
+
+A recurrent step written as a Scan or Loop body multiplies the step's input row by a constant
+weight every step (``MatMul(x_t, W_i)``, often plus a constant bias), beside the hidden
+state's own product. That product depends on nothing the steps carry, so it can be computed
+for every step at once before the loop, as one ``MatMul(X, W_i)`` over the whole sequence,
+and the body reads its step's row of the result:
+
+- **Scan**: ``x_t`` is a scan input; the product over the sequence becomes a new scan input
+  (same axis and direction) and replaces the body's MatMul.
+- **Loop**: ``x_t = Gather(X, i)`` of an outer tensor ``X`` along the iteration counter; the
+  body gathers row ``i`` of ``MatMul(X, W_i)`` instead. Only where the trip count is a
+  constant equal to ``X``'s length on that axis (no row is multiplied for nothing).
+
+The body then does one GEMM of one row a step instead of two, and the hoisted one runs as a
+single batched GEMM, which int8 kernels do well (a one-row int8 GEMM per step is slower than
+the float one on onnxruntime's CPU kernels). The arithmetic is the same; only the order of
+the float sums inside a GEMM may differ.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+
+import numpy as np
+import onnx_graphsurgeon as gs
+
+from onnxq.io.graph import GraphEditor, constant_value, is_absent, producer
+
+
+def hoist_projections(
+    graph: gs.Graph, kept: Collection[str] = (), taken: Collection[str] = ()
+) -> list[str]:
+    """Hoist the input projections of ``graph``'s Loop and Scan bodies; return what moved.
+
+    ``kept``: names of If/Loop/Scan nodes left as they are, bodies and all (the user keeps
+    them float). Each entry of the result reads ``'<body MatMul>' of '<Loop/Scan>'``. Nested
+    bodies are visited too, each hoisting into the graph that holds its node; ``taken``: the
+    names of the scopes around ``graph``, which new names avoid.
+    """
+    editor = GraphEditor(graph)
+    editor.reserve(_all_names(graph))
+    editor.reserve(taken)
+    moved: list[str] = []
+    for node in list(graph.nodes):
+        if node.name in kept:
+            continue
+        for body in [v for v in node.attrs.values() if isinstance(v, gs.Graph)]:
+            moved += hoist_projections(body, kept, editor.names())
+        body = node.attrs.get("body")
+        if node.op not in ("Scan", "Loop") or not isinstance(body, gs.Graph):
+            continue
+        hoist = _hoist_scan if node.op == "Scan" else _hoist_loop
+        for mm in list(body.nodes):
+            if mm.op == "MatMul" and hoist(editor, node, body, mm):
+                moved.append(f"'{mm.name}' of '{node.name}'")
+    if moved:
+        editor.finish()
+    return moved
+
+
+def _all_names(graph: gs.Graph) -> set[str]:
+    """Every tensor and node name of ``graph`` and its bodies (names are unique model-wide)."""
+    names: set[str] = set()
+    for node in graph.nodes:
+        names.add(node.name)
+        names.update(t.name for t in (*node.inputs, *node.outputs))
+        for value in node.attrs.values():
+            if isinstance(value, gs.Graph):
+                names |= _all_names(value)
+                names.update(t.name for t in (*value.inputs, *value.outputs))
+    return names
+
+
+def _weight(body: gs.Graph, mm: gs.Node) -> gs.Constant | None:
+    """``mm``'s constant 2-D weight, when no other node of ``body`` reads it."""
+    w = mm.inputs[1] if len(mm.inputs) == 2 else None
+    if not isinstance(w, gs.Constant) or np.ndim(w.values) != 2:
+        return None
+    return w if _only_reader(body, w, mm) else None
+
+
+def _holds(body: gs.Graph, node: gs.Node) -> bool:
+    """``node`` is one of ``body``'s own nodes (graphsurgeon's ``in`` compares, not identifies)."""
+    return any(n is node for n in body.nodes)
+
+
+def _only_reader(body: gs.Graph, tensor: gs.Tensor, node: gs.Node) -> bool:
+    """No node of ``body`` but ``node`` reads ``tensor``."""
+    return all(n is node for n in body.nodes if any(t is tensor for t in n.inputs))
+
+
+def _bias_after(body: gs.Graph, mm: gs.Node) -> tuple[gs.Node | None, gs.Node | None]:
+    """The ``Add`` of a constant bias (a vector or a scalar) after ``mm``: (it, the sum between).
+
+    Either it alone reads ``mm``'s result (``Add(x_t·W, b)``; no sum between), or ``mm``'s
+    result is added to another value first and only the bias reads that sum
+    (``Add(Add(x_t·W, h·U), b)``, how an LSTM step is often written): the bias then joins the
+    hoisted product, the sum reading it (the float additions in another order).
+    """
+    y = mm.outputs[0]
+    add = _sole_reader(body, y)
+    if add is None or add.op != "Add":
+        return None, None
+    if _constant_operand(body, add, y) is not None:
+        return add, None
+    s = add.outputs[0]
+    bias = _sole_reader(body, s)
+    if bias is None or bias.op != "Add" or _constant_operand(body, bias, s) is None:
+        return None, None
+    return bias, add
+
+
+def _sole_reader(body: gs.Graph, y: gs.Tensor) -> gs.Node | None:
+    """The one node of ``body`` reading ``y``, when ``y`` is not also a body output."""
+    readers = [n for n in body.nodes if any(t is y for t in n.inputs)]
+    if len(readers) != 1 or any(t is y for t in body.outputs):
+        return None
+    return readers[0]
+
+
+def _constant_operand(body: gs.Graph, add: gs.Node, y: gs.Tensor) -> gs.Tensor | None:
+    """``add``'s operand beside ``y`` when it is a constant vector or scalar only it reads."""
+    other = add.inputs[1] if add.inputs[0] is y else add.inputs[0]
+    value = constant_value(other)
+    if value is None or value.ndim > 1 or not _only_reader(body, other, add):
+        return None
+    return other
+
+
+def _project(
+    editor: GraphEditor,
+    mm: gs.Node,
+    w: gs.Constant,
+    x: gs.Tensor,
+    steps: tuple[int, int],
+    body: gs.Graph,
+) -> tuple[gs.Variable, gs.Variable]:
+    """Add ``MatMul(x, w)`` (+ its bias) to the outer graph; (its output, the body's result).
+
+    ``steps``: (axis of ``x`` the loop steps along, rank of ``x``). The output has the steps
+    on axis 0: the loop then reads each step's rows as one block (onnxruntime's Scan would
+    otherwise transpose the whole product before its first step; a Gather along axis 1 copies
+    each step's rows apart), and ``x`` is transposed instead, the smaller of the two.
+    """
+    bias, via = _bias_after(body, mm)
+    result = bias.outputs[0] if bias is not None and via is None else mm.outputs[0]
+    for n in (mm, bias):  # the nodes leave the body: the outer ones take their names
+        if n is not None:
+            editor.free(n.name)
+    axis, rank = steps
+    if axis != 0:
+        first = editor.variable(f"{x.name}_steps_first", x.dtype)
+        perm = [axis] + [d for d in range(rank) if d != axis]
+        editor.add_node("Transpose", [x], [first], f"{mm.name}_steps_first", {"perm": perm})
+        x = first
+    product = editor.variable(f"{mm.outputs[0].name}_all_steps", x.dtype)
+    editor.add_node("MatMul", [x, w], [product], mm.name)
+    out = product
+    if bias is not None:
+        summed = via.outputs[0] if via is not None else mm.outputs[0]
+        b = bias.inputs[1] if bias.inputs[0] is summed else bias.inputs[0]
+        out = editor.variable(f"{bias.outputs[0].name}_all_steps", x.dtype)
+        editor.add_node("Add", [product, b], [out], bias.name)
+        if via is not None:  # the sum writes what the bias Add wrote
+            editor.absorb(via, bias)
+        else:
+            editor.remove_node(bias)
+    editor.remove_node(mm)
+    result.dtype = result.dtype or x.dtype
+    return out, result
+
+
+def _hoist_scan(editor: GraphEditor, scan: gs.Node, body: gs.Graph, mm: gs.Node) -> bool:
+    """Hoist ``mm = MatMul(x_t, W)`` of a Scan body whose ``x_t`` is a scan input."""
+    scans = int(scan.attrs.get("num_scan_inputs", 0))
+    states = len(scan.inputs) - scans
+    x_t = mm.inputs[0]
+    own = body.inputs[states:]
+    if not any(x_t is t for t in own) or len(body.inputs) != len(scan.inputs):
+        return False
+    k = next(i for i, t in enumerate(own) if t is x_t)
+    rank = len(x_t.shape) if x_t.shape is not None else None
+    axes = list(scan.attrs.get("scan_input_axes", [0] * scans))
+    directions = list(scan.attrs.get("scan_input_directions", [0] * scans))
+    if rank is None:
+        return False
+    axis = int(axes[k]) + (rank + 1 if int(axes[k]) < 0 else 0)
+    if not 0 <= axis < rank:
+        return False  # the scan axis must not be the last one, which the MatMul sums over
+    w = _weight(body, mm)
+    if w is None:
+        return False
+    outer = scan.inputs[states + k]
+    projected, result = _project(editor, mm, w, outer, (axis, rank + 1), body)
+    result.shape = None
+    body.inputs.append(result)
+    scan.inputs.append(projected)
+    axes.append(0)
+    directions.append(int(directions[k]))
+    if not any(any(t is x_t for t in n.inputs) for n in body.nodes):
+        del body.inputs[states + k], scan.inputs[states + k], axes[k], directions[k]
+    else:
+        scans += 1
+    scan.attrs["num_scan_inputs"] = scans
+    scan.attrs["scan_input_axes"] = axes
+    scan.attrs["scan_input_directions"] = directions
+    editor.modified = True
+    return True
+
+
+def _hoist_loop(editor: GraphEditor, loop: gs.Node, body: gs.Graph, mm: gs.Node) -> bool:
+    """Hoist ``mm = MatMul(Gather(X, i), W)`` of a Loop body, ``X`` outer, ``i`` the counter."""
+    gather = producer(mm.inputs[0])
+    if gather is None or gather.op != "Gather" or not _holds(body, gather) or not body.inputs:
+        return False
+    x, index = gather.inputs[0], gather.inputs[1]
+    if index is not body.inputs[0] or not isinstance(x, gs.Variable) or x.shape is None:
+        return False
+    made = producer(x)
+    if (made is not None and _holds(body, made)) or any(x is t for t in body.inputs):
+        return False  # X must come from outside the body
+    counted = loop.inputs and not is_absent(loop.inputs[0])
+    trips = constant_value(loop.inputs[0]) if counted else None
+    rank = len(x.shape)
+    axis = int(gather.attrs.get("axis", 0))
+    axis = axis + rank if axis < 0 else axis
+    if trips is None or trips.size != 1 or not 0 <= axis < rank - 1:
+        return False
+    if x.shape[axis] != int(trips.reshape(-1)[0]):
+        return False  # the loop may run fewer steps than X has rows: no product for nothing
+    w = _weight(body, mm)
+    if w is None:
+        return False
+    projected, result = _project(editor, mm, w, x, (axis, rank), body)
+    row = GraphEditor(body)
+    row.reserve(editor.names())
+    row.add_node("Gather", [projected, index], [result], f"{gather.name}_projected", {"axis": 0})
+    editor.reserve(row.names())
+    editor.modified = True
+    return True
