@@ -552,3 +552,19 @@ def test_a_bias_added_to_the_projection_itself_moves_with_it():
     by_name = {n.name: n for n in out.graph.node}
     assert by_name["sum"].input[:] == [by_name["input_mm"].output[0], "b"]
     assert list(_holder(out).input)[-1] == by_name["sum"].output[0]
+
+
+def test_a_gemm_projection_with_transposed_weight_and_bias_is_hoisted():
+    # torch writes a Linear layer on a 2-D input as Gemm(x, W, b, transB=1)
+    model = scan_rnn(8)
+    w = next(t for t in model.graph.initializer if t.name == "wx")
+    wt = nh.from_array(np.ascontiguousarray(nh.to_array(w).T) * 2, "wx_t")
+    model.graph.initializer.append(wt)
+    model.graph.initializer.append(nh.from_array(rng(4).normal(0, 1, H).astype(np.float32), "bx"))
+    body = _body(model)
+    gemm = h.make_node("Gemm", ["x_t", "wx_t", "bx"], ["a"], transB=1, alpha=0.5, name="input_mm")
+    body.node[0].CopyFrom(gemm)
+    out = _hoisted(model)
+    body_ops = [n.op_type for n in _body(out).node]
+    assert "Gemm" not in body_ops and body_ops.count("MatMul") == 1
+    assert {"input_mm", "input_mm_bias"} <= {n.name for n in out.graph.node}

@@ -1,10 +1,11 @@
 """Move a recurrent body's input projection out of its Loop or Scan: one GEMM for all steps.
 
 A recurrent step written as a Scan or Loop body multiplies the step's input row by a constant
-weight every step (``MatMul(x_t, W_i)``, often plus a constant bias), beside the hidden
-state's own product. That product depends on nothing the steps carry, so it can be computed
-for every step at once before the loop, as one ``MatMul(X, W_i)`` over the whole sequence,
-and the body reads its step's row of the result:
+weight every step (``MatMul(x_t, W_i)``, often plus a constant bias; a Gemm where a framework
+wrote a Linear layer), beside the hidden state's own product. That product depends on
+nothing the steps carry, so it can be computed for every step at once before the loop, as
+one ``MatMul(X, W_i)`` over the whole sequence, and the body reads its step's row of the
+result:
 
 - **Scan**: ``x_t`` is a scan input; the product over the sequence becomes a new scan input
   (same axis and direction) and replaces the body's MatMul.
@@ -52,7 +53,7 @@ def hoist_projections(
             continue
         hoist = _hoist_scan if node.op == "Scan" else _hoist_loop
         for mm in list(body.nodes):
-            if mm.op == "MatMul" and hoist(editor, node, body, mm):
+            if mm.op in ("MatMul", "Gemm") and hoist(editor, node, body, mm):
                 moved.append(f"'{mm.name}' of '{node.name}'")
     if moved:
         editor.finish()
@@ -72,12 +73,38 @@ def _all_names(graph: gs.Graph) -> set[str]:
     return names
 
 
-def _weight(body: gs.Graph, mm: gs.Node) -> gs.Constant | None:
-    """``mm``'s constant 2-D weight, when no other node of ``body`` reads it."""
-    w = mm.inputs[1] if len(mm.inputs) == 2 else None
-    if not isinstance(w, gs.Constant) or np.ndim(w.values) != 2:
+def _weight(
+    editor: GraphEditor, body: gs.Graph, mm: gs.Node
+) -> tuple[gs.Constant, gs.Constant | None] | None:
+    """(W, bias or None) with ``mm(x) = x·W (+ bias)``, when only ``mm`` reads them in ``body``.
+
+    A MatMul by a constant 2-D matrix, or a Gemm (how a framework writes a Linear layer on a
+    2-D input) by a constant B and constant C (a vector or a scalar), its transB, alpha and
+    beta folded into new constants.
+    """
+    w = mm.inputs[1] if len(mm.inputs) > 1 else None
+    if not isinstance(w, gs.Constant) or np.ndim(w.values) != 2 or not _only_reader(body, w, mm):
         return None
-    return w if _only_reader(body, w, mm) else None
+    if mm.op == "MatMul":
+        return w, None
+    if int(mm.attrs.get("transA", 0)):
+        return None
+    c = mm.inputs[2] if len(mm.inputs) > 2 and not is_absent(mm.inputs[2]) else None
+    bias = None
+    if c is not None:
+        value = constant_value(c)
+        if value is None or value.size not in (1, value.shape[-1]) or value.ndim > 2:
+            return None  # a C that differs row by row is not a bias
+        if not _only_reader(body, c, mm):
+            return None
+        beta = float(mm.attrs.get("beta", 1.0))
+        bias = editor.constant(f"{mm.name}.bias", (value.reshape(-1) * beta).astype(value.dtype))
+    alpha = float(mm.attrs.get("alpha", 1.0))
+    if not int(mm.attrs.get("transB", 0)) and alpha == 1.0:
+        return w, bias
+    value = np.asarray(w.values)
+    value = value.T if int(mm.attrs.get("transB", 0)) else value
+    return editor.constant(f"{mm.name}.weight", (value * alpha).astype(value.dtype)), bias
 
 
 def _holds(body: gs.Graph, node: gs.Node) -> bool:
@@ -131,7 +158,7 @@ def _constant_operand(body: gs.Graph, add: gs.Node, y: gs.Tensor) -> gs.Tensor |
 def _project(
     editor: GraphEditor,
     mm: gs.Node,
-    w: gs.Constant,
+    weights: tuple[gs.Constant, gs.Constant | None],
     x: gs.Tensor,
     steps: tuple[int, int],
     body: gs.Graph,
@@ -154,8 +181,12 @@ def _project(
         perm = [axis] + [d for d in range(rank) if d != axis]
         editor.add_node("Transpose", [x], [first], f"{mm.name}_steps_first", {"perm": perm})
         x = first
+    w, c = weights
     product = editor.variable(f"{mm.outputs[0].name}_all_steps", x.dtype)
     editor.add_node("MatMul", [x, w], [product], mm.name)
+    if c is not None:  # a Gemm's own bias
+        product, mm_out = editor.variable(f"{mm.outputs[0].name}_all_steps", x.dtype), product
+        editor.add_node("Add", [mm_out, c], [product], f"{mm.name}_bias")
     out = product
     if bias is not None:
         summed = via.outputs[0] if via is not None else mm.outputs[0]
@@ -172,7 +203,7 @@ def _project(
 
 
 def _hoist_scan(editor: GraphEditor, scan: gs.Node, body: gs.Graph, mm: gs.Node) -> bool:
-    """Hoist ``mm = MatMul(x_t, W)`` of a Scan body whose ``x_t`` is a scan input."""
+    """Hoist ``mm = MatMul(x_t, W)`` (or a Gemm) of a Scan body whose ``x_t`` is a scan input."""
     scans = int(scan.attrs.get("num_scan_inputs", 0))
     states = len(scan.inputs) - scans
     x_t = mm.inputs[0]
@@ -188,11 +219,11 @@ def _hoist_scan(editor: GraphEditor, scan: gs.Node, body: gs.Graph, mm: gs.Node)
     axis = int(axes[k]) + (rank + 1 if int(axes[k]) < 0 else 0)
     if not 0 <= axis < rank:
         return False  # the scan axis must not be the last one, which the MatMul sums over
-    w = _weight(body, mm)
-    if w is None:
+    weights = _weight(editor, body, mm)
+    if weights is None:
         return False
     outer = scan.inputs[states + k]
-    projected, result = _project(editor, mm, w, outer, (axis, rank + 1), body)
+    projected, result = _project(editor, mm, weights, outer, (axis, rank + 1), body)
     result.shape = None
     body.inputs.append(result)
     scan.inputs.append(projected)
@@ -210,7 +241,7 @@ def _hoist_scan(editor: GraphEditor, scan: gs.Node, body: gs.Graph, mm: gs.Node)
 
 
 def _hoist_loop(editor: GraphEditor, loop: gs.Node, body: gs.Graph, mm: gs.Node) -> bool:
-    """Hoist ``mm = MatMul(Gather(X, i), W)`` of a Loop body, ``X`` outer, ``i`` the counter."""
+    """Hoist ``mm = MatMul(Gather(X, i), W)`` (or a Gemm) of a Loop body, ``i`` its counter."""
     gather = producer(mm.inputs[0])
     if gather is None or gather.op != "Gather" or not _holds(body, gather) or not body.inputs:
         return False
@@ -229,10 +260,10 @@ def _hoist_loop(editor: GraphEditor, loop: gs.Node, body: gs.Graph, mm: gs.Node)
         return False
     if x.shape[axis] != int(trips.reshape(-1)[0]):
         return False  # the loop may run fewer steps than X has rows: no product for nothing
-    w = _weight(body, mm)
-    if w is None:
+    weights = _weight(editor, body, mm)
+    if weights is None:
         return False
-    projected, result = _project(editor, mm, w, x, (axis, rank), body)
+    projected, result = _project(editor, mm, weights, x, (axis, rank), body)
     row = GraphEditor(body)
     row.reserve(editor.names())
     row.add_node("Gather", [projected, index], [result], f"{gather.name}_projected", {"axis": 0})
