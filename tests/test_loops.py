@@ -568,3 +568,20 @@ def test_a_gemm_projection_with_transposed_weight_and_bias_is_hoisted():
     body_ops = [n.op_type for n in _body(out).node]
     assert "Gemm" not in body_ops and body_ops.count("MatMul") == 1
     assert {"input_mm", "input_mm_bias"} <= {n.name for n in out.graph.node}
+
+
+def test_two_projections_of_one_scan_input_share_its_transpose():
+    # a cell written gate by gate multiplies x_t by one weight per gate
+    model = scan_rnn(8)
+    model.graph.initializer.append(
+        nh.from_array((rng(5).normal(0, 1, (D, H)) / np.sqrt(D)).astype(np.float32), "wx2")
+    )
+    body = _body(model)
+    body.node.insert(1, h.make_node("MatMul", ["x_t", "wx2"], ["a2"], name="gate_mm"))
+    body.node.insert(2, h.make_node("Add", ["a", "a2"], ["a12"], name="gates"))
+    next(n for n in body.node if n.name == "sum").input[0] = "a12"
+    out = _hoisted(model)
+    assert [n.op_type for n in _body(out).node].count("MatMul") == 1
+    assert [n.op_type for n in out.graph.node].count("Transpose") == 1
+    attrs = {a.name: h.get_attribute_value(a) for a in _holder(out).attribute if a.name != "body"}
+    assert attrs["num_scan_inputs"] == 2 and attrs["scan_input_axes"] == [0, 0]

@@ -176,11 +176,21 @@ def _project(
         if n is not None:
             editor.free(n.name)
     axis, rank = steps
-    if axis != 0:
-        first = editor.variable(f"{x.name}_steps_first", x.dtype)
+    if axis != 0:  # one Transpose for every projection of the same input
         perm = [axis] + [d for d in range(rank) if d != axis]
-        editor.add_node("Transpose", [x], [first], f"{mm.name}_steps_first", {"perm": perm})
-        x = first
+        done = [
+            n
+            for n in x.outputs
+            if n.op == "Transpose"
+            and list(n.attrs.get("perm", [])) == perm
+            and _holds(editor.graph, n)
+        ]
+        if done:
+            x = done[0].outputs[0]
+        else:
+            first = editor.variable(f"{x.name}_steps_first", x.dtype)
+            editor.add_node("Transpose", [x], [first], f"{mm.name}_steps_first", {"perm": perm})
+            x = first
     w, c = weights
     product = editor.variable(f"{mm.outputs[0].name}_all_steps", x.dtype)
     editor.add_node("MatMul", [x, w], [product], mm.name)
