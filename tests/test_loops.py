@@ -585,3 +585,21 @@ def test_two_projections_of_one_scan_input_share_its_transpose():
     assert [n.op_type for n in out.graph.node].count("Transpose") == 1
     attrs = {a.name: h.get_attribute_value(a) for a in _holder(out).attribute if a.name != "body"}
     assert attrs["num_scan_inputs"] == 2 and attrs["scan_input_axes"] == [0, 0]
+
+
+def test_a_loop_counting_the_rows_from_their_shape_is_hoisted():
+    # `for t in range(x.size(1))`: the trip count is read from x's shape, the steps dynamic
+    model = loop_rnn(6)
+    g = model.graph
+    g.node.insert(0, h.make_node("Shape", ["x"], ["x_shape"], name="x_shape"))
+    g.node.insert(1, h.make_node("Gather", ["x_shape", "axis1"], ["rows_n"], axis=0))
+    g.initializer.append(nh.from_array(np.array(1, np.int64), "axis1"))
+    _holder(model).input[0] = "rows_n"
+    g.input[0].type.tensor_type.shape.dim[1].dim_param = "T"
+    g.output[1].type.tensor_type.shape.dim[0].dim_param = "T"
+    out = _hoisted(model)
+    assert [n.op_type for n in _body(out).node].count("MatMul") == 1
+    # the same count read along another axis says nothing about the gathered rows
+    model.graph.initializer[-1].CopyFrom(nh.from_array(np.array(0, np.int64), "axis1"))
+    out, _ = prepare(model)
+    assert [n.op_type for n in _body(out).node].count("MatMul") == 2

@@ -8,10 +8,11 @@ one ``MatMul(X, W_i)`` over the whole sequence, and the body reads its step's ro
 result:
 
 - **Scan**: ``x_t`` is a scan input; the product over the sequence becomes a new scan input
-  (same axis and direction) and replaces the body's MatMul.
+  (same direction, steps on axis 0) and replaces the body's MatMul.
 - **Loop**: ``x_t = Gather(X, i)`` of an outer tensor ``X`` along the iteration counter; the
-  body gathers row ``i`` of ``MatMul(X, W_i)`` instead. Only where the trip count is a
-  constant equal to ``X``'s length on that axis (no row is multiplied for nothing).
+  body gathers row ``i`` of ``MatMul(X, W_i)`` instead. Only where the trip count is
+  ``X``'s length on that axis, a constant equal to it or read from ``X``'s shape (no row is
+  multiplied for nothing).
 
 The body then does one GEMM of one row a step instead of two, and the hoisted one runs as a
 single batched GEMM, which int8 kernels do well (a one-row int8 GEMM per step is slower than
@@ -261,14 +262,10 @@ def _hoist_loop(editor: GraphEditor, loop: gs.Node, body: gs.Graph, mm: gs.Node)
     made = producer(x)
     if (made is not None and _holds(body, made)) or any(x is t for t in body.inputs):
         return False  # X must come from outside the body
-    counted = loop.inputs and not is_absent(loop.inputs[0])
-    trips = constant_value(loop.inputs[0]) if counted else None
     rank = len(x.shape)
     axis = int(gather.attrs.get("axis", 0))
     axis = axis + rank if axis < 0 else axis
-    if trips is None or trips.size != 1 or not 0 <= axis < rank - 1:
-        return False
-    if x.shape[axis] != int(trips.reshape(-1)[0]):
+    if not 0 <= axis < rank - 1 or not loop.inputs or not _counts_rows(loop.inputs[0], x, axis):
         return False  # the loop may run fewer steps than X has rows: no product for nothing
     weights = _weight(editor, body, mm)
     if weights is None:
@@ -280,3 +277,44 @@ def _hoist_loop(editor: GraphEditor, loop: gs.Node, body: gs.Graph, mm: gs.Node)
     editor.reserve(row.names())
     editor.modified = True
     return True
+
+
+#: ops that pass a count through unchanged (a scalar made a vector, cast to int64, ...)
+_SAME_COUNT = ("Cast", "Squeeze", "Unsqueeze", "Reshape", "Identity")
+
+
+def _counts_rows(trips: gs.Tensor, x: gs.Tensor, axis: int) -> bool:
+    """The trip count ``trips`` is the length of ``x`` along ``axis``.
+
+    Either both are known numbers, or the count is read from ``x``'s shape
+    (``Gather(Shape(x), axis)``, or ``Shape(x, start=axis, end=axis + 1)``, through casts and
+    reshapes): how a framework writes ``for t in range(x.size(1))``.
+    """
+    if is_absent(trips):
+        return False
+    value = constant_value(trips)
+    if value is not None:
+        return (
+            value.size == 1 and x.shape is not None and x.shape[axis] == int(value.reshape(-1)[0])
+        )
+    node = producer(trips)
+    while node is not None and node.op in _SAME_COUNT and node.inputs:
+        node = producer(node.inputs[0])
+    if node is None:
+        return False
+    rank = len(x.shape) if x.shape is not None else None
+    if node.op == "Shape" and node.inputs[0] is x and rank is not None:
+        start = int(node.attrs.get("start", 0))
+        end = node.attrs.get("end")
+        start = start + rank if start < 0 else start
+        end = (int(end) + rank if int(end) < 0 else int(end)) if end is not None else rank
+        return start == axis and end == axis + 1
+    if node.op != "Gather" or int(node.attrs.get("axis", 0)) != 0 or len(node.inputs) < 2:
+        return False
+    shape, index = producer(node.inputs[0]), constant_value(node.inputs[1])
+    if shape is None or shape.op != "Shape" or shape.inputs[0] is not x or index is None:
+        return False
+    if index.size != 1 or rank is None or int(shape.attrs.get("start", 0)) != 0:
+        return False
+    i = int(index.reshape(-1)[0])
+    return (i + rank if i < 0 else i) == axis
