@@ -247,7 +247,7 @@ def test_scan_body_quantized_in_either_direction():
         assert body_ops.count("MatMulIntegerToFloat") + body_ops.count("QLinearMatMul") == 1
         assert "MatMul" not in body_ops and "input_mm" in report.quantized_nodes
         prepared = next(p for p in report.passes if p.name == "prepare")
-        assert "moved before their loop: 'input_mm' of 'rnn'" in prepared.changed
+        assert "moved before their loop, computed once: 'input_mm' of 'rnn'" in prepared.changed
         d = next(d for d in report.decisions if d.node == "rnn")
         assert "480 iterations" in d.reason, d.reason
         feed = _eval_feed(30)
@@ -603,3 +603,28 @@ def test_a_loop_counting_the_rows_from_their_shape_is_hoisted():
     model.graph.initializer[-1].CopyFrom(nh.from_array(np.array(0, np.int64), "axis1"))
     out, _ = prepare(model)
     assert [n.op_type for n in _body(out).node].count("MatMul") == 2
+
+
+def _sliced_every_step(ends: int) -> onnx.ModelProto:
+    """loop_rnn(6) as TorchScript writes ``x[:, t]``: ``x[:]`` sliced inside the body each step."""
+    model = loop_rnn(6)
+    body = _body(model)
+    consts = {"s0": [0], "s1": [ends], "s_axes": [0], "s_steps": [1]}
+    body.initializer.extend(nh.from_array(np.array(v, np.int64), k) for k, v in consts.items())
+    body.node.insert(0, h.make_node("Slice", ["x", *consts], ["x_all"], name="x_all"))
+    next(n for n in body.node if n.name == "row").input[0] = "x_all"
+    return model
+
+
+def test_a_slice_the_same_every_step_leaves_the_body_and_the_projection_follows():
+    out = _hoisted(_sliced_every_step(2**63 - 1))  # x[:]: dropped, the rows gathered from x
+    body_ops = [n.op_type for n in _body(out).node]
+    assert "Slice" not in body_ops and body_ops.count("MatMul") == 1
+    assert "Slice" not in [n.op_type for n in out.graph.node]
+    # a slice that keeps what it is given up to 8 rows runs once before the Loop, the
+    # projection reading it
+    out = _hoisted(_sliced_every_step(8))
+    assert "Slice" not in [n.op_type for n in _body(out).node]
+    sliced = next(n for n in out.graph.node if n.op_type == "Slice")
+    assert sliced.input[0] == "x"
+    assert [n.op_type for n in _body(out).node].count("MatMul") == 1

@@ -30,5 +30,5 @@ class Prepare:
         state.float_model, state.float_graph, moved = prepare_hoisting(state.float_model, kept)
         changed = op_changes(before, op_histogram(state.float_model))
         if moved:  # what a user sees as new MatMuls in the main graph
-            changed += f"; input projections moved before their loop: {', '.join(moved)}"
+            changed += f"; moved before their loop, computed once: {', '.join(moved)}"
         return PassResult(changed)

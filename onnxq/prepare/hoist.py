@@ -17,7 +17,9 @@ result:
 The body then does one GEMM of one row a step instead of two, and the hoisted one runs as a
 single batched GEMM, which int8 kernels do well (a one-row int8 GEMM per step is slower than
 the float one on onnxruntime's CPU kernels). The arithmetic is the same; only the order of
-the float sums inside a GEMM may differ.
+the float sums inside a GEMM may differ. Before that, the few ops exporters write inside a
+loop on outer values only (TorchScript slices ``x[:]`` every step for ``x[:, t]``) move out,
+or go where they change nothing.
 """
 
 from __future__ import annotations
@@ -35,8 +37,10 @@ def hoist_projections(
 ) -> list[str]:
     """Hoist the input projections of ``graph``'s Loop and Scan bodies; return what moved.
 
-    ``kept``: names of If/Loop/Scan nodes left as they are, bodies and all (the user keeps
-    them float). Each entry of the result reads ``'<body MatMul>' of '<Loop/Scan>'``. Nested
+    The nodes that compute the same value every step go first (:func:`_invariants`), so that
+    a projection of ``x[:, t]`` as TorchScript writes it reads an outer tensor. ``kept``: names
+    of If/Loop/Scan nodes left as they are, bodies and all (the user keeps them float). Each
+    entry of the result reads ``'<body node>' of '<Loop/Scan>'``. Nested
     bodies are visited too, each hoisting into the graph that holds its node; ``taken``: the
     names of the scopes around ``graph``, which new names avoid.
     """
@@ -52,6 +56,8 @@ def hoist_projections(
         body = node.attrs.get("body")
         if node.op not in ("Scan", "Loop") or not isinstance(body, gs.Graph):
             continue
+        invariant = _invariants(graph, node, body)
+        moved += [f"'{n}' of '{node.name}' (the same every step)" for n in invariant]
         hoist = _hoist_scan if node.op == "Scan" else _hoist_loop
         for mm in list(body.nodes):
             if mm.op in ("MatMul", "Gemm") and hoist(editor, node, body, mm):
@@ -59,6 +65,75 @@ def hoist_projections(
     if moved:
         editor.finish()
     return moved
+
+
+#: ops moved out of a body when every input comes from outside it: those exporters write
+#: inside loops for ``x[:, t]`` and the like, and which cannot fail where the loop would not
+#: (a moved node also runs when the loop runs no step)
+_INVARIANT_OPS = ("Slice", "Cast", "Transpose", "Identity", "Unsqueeze")
+
+
+def _invariants(graph: gs.Graph, holder: gs.Node, body: gs.Graph) -> list[str]:
+    """Move the nodes of ``body`` that compute the same value every step into ``graph``.
+
+    A node of :data:`_INVARIANT_OPS` whose inputs all come from outside the body (outer
+    values, constants no other body node reads) and whose outputs are not body outputs; a
+    Slice that keeps everything (starts 0, steps 1, ends past any length: TorchScript's
+    ``x[:, t]`` slices ``x[:]`` every step) is dropped instead. Repeated until none is left.
+    Returns the names of the nodes moved or dropped.
+    """
+    own = {id(t) for t in body.inputs}
+    done: list[str] = []
+    changed = True
+    while changed:
+        changed = False
+        made = {id(o) for n in body.nodes for o in n.outputs}
+        outputs = {id(t) for t in body.outputs}
+        for node in list(body.nodes):
+            ins = [t for t in node.inputs if not is_absent(t)]
+            if (
+                node.op not in _INVARIANT_OPS
+                or node.domain not in (None, "", "ai.onnx")
+                or any(id(t) in made or id(t) in own for t in ins)
+                or any(id(o) in outputs for o in node.outputs)
+                or any(isinstance(t, gs.Constant) and not _only_reader(body, t, node) for t in ins)
+            ):
+                continue
+            body.nodes.remove(node)
+            if not node.name:
+                node.name = f"{holder.name}/{node.op}_{node.outputs[0].name}"
+            done.append(node.name)
+            if _keeps_everything(node):
+                y, x = node.outputs[0], node.inputs[0]
+                for reader in list(y.outputs):
+                    for i, t in enumerate(list(reader.inputs)):
+                        if t is y:
+                            reader.inputs[i] = x
+                node.inputs.clear()
+                node.outputs.clear()
+            else:
+                graph.nodes.append(node)
+            changed = True
+            break
+    return done
+
+
+def _keeps_everything(node: gs.Node) -> bool:
+    """``node`` is a Slice returning its input whole (starts 0, steps 1, ends past any length)."""
+    if node.op != "Slice" or len(node.inputs) < 3:
+        return False
+    parts = [constant_value(t) if not is_absent(t) else None for t in node.inputs[1:]]
+    starts, ends = parts[0], parts[1]
+    steps = parts[3] if len(parts) > 3 else None
+    if starts is None or ends is None:
+        return False
+    if len(node.inputs) > 4 and not is_absent(node.inputs[4]) and steps is None:
+        return False
+    return (
+        bool(np.all(starts == 0))
+        and bool(np.all(ends >= 2**31 - 1))
+        and (steps is None or bool(np.all(steps == 1)))
+    )
 
 
 def _all_names(graph: gs.Graph) -> set[str]:
