@@ -17,6 +17,7 @@ from onnx import numpy_helper as nh
 
 import onnxq
 from onnxq.calibrate.iterations import Iterations
+from onnxq.core.errors import ConfigError
 from onnxq.io.bodies import body_iterations
 from onnxq.io.session import make_session
 from onnxq.post.subgraphs import branch_model
@@ -628,3 +629,9 @@ def test_a_slice_the_same_every_step_leaves_the_body_and_the_projection_follows(
     sliced = next(n for n in out.graph.node if n.op_type == "Slice")
     assert sliced.input[0] == "x"
     assert [n.op_type for n in _body(out).node].count("MatMul") == 1
+
+
+def test_excluding_a_moved_body_node_by_its_old_name_says_its_new_one():
+    with pytest.raises(ConfigError) as err:
+        onnxq.quantize(loop_rnn(6), _feeds(6, 4), exclude=["rnn/body/input_mm"], progress=False)
+    assert "'rnn/body/input_mm' runs before its loop now, as 'input_mm'" in str(err.value)

@@ -462,8 +462,12 @@ class Quantizer:
         names = all_node_names(graph)
         missing = [] if self.config.body else [e for e in self.config.exclude if e not in names]
         if missing:
+            # a body node that preprocessing moved before its Loop/Scan has its own name now
+            moved = {e: e.rsplit("/body/", 1)[1] for e in missing if "/body/" in e}
+            moved = {e: n for e, n in moved.items() if n in names}
+            hint = "".join(f"; '{e}' runs before its loop now, as '{n}'" for e, n in moved.items())
             raise ConfigError(
-                f"--exclude: node(s) {missing} are not in the model; "
+                f"--exclude: node(s) {missing} are not in the model{hint}; "
                 "`onnxq inspect MODEL --explain` lists node names"
             )
 
