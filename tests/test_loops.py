@@ -635,3 +635,11 @@ def test_excluding_a_moved_body_node_by_its_old_name_says_its_new_one():
     with pytest.raises(ConfigError) as err:
         onnxq.quantize(loop_rnn(6), _feeds(6, 4), exclude=["rnn/body/input_mm"], progress=False)
     assert "'rnn/body/input_mm' runs before its loop now, as 'input_mm'" in str(err.value)
+
+
+def test_a_moved_node_takes_another_name_where_the_main_graph_has_its_own():
+    model = loop_rnn(6)
+    model.graph.node[-1].name = "input_mm"  # the head is named like the body's projection
+    out = _hoisted(model)
+    names = [n.name for n in out.graph.node]
+    assert len(names) == len(set(names)) and "input_mm_1" in names

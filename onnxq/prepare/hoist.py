@@ -56,7 +56,7 @@ def hoist_projections(
         body = node.attrs.get("body")
         if node.op not in ("Scan", "Loop") or not isinstance(body, gs.Graph):
             continue
-        invariant = _invariants(graph, node, body)
+        invariant = _invariants(editor, node, body)
         moved += [f"'{n}' of '{node.name}' (the same every step)" for n in invariant]
         hoist = _hoist_scan if node.op == "Scan" else _hoist_loop
         for mm in list(body.nodes):
@@ -73,8 +73,8 @@ def hoist_projections(
 _INVARIANT_OPS = ("Slice", "Cast", "Transpose", "Identity", "Unsqueeze")
 
 
-def _invariants(graph: gs.Graph, holder: gs.Node, body: gs.Graph) -> list[str]:
-    """Move the nodes of ``body`` that compute the same value every step into ``graph``.
+def _invariants(editor: GraphEditor, holder: gs.Node, body: gs.Graph) -> list[str]:
+    """Move the nodes of ``body`` that compute the same value every step to ``editor``'s graph.
 
     A node of :data:`_INVARIANT_OPS` whose inputs all come from outside the body (outer
     values, constants no other body node reads) and whose outputs are not body outputs; a
@@ -99,9 +99,8 @@ def _invariants(graph: gs.Graph, holder: gs.Node, body: gs.Graph) -> list[str]:
                 or any(isinstance(t, gs.Constant) and not _only_reader(body, t, node) for t in ins)
             ):
                 continue
-            body.nodes.remove(node)
-            if not node.name:
-                node.name = f"{holder.name}/{node.op}_{node.outputs[0].name}"
+            del body.nodes[next(i for i, n in enumerate(body.nodes) if n is node)]
+            node.name = editor.unique_name(_claim(editor, node.name or f"{holder.name}/{node.op}"))
             done.append(node.name)
             if _keeps_everything(node):
                 y, x = node.outputs[0], node.inputs[0]
@@ -112,10 +111,20 @@ def _invariants(graph: gs.Graph, holder: gs.Node, body: gs.Graph) -> list[str]:
                 node.inputs.clear()
                 node.outputs.clear()
             else:
-                graph.nodes.append(node)
+                editor.graph.nodes.append(node)
             changed = True
             break
     return done
+
+
+def _claim(editor: GraphEditor, name: str) -> str:
+    """``name``, freed for a node moving out of a body unless its new graph has a node so named.
+
+    The next :meth:`GraphEditor.unique_name` of it then returns it, or else a suffixed name.
+    """
+    if not any(n.name == name for n in editor.graph.nodes):
+        editor.free(name)
+    return name
 
 
 def _keeps_everything(node: gs.Node) -> bool:
@@ -250,7 +259,7 @@ def _project(
     result = bias.outputs[0] if bias is not None and via is None else mm.outputs[0]
     for n in (mm, bias):  # the nodes leave the body: the outer ones take their names
         if n is not None:
-            editor.free(n.name)
+            _claim(editor, n.name)
     axis, rank = steps
     if axis != 0:  # one Transpose for every projection of the same input
         perm = [axis] + [d for d in range(rank) if d != axis]
