@@ -3,8 +3,9 @@
 Contract: requires a model accepted by onnx.checker; ensures a model with the same inputs,
 outputs and numerics in which every node has a unique name, constant subgraphs (Constant,
 ConstantOfShape, Transpose of a weight, ...) are folded into initializers, BatchNormalization
-after a Conv is folded into the Conv, the default opset is at least 10 (QLinear ops exist), and
-shapes are inferred.
+after a Conv is folded into the Conv, the default opset is at least 10 (QLinear ops exist),
+shapes are inferred, and the input projections of Loop/Scan bodies run before their loop
+(onnxq.prepare.hoist).
 """
 
 from __future__ import annotations
