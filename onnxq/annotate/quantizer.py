@@ -464,8 +464,11 @@ class Quantizer:
         if missing:
             # a body node that preprocessing moved before its Loop/Scan has its own name now
             moved = {e: e.rsplit("/body/", 1)[1] for e in missing if "/body/" in e}
-            moved = {e: n for e, n in moved.items() if n in names}
-            hint = "".join(f"; '{e}' runs before its loop now, as '{n}'" for e, n in moved.items())
+            hint = "".join(
+                f"; '{e}' runs before its loop now, as '{n}'"
+                for e, n in moved.items()
+                if n in names
+            )
             raise ConfigError(
                 f"--exclude: node(s) {missing} are not in the model{hint}; "
                 "`onnxq inspect MODEL --explain` lists node names"

@@ -103,13 +103,8 @@ def _invariants(editor: GraphEditor, holder: gs.Node, body: gs.Graph) -> list[st
             node.name = editor.unique_name(_claim(editor, node.name or f"{holder.name}/{node.op}"))
             done.append(node.name)
             if _keeps_everything(node):
-                y, x = node.outputs[0], node.inputs[0]
-                for reader in list(y.outputs):
-                    for i, t in enumerate(list(reader.inputs)):
-                        if t is y:
-                            reader.inputs[i] = x
-                node.inputs.clear()
-                node.outputs.clear()
+                editor.redirect(node.outputs[0], node.inputs[0])
+                editor.remove_node(node)
             else:
                 editor.graph.nodes.append(node)
             changed = True
@@ -280,8 +275,9 @@ def _project(
     product = editor.variable(f"{mm.outputs[0].name}_all_steps", x.dtype)
     editor.add_node("MatMul", [x, w], [product], mm.name)
     if c is not None:  # a Gemm's own bias
-        product, mm_out = editor.variable(f"{mm.outputs[0].name}_all_steps", x.dtype), product
-        editor.add_node("Add", [mm_out, c], [product], f"{mm.name}_bias")
+        biased = editor.variable(f"{mm.outputs[0].name}_all_steps", x.dtype)
+        editor.add_node("Add", [product, c], [biased], f"{mm.name}_bias")
+        product = biased
     out = product
     if bias is not None:
         summed = via.outputs[0] if via is not None else mm.outputs[0]
@@ -331,7 +327,6 @@ def _hoist_scan(editor: GraphEditor, scan: gs.Node, body: gs.Graph, mm: gs.Node)
     scan.attrs["num_scan_inputs"] = scans
     scan.attrs["scan_input_axes"] = axes
     scan.attrs["scan_input_directions"] = directions
-    editor.modified = True
     return True
 
 
@@ -359,7 +354,6 @@ def _hoist_loop(editor: GraphEditor, loop: gs.Node, body: gs.Graph, mm: gs.Node)
     row.reserve(editor.names())
     row.add_node("Gather", [projected, index], [result], f"{gather.name}_projected", {"axis": 0})
     editor.reserve(row.names())
-    editor.modified = True
     return True
 
 
