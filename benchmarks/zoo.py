@@ -30,6 +30,7 @@ page then says which run measured which rows).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import multiprocessing as mp
 import platform
@@ -92,7 +93,10 @@ def _ort(src: Path, feeds: list[dict[str, np.ndarray]], out: Path, best: bool) -
     if best:
         pre = out.with_suffix(".pre.onnx")
         try:
-            quant_pre_process(str(src), str(pre))
+            # it writes scratch files (a model and its weights) into the working folder
+            paths = str(src.resolve()), str(pre.resolve())
+            with tempfile.TemporaryDirectory() as scratch, contextlib.chdir(scratch):
+                quant_pre_process(*paths)
             path = pre
         except Exception as exc:  # its symbolic shape inference fails on some models
             print(
