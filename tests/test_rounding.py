@@ -15,12 +15,12 @@ from onnxq.solve.rounding import (
     ConvShape,
     Grid,
     HessianObserver,
+    add_upper,
     conv_patches,
     gptq,
     output_error,
     round_weight,
     symmetric,
-    upper,
     upper_factor_of_inverse,
 )
 
@@ -396,6 +396,25 @@ def test_upper_factor_of_inverse_is_the_cholesky_factor_of_the_inverse(groups, k
     np.testing.assert_allclose(u, reference, rtol=1e-7, atol=1e-9)
 
 
+@pytest.mark.parametrize("groups,k", [(1, 1), (2, 9), (1, 64), (1, 65), (3, 131)])
+def test_the_factor_built_in_place_has_the_bits_of_the_copies(groups, k):
+    # the inverse is written over the Cholesky factor and reversed in place (less memory):
+    # the same values, bit for bit, as the inverse in a new array reversed into a copy
+    from onnxq.solve import rounding
+
+    r = rng(11)
+    x = r.normal(0, 1, (groups, k, 2 * k + 1))
+    hess = x @ np.swapaxes(x, 1, 2) / (2 * k) + 0.01 * np.eye(k)
+    lower = np.linalg.cholesky(hess[:, ::-1, ::-1])
+    copies = np.ascontiguousarray(rounding._lower_inverse(lower)[:, ::-1, ::-1])
+    factor = upper_factor_of_inverse(hess.copy())
+    assert factor.flags.c_contiguous and factor.tobytes() == copies.tobytes()
+    a = r.normal(0, 1, (groups, k, k))
+    reversed_copy = a[:, ::-1, ::-1].copy()
+    rounding._reverse_in_place(a)
+    assert a.tobytes() == reversed_copy.tobytes()
+
+
 def _small_cnn():
     """Conv → Relu → depthwise Conv → Relu → pointwise Conv → pool → Gemm, correlated inputs."""
     r = rng(6)
@@ -635,7 +654,7 @@ def test_a_hessian_keeps_its_upper_triangle_and_gives_back_the_whole_matrix(grou
     # one mirrored when the Hessian is taken; the same bits as the whole product
     x = rng(12).normal(0, 1, (groups, k, 50)).astype(np.float32)
     whole = np.matmul(x, np.swapaxes(x, 1, 2)).astype(np.float64)
-    packed = whole.reshape(groups, k * k)[:, upper(k)]
+    packed = add_upper(whole, None)
     assert packed.shape == (groups, k * (k + 1) // 2)
     np.testing.assert_array_equal(symmetric(packed, k), whole)
     obs = HessianObserver(None, groups=1, inputs=k, batches=1)

@@ -151,6 +151,33 @@ def test_a_shift_is_applied_before_the_next_target_is_measured():
         np.testing.assert_allclose(seen[name], ref[name] / count, rtol=1e-5, atol=1e-6)
 
 
+def test_the_inputs_let_go_of_measure_the_same_and_go_after_their_last_piece():
+    import gc
+    import weakref
+
+    model, batches = _residual_qdq()
+
+    def run(let_go):
+        handed = [{"x": b["x"].copy()} for b in batches]
+        alive = [weakref.ref(b["x"]) for b in handed]
+        seen, gone = [], []
+
+        def correct(k, sums, count, used):
+            gc.collect()
+            gone.append(sum(ref() is None for ref in alive))
+            seen.append(sums.tobytes())
+            return np.full(sums.shape, 0.25 * (k + 1), np.float32)  # later pieces see shifts
+
+        run_in_order(model, TARGETS, handed, correct, let_go=let_go)
+        return handed, seen, gone
+
+    kept, seen_kept, gone_kept = run(False)
+    emptied, seen, gone = run(True)
+    assert len(kept) == 5 and emptied == []  # emptied: the inputs are the pieces' to let go of
+    assert seen == seen_kept  # the same bits
+    assert gone_kept == [0, 0, 0] and gone[-1] == 5  # only the first piece reads the inputs
+
+
 def test_held_tensors_over_the_limit_drop_the_later_batches():
     model, batches = _residual_qdq()
     used = []

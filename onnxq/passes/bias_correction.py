@@ -206,7 +206,7 @@ def _sequential(
             run_checked(session, float_names[:1], runs[0], 0)
         except CalibrationError:
             runs, sizes = batches, [1] * len(batches)
-    del session
+    del session, batches  # the runs hold the inputs, joined or not (run_in_order lets them go)
     release(state)
     # every switch on: no float branches (materialize sets the biases' grids)
     emulation = emulate(state, int32_biases=False, float_branches=False)
@@ -239,7 +239,8 @@ def _sequential(
             state.bias_corrections[bias_name] = float(np.max(np.abs(shift))) / out_scale
         return shift
 
-    used = run_in_order(graph, targets, runs, correct, weights=weights)
+    counts = [feed_samples(b) for b in runs]
+    used = run_in_order(graph, targets, runs, correct, weights=weights, let_go=True)
     del graph, weights
     record_read(
         state,
@@ -248,7 +249,7 @@ def _sequential(
         "the int8 model run layer by layer: each bias is set on the outputs of the layers "
         "corrected before it",
     )
-    samples = sum(feed_samples(b) for b in runs[:used])
+    samples = sum(counts[:used])
     steps = list(state.bias_corrections.values())
     floats_done = sum(1 for j in jobs if j[2] is None and j[3] not in skipped)
     text = (
