@@ -10,13 +10,11 @@ from __future__ import annotations
 import os
 import sys
 
-from onnxq.io.heap import one_arena
 from onnxq.io.interrupt import install, interrupted, message, new_command
 
 
 def run(argv: list[str] | None = None) -> None:
     """Run the command line on ``argv`` (default: the process's); exit with its code."""
-    one_arena()  # before any thread (onnxq.io.heap)
     install()
     new_command()
     try:

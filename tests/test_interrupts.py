@@ -5,11 +5,7 @@ tests/test_abort.py checks the whole process from outside; these check each piec
 
 from __future__ import annotations
 
-import os
-import platform
 import signal
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -210,12 +206,12 @@ def test_free_memory_trims_always_and_collects_only_for_a_large_model(monkeypatc
     import sys
     import types
 
-    from onnxq.io import heap, session
+    from onnxq.io import session
 
     collected, trimmed = [], []
     monkeypatch.setattr(gc, "collect", lambda *a: collected.append(1) or 0)
-    libc = types.SimpleNamespace(malloc_trim=lambda pad: trimmed.append(pad), mallopt=None)
-    monkeypatch.setattr(heap.ctypes, "CDLL", lambda name: libc)
+    libc = types.SimpleNamespace(malloc_trim=lambda pad: trimmed.append(pad))
+    monkeypatch.setattr(session.ctypes, "CDLL", lambda name: libc)
     monkeypatch.setattr(sys, "platform", "linux")
     small = onnx.helper.make_model(onnx.helper.make_graph([], "g", [], []))
     session.free_memory(small)
@@ -331,28 +327,3 @@ def test_a_ctrl_c_between_the_model_and_its_data_comes_after_both(tmp_path, monk
         signal.signal(signal.SIGINT, saved)
     assert renamed == ["q.onnx.data", "q.onnx"]  # both in place when the interrupt came
     assert interrupt.message().startswith("onnxq: interrupted after writing")
-
-
-@pytest.mark.skipif(
-    not sys.platform.startswith("linux") or platform.libc_ver()[0] != "glibc", reason="glibc"
-)
-@pytest.mark.parametrize(("env", "set_here"), [({}, True), ({"MALLOC_ARENA_MAX": "4"}, False)])
-def test_the_command_line_keeps_one_heap_arena_unless_the_environment_chose(env, set_here):
-    # in a process of its own: the allocator setting is the whole process's
-    code = "from onnxq.io.heap import one_arena; print(one_arena())"
-    clean = {k: v for k, v in os.environ.items() if k != "MALLOC_ARENA_MAX"}
-    out = subprocess.run(
-        [sys.executable, "-c", code], env={**clean, **env}, capture_output=True, text=True
-    )
-    assert out.stdout.strip() == str(set_here), out.stderr
-
-
-def test_the_console_script_sets_the_arena_before_anything_else(monkeypatch):
-    from onnxq import _entry
-
-    calls = []
-    monkeypatch.setattr(_entry, "one_arena", lambda: calls.append("arena"))
-    monkeypatch.setattr(_entry, "install", lambda: calls.append("install"))
-    with pytest.raises(SystemExit):
-        _entry.run(["--version"])
-    assert calls[:2] == ["arena", "install"]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ctypes
+import sys
 import tempfile
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -13,7 +15,6 @@ import onnx
 from onnxq.core.errors import ModelError
 from onnxq.io import graph
 from onnxq.io.graph import serialize
-from onnxq.io.heap import trim_heap
 from onnxq.io.hostcheck import PRECISE_OPTION, u8s8_saturates
 
 
@@ -187,3 +188,17 @@ def free_memory(model: onnx.ModelProto | None = None) -> None:
         graph.forget_recent()
         gc.collect()
     trim_heap()
+
+
+def trim_heap() -> None:
+    """Hand the heap pages glibc holds free back to the system (a no-op elsewhere).
+
+    Milliseconds: the pass manager calls it after every pass, once the pass's own arrays are
+    gone (a pass that trims inside still holds its locals then: the sequential bias
+    correction left 814 MB resident on EfficientNet-Lite1 where 351 MB were in use).
+    """
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
+        except (OSError, AttributeError):  # not glibc (musl): nothing to trim
+            pass

@@ -17,9 +17,8 @@ from typing import Any, Protocol
 import onnx
 
 from onnxq.io.graph import export_model
-from onnxq.io.heap import trim_heap
 from onnxq.io.progress import progress
-from onnxq.io.session import free_memory
+from onnxq.io.session import free_memory, trim_heap
 from onnxq.options import QuantizeOptions
 
 #: calibration batches the accuracy check after quantizing runs (their fp32 outputs are kept)
