@@ -146,9 +146,9 @@ def upper_factor_of_inverse(h: np.ndarray) -> np.ndarray:
     one Cholesky and one triangular inverse, a third of the work of inverting ``H`` and then
     factoring ``H⁻¹`` (2,304 inputs: about 0.65 → 0.3 s).
 
-    At most about 2.5 K × K arrays a group are alive at once beside ``h``, and none beside it
-    when the caller hands ``h`` over (passes an array nobody else holds): ``h`` is let go of
-    once factored, the inverse is built over the factor and reversed in place.
+    ``h`` is let go of once factored (the caller can hand it over: pass an array nobody else
+    holds), the inverse is built over the factor and reversed in place: past the Cholesky,
+    about two K × K arrays a group are alive, the result included.
     """
     lower = np.ascontiguousarray(np.linalg.cholesky(h[:, ::-1, ::-1]))  # it is: no copy
     del h
@@ -180,8 +180,8 @@ def _lower_inverse(lower: np.ndarray, in_place: bool = False) -> np.ndarray:
     """The inverse of lower triangular ``lower`` (G, K, K), by halves (matrix products).
 
     ``[[A, 0], [B, C]]⁻¹ = [[A⁻¹, 0], [−C⁻¹ B A⁻¹, C⁻¹]]``; numpy has no triangular inverse.
-    ``in_place``: written over ``lower`` (returned), whose strict upper triangle must be zero;
-    the halves below are new arrays either way, so the products see the same operands.
+    ``in_place``: written over ``lower`` (returned); the halves below are new arrays either
+    way, so the products see the same operands (the same bits).
     """
     k = lower.shape[-1]
     if k <= _DIRECT:
