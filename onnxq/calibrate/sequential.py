@@ -30,7 +30,7 @@ from onnx import helper, numpy_helper
 
 from onnxq.calibrate.streaming import run_ahead
 from onnxq.io.graph import copy_fields, in_memory_names, names_read, set_nodes
-from onnxq.io.session import inferred_types, make_session, output_types
+from onnxq.io.session import inferred_types, make_session, output_types, trim_heap_if_grown
 from onnxq.solve.bias_correction import channel_means
 
 #: bytes of held tensors above which later batches are dropped
@@ -93,6 +93,7 @@ def run_in_order(
     used = len(batches)
     if let_go and isinstance(batches, list):
         batches.clear()
+    resident = trim_heap_if_grown(None)
     for p, (piece, k) in enumerate(zip(pieces, order, strict=True)):
         name, axis = targets[k]
         later = set().union(*external[p + 1 :]) if p + 1 < len(pieces) else set()
@@ -123,6 +124,7 @@ def run_in_order(
         for x in [x for x in live if x not in later]:
             del live[x]
         live.update(stored)
+        resident = trim_heap_if_grown(resident)  # the piece's session and tensors are gone
         shift = correct(k, total if total is not None else np.zeros(0), count, used)
         if shift is not None:
             shape = [1] * rank
