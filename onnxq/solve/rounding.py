@@ -456,10 +456,10 @@ def add_upper(full: np.ndarray, packed: np.ndarray | None) -> np.ndarray:
 def symmetric(packed: np.ndarray, k: int) -> np.ndarray:
     """The (G, k, k) symmetric matrices whose upper triangles :func:`add_upper` packed."""
     out = np.empty((packed.shape[0], k, k), packed.dtype)
-    for i, span in _upper_rows(k):
-        out[:, i, i:] = packed[:, span]
-    for i in range(k - 1):  # the lower triangle, column by column
-        out[:, i + 1 :, i] = out[:, i, i + 1 :]
+    for i, span in _upper_rows(k):  # row i from the diagonal, and column i below it
+        row = packed[:, span]
+        out[:, i, i:] = row
+        out[:, i + 1 :, i] = row[:, 1:]
     return out
 
 
