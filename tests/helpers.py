@@ -122,3 +122,12 @@ def needs_debian(*packages: str) -> None:
         pytest.skip(
             f"needs the Debian package(s) {', '.join(missing)}: apt-get install {' '.join(missing)}"
         )
+
+
+class DyingObserver:
+    """An observer whose process ends on its first batch (a worker killed, e.g. out of memory)."""
+
+    def observe(self, x) -> None:
+        import os
+
+        os._exit(7)

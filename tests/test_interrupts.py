@@ -275,6 +275,20 @@ def test_a_later_command_does_not_claim_an_earlier_ones_files(tmp_path, capsys):
     assert interrupt.message() == interrupt.INTERRUPTED
 
 
+def test_a_scratch_model_is_not_claimed_as_written(tmp_path):
+    """The workers' copy of the float model, in a folder onnxq removes, is no output: a
+    Ctrl-C's line named it as written (complete) after its folder was gone."""
+    from onnxq.io import graph
+
+    interrupt.new_command()
+    model = onnx.helper.make_model(onnx.helper.make_graph([], "g", [], []))
+    graph.save_scratch(model, tmp_path / "float.onnx")
+    assert onnx.load(tmp_path / "float.onnx") == model
+    assert interrupt.message() == interrupt.INTERRUPTED
+    graph.save_model(model, tmp_path / "q.onnx")
+    assert "q.onnx' (complete)" in interrupt.message()
+
+
 @pytest.mark.parametrize("external", [False, True])
 def test_ctrl_c_is_held_back_while_the_outputs_are_renamed(tmp_path, monkeypatch, external):
     from onnxq.io import graph

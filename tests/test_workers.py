@@ -343,6 +343,44 @@ def test_a_batch_a_worker_cannot_run_is_reported_by_the_parent(tmp_path):
         onnxq.quantize(model, {"x": x}, batch_size=3, workers=2, progress=False)
 
 
+def test_a_worker_that_dies_is_named_with_its_exit_code_and_nothing_is_left_running():
+    """A worker gone without a word (killed, out of memory) is one error naming it; the
+    threads dealing batches end, and the workers started are all reaped."""
+    import threading
+
+    from helpers import DyingObserver, make_model
+    from onnx import helper as oh
+
+    from onnxq.calibrate.shards import observe_in_processes
+
+    model = make_model([oh.make_node("Relu", ["x"], ["y"])], [("x", ["N", 4])], [("y", None)])
+    batches = [{"x": np.ones((1, 4), np.float32)} for _ in range(300)]
+    template = Statistics({"y": [DyingObserver()]})
+    with pytest.raises(CalibrationError, match=r"worker \d stopped without a result \(exit code 7"):
+        list(observe_in_processes(model, ["y"], template, batches, workers=2))
+    assert not [t for t in threading.enumerate() if t.name == "onnxq-deal"]
+    import multiprocessing
+
+    assert not multiprocessing.active_children()
+
+
+def test_a_worker_runs_in_a_session_of_its_own_and_ends_quietly_when_the_parent_goes(capfd):
+    """A terminal's Ctrl-C goes to its foreground group: a worker there printed a traceback
+    while importing. A worker whose parent closed its pipe ends with nothing printed."""
+    import os
+
+    from onnxq.calibrate.shards import _Link, _start
+
+    link = _Link(4)
+    worker = _start(link, threads=1)
+    try:
+        assert os.getsid(worker.pid) == worker.pid != os.getsid(0)
+    finally:
+        link.close()  # before anything was sent: the worker reads the end of its pipe
+    assert worker.wait(timeout=60) == 0
+    assert capfd.readouterr().err == ""
+
+
 def test_an_observer_without_merge_is_refused_by_name():
     class Plain:
         def observe(self, x):

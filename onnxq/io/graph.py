@@ -362,6 +362,20 @@ def save_model(proto: onnx.ModelProto, path: str | os.PathLike[str]) -> None:
         raise _output_error(path, exc) from None
 
 
+def save_scratch(proto: onnx.ModelProto, path: str | os.PathLike[str]) -> None:
+    """Write ``proto`` into a scratch folder onnxq removes (for a worker or a user's function).
+
+    Not one of the user's outputs: no rename into place, and a Ctrl-C's line does not list it
+    (it listed the workers' copy of the float model as written, in a folder already removed).
+    Over 2 GB, the initializers go beside it as :func:`save_model` writes them.
+    """
+    path = Path(path)
+    if proto_size(proto) < TWO_GIB:
+        path.write_bytes(serialize(proto))
+    else:
+        write_external(proto, path, path.name + ".data")
+
+
 def _save_external(proto: onnx.ModelProto, path: Path, folder: Path) -> None:
     data_name = path.name + ".data"
     with tempfile.TemporaryDirectory(prefix=f".{path.name}.", dir=folder) as tmp:

@@ -19,7 +19,7 @@ import numpy as np
 import onnx
 
 from onnxq.core.errors import ConfigError
-from onnxq.io.graph import save_model
+from onnxq.io.graph import save_scratch
 from onnxq.io.loader import load_object
 from onnxq.simulate.heldback import gain
 
@@ -49,7 +49,7 @@ def user_metric(ref: str | Callable[..., Any], option: str, hint: str = "") -> M
     def metric(model: onnx.ModelProto) -> np.ndarray:
         with tempfile.TemporaryDirectory() as tmp:
             path = os.path.join(tmp, "model.onnx")
-            save_model(model, path)
+            save_scratch(model, path)
             try:
                 value = fn(path)
             except Exception as exc:  # the user's evaluation failed
