@@ -25,6 +25,7 @@ import pickle
 import queue
 import signal
 import subprocess
+import sys
 import tempfile
 import threading
 from collections.abc import Iterable, Iterator
@@ -139,8 +140,10 @@ def _start(link: _Link, threads: int) -> subprocess.Popen[bytes]:
     """
     env = dict(os.environ)
     env.update({k: str(threads) for k in _POOL_VARIABLES})
-    code = f"from onnxq.calibrate.shards import _serve; _serve({link.worker_in.fileno()}, "
-    code += f"{link.worker_out.fileno()})"
+    # this process's import path first: the worker runs this onnxq, wherever it came from
+    code = f"import sys; sys.path[:] = {[p for p in sys.path if p]!r}; "
+    code += "from onnxq.calibrate.shards import _serve; "
+    code += f"_serve({link.worker_in.fileno()}, {link.worker_out.fileno()})"
     return subprocess.Popen(
         [spawn.get_executable(), "-c", code],
         pass_fds=(link.worker_in.fileno(), link.worker_out.fileno()),
