@@ -103,9 +103,10 @@ def observe_in_processes(
             with _ignoring_ctrl_c():
                 for link in links:
                     procs.append(_start(link, threads))
-            for i, link in enumerate(links):  # read first: how to import, then what to run
-                link.started(_preparation(f"onnxq-calibrate-{i}"))
-                link.inbox.put((str(path), names, blank, i, threads))
+            for i, link in enumerate(links):
+                link.started(
+                    _preparation(f"onnxq-calibrate-{i}"), (str(path), names, blank, i, threads)
+                )
             for index, feeds in enumerate(itertools.chain([first], it)):
                 link = links[worker_of(index, block, workers)]
                 _put(link, (index, feeds), procs, links, results)
@@ -178,11 +179,15 @@ class _Link:
         #: why the thread could not send (the parent raises it)
         self.error: str | None = None
 
-    def started(self, preparation: Any) -> None:
-        """The worker holds its ends now: close them here (so a dead worker reads as one)."""
+    def started(self, preparation: Any, task: Any) -> None:
+        """The worker holds its ends now: close them here (so a dead worker reads as one).
+
+        It reads first how to import (``preparation``), then what to run (``task``).
+        """
         self.worker_in.close()
         self.worker_out.close()
         self.inbox.put(preparation)
+        self.inbox.put(task)
         self._thread.start()
 
     def _feed(self) -> None:
@@ -347,8 +352,8 @@ def _serve(inbox_fd: int, results_fd: int) -> None:  # pragma: no cover - runs i
             reply = (index, None, fold_numbered(onnx.load(path), names, blank, numbered(), threads))
         except OnnxqError as exc:
             reply = (index, str(exc), None)
-        except EOFError:
-            raise
+        except EOFError:  # the parent went away mid-stream
+            return
         except BaseException as exc:
             reply = (index, f"calibration worker {index} failed: {type(exc).__name__}: {exc}", None)
         results.send(reply)
