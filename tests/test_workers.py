@@ -242,6 +242,34 @@ def test_statistics_merge_counts_and_channel_sums():
     assert block_size(1) == 128 and block_size(64) == 2 and block_size(512) == 1
 
 
+def test_statistics_can_let_each_output_go_once_folded():
+    """The calibrate pass hands its batch over: each tensor is let go of once observed (the
+    next batch's outputs fill beside it), with the same statistics as a batch kept whole."""
+    import weakref
+
+    names = ["a", "b"]
+    batches = [[R.standard_normal((2, 3, 4)).astype(np.float32) for _ in names] for _ in range(3)]
+
+    def make() -> Statistics:
+        return Statistics({n: [MinMaxObserver()] for n in names}, channel_axes={"a": 1})
+
+    kept, released = make(), make()
+    for i, outs in enumerate(batches):
+        kept.add(names, outs, 2, i)
+        assert all(o is not None for o in outs)
+        handed = list(outs)
+        gone = [weakref.ref(o) for o in handed]
+        released.add(names, handed, 2, i, release=True)
+        assert handed == [None, None]
+        del handed
+    outs = None
+    batches.clear()
+    assert [r() for r in gone] == [None, None]
+    for name in names:
+        assert vars(kept.observers[name][0]) == vars(released.observers[name][0])
+    np.testing.assert_array_equal(kept.channel_totals()["a"][0], released.channel_totals()["a"][0])
+
+
 @pytest.mark.parametrize(("samples", "workers"), [(1, 2), (16, 2), (64, 3), (512, 2)])
 def test_every_worker_gets_its_first_block_before_any_batch_is_taken(samples, workers):
     """The parent deals blocks in turn into bounded queues; no worker may wait on another's.

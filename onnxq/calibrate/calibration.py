@@ -493,7 +493,7 @@ class Calibrator:
             self.reference.append((dict(feeds), {r: got[r] for r in fold.refs}))
         if len(self.sample_feeds) < fold.keep:
             self.sample_feeds.append(feeds)
-        fold.stats.add(fold.names, outs, feed_samples(feeds), index)
+        fold.stats.add(fold.names, outs, feed_samples(feeds), index, release=True)
 
     def _first_batch(self, fold: _Fold, session: Any, feeds: Feed) -> tuple[float, float, int]:
         """Run and fold the first batch one after the other: (run s, fold s, output bytes).
@@ -504,8 +504,9 @@ class Calibrator:
         t0 = time.perf_counter()
         outs = run_checked(session, fold.fetch, feeds, 0)
         t1 = time.perf_counter()
+        made = outputs_bytes(outs)  # before folding lets the outputs go
         self._fold(fold, feeds, outs, 0)
-        return t1 - t0, time.perf_counter() - t1, outputs_bytes(outs)
+        return t1 - t0, time.perf_counter() - t1, made
 
     def _graph_order(self, names: list[str]) -> list[str]:
         """``names`` as the data flows: graph inputs, then outputs node by node, then the rest."""

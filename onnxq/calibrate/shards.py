@@ -327,7 +327,7 @@ def fold_numbered(
     with one_blas_thread():
         ran = run_ahead(session, names, feeds(), indices.__getitem__)
         for n, (feed, outs) in enumerate(ran):
-            stats.add(names, outs, feed_samples(feed), indices[n])
+            stats.add(names, outs, feed_samples(feed), indices[n], release=True)
     return stats
 
 
