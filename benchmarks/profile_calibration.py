@@ -53,7 +53,7 @@ def _instrument() -> None:
     timed(streaming._Runner, "result", "inference (waited)")
     original = st.Statistics.add
 
-    def add(self, names, outs, samples, index):
+    def add(self, names, outs, samples, index, **options):
         taps = self.taps
         observers = self.observers
         timed_taps = {}
@@ -62,7 +62,7 @@ def _instrument() -> None:
         timed_obs = {n: [_Timed(o, "ranges") for o in lst] for n, lst in observers.items()}
         self.taps, self.observers = timed_taps, timed_obs
         try:
-            return original(self, names, outs, samples, index)
+            return original(self, names, outs, samples, index, **options)
         finally:
             self.taps, self.observers = taps, observers
 

@@ -285,6 +285,21 @@ def test_variants_prints_the_line_saying_what_a_budget_left_out():
     assert budget_lines(plain.summary()) == []
 
 
+def test_profile_calibration_times_each_part_of_a_real_calibrate_step():
+    """The profile wraps the calibrate step's own functions: a change of their signatures
+    (Statistics.add took keyword options) must not leave it failing with a traceback."""
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks.profile_calibration", str(DIGITS_CNN)]
+        + ["--samples", "8"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 0, done.stderr
+    for part in ("calibrate step", "inference (waited)", "ranges", "hessians", "rounding pass"):
+        assert part in done.stdout
+
+
 def test_profile_calibration_names_a_data_folder_it_cannot_read(tmp_path):
     """A folder of batches (the encoder's padded batches) is refused in one line, not with a
     traceback from numpy.load."""
