@@ -641,6 +641,57 @@ def test_explicit_threads_bound_the_runs_in_flight_and_change_no_byte(monkeypatc
     assert model.SerializeToString() == reference.SerializeToString()
 
 
+@pytest.mark.parametrize("slow", ["run", "fold"])
+def test_a_second_run_goes_ahead_only_while_the_runs_are_the_slower_side(monkeypatch, slow):
+    """Folding slower than running (measured on the first batch): one run in flight, since a
+    second would only wait holding one more batch's outputs; the same bytes either way."""
+    import threading
+
+    from onnxq.calibrate import calibration, statistics
+    from onnxq.io import session as sessions
+
+    peak, live, lock = [0], [0], threading.Lock()
+    opened = sessions.make_session
+
+    class Counting:  # the pass's session, counting the runs at once
+        def __init__(self, inner):
+            self.inner = inner
+
+        def run(self, names, feeds):
+            with lock:
+                live[0] += 1
+                peak[0] = max(peak[0], live[0])
+            try:
+                if slow == "run":
+                    threading.Event().wait(0.03)
+                return self.inner.run(names, feeds)
+            finally:
+                with lock:
+                    live[0] -= 1
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+    folding = statistics.Statistics.add
+
+    def fold_slowly(self, *args, **kwargs):
+        if slow == "fold":
+            threading.Event().wait(0.03)
+        return folding(self, *args, **kwargs)
+
+    monkeypatch.setattr(calibration, "make_session", lambda *a, **k: Counting(opened(*a, **k)))
+    monkeypatch.setattr(statistics.Statistics, "add", fold_slowly)
+    monkeypatch.setattr(calibration, "available_cores", lambda: 2)
+    batches = [{"x": R.normal(0, 1, (2, 3, 6, 6)).astype(np.float32)} for _ in range(8)]
+    kwargs = {"rounding": "nearest", "bias_correction": "none", "progress": False}
+    float_model = conv_model()
+    model, _ = onnxq.quantize(float_model, batches, **kwargs)
+    assert peak[0] == (2 if slow == "run" else 1)
+    monkeypatch.undo()
+    reference, _ = onnxq.quantize(float_model, batches, **kwargs)
+    assert model.SerializeToString() == reference.SerializeToString()
+
+
 def test_batch_bytes_reads_the_recorded_shapes_with_the_feeds_sizes():
     from onnxq.calibrate.streaming import batch_bytes
 

@@ -49,8 +49,11 @@ from onnxq.solve.rounding import products_beside
 #: batches in flight in the one-process pass, each run on its own thread sharing the session's
 #: threads: with one run, onnxruntime (exposing the tensors on the cores but one) was the
 #: critical path and the core folding the statistics waited most of the pass; two keep both
-#: busy (see docs/calibration.md, "Where the time goes"). An explicit ``threads`` of 1 keeps
-#: one: the process then runs onnxruntime on one thread, as asked (:func:`stream_depth`)
+#: busy (see docs/calibration.md, "Where the time goes"). Where folding the first batch took
+#: longer than running it, the pass keeps one: a second run would only wait, holding one more
+#: batch's outputs (nudenet_320n, default quantize: peak RSS 677-811 -> 572-623 MB, the same
+#: calibrate time). An explicit ``threads`` of 1 keeps one: the process then runs onnxruntime
+#: on one thread, as asked (:func:`stream_depth`)
 STREAM_DEPTH = 2
 
 
@@ -441,17 +444,20 @@ class Calibrator:
             # (nudenet_320n: the folding thread spent 2.6 of its 4.6 s in them, a core idle)
             beside = self.threads is None and available_cores() > 1
             taps = [t for observers in self.taps.values() for t in observers] if beside else []
+            depth = stream_depth(self.threads)
             with one_blas_thread(), products_beside(taps):
                 start = 0
-                if first is not None and self.threads is None and (lone or size is None):
+                if first is not None and self.threads is None:
                     run, folded, made = self._first_batch(fold, session, first)
-                    if _switch(lone, run, folded, made):
+                    if (lone or size is None) and _switch(lone, run, folded, made):
                         del session
                         session = self._float(names, streaming=True, lone=not lone)
+                    if folded > run:  # the folding is the critical path: a second run in
+                        depth = 1  # flight would only wait, holding one more batch
                     start = 1
                 elif first is not None:
                     it = itertools.chain([first], it)
-                self._stream(fold, session, it, start)
+                self._stream(fold, session, it, start, depth)
         if stats.batches == 0:
             raise CalibrationError(
                 "the calibration data source yielded no samples; give at "
@@ -477,12 +483,15 @@ class Calibrator:
         self.report.tensors_observed = len(names)
         self.report.observer_bytes = sum(o.nbytes() for o in self.observers.values())
 
-    def _stream(self, fold: _Fold, session: Any, batches: Iterable[Feed], start: int = 0) -> None:
+    def _stream(
+        self, fold: _Fold, session: Any, batches: Iterable[Feed], start: int, depth: int
+    ) -> None:
         """The pass in this process: onnxruntime runs the next batch while this one is folded.
 
-        ``start``: the index of the first of ``batches`` (batches before it already folded).
+        ``start``: the index of the first of ``batches`` (batches before it already folded);
+        ``depth``: runs in flight at once (:func:`stream_depth`).
         """
-        ran = run_ahead(session, fold.fetch, batches, depth=stream_depth(self.threads))
+        ran = run_ahead(session, fold.fetch, batches, depth=depth)
         for index, (feeds, outs) in enumerate(ran, start):
             self._fold(fold, feeds, outs, index)
 
@@ -498,8 +507,9 @@ class Calibrator:
     def _first_batch(self, fold: _Fold, session: Any, feeds: Feed) -> tuple[float, float, int]:
         """Run and fold the first batch one after the other: (run s, fold s, output bytes).
 
-        For :func:`_switch`, when the pass runs one batch at a time or may (the outputs' size
-        not known from the model's shapes).
+        For the runs the rest of the pass keeps in flight (:data:`STREAM_DEPTH`) and, when it
+        runs one batch at a time or may (the outputs' size not known from the model's
+        shapes), for :func:`_switch`.
         """
         t0 = time.perf_counter()
         outs = run_checked(session, fold.fetch, feeds, 0)
