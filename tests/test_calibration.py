@@ -588,9 +588,9 @@ def test_run_ahead_depth_two_runs_two_batches_at_once_in_order():
     assert seen == [0, 1, 2]
 
 
-@pytest.mark.parametrize("threads, runs", [(None, 2), (1, 1), (2, 2), (8, 2)])
-def test_explicit_threads_bound_the_runs_in_flight_and_change_no_byte(monkeypatch, threads, runs):
-    """``--threads 1`` is one onnxruntime run of one thread at a time (one worker's size)."""
+def _count_runs_in_flight(monkeypatch, delay: float) -> list[int]:
+    """The calibrate pass's sessions count their runs at once (each taking ``delay`` s more);
+    returns the peak, filled in as the pass runs."""
     import threading
 
     from onnxq.calibrate import calibration
@@ -608,6 +608,7 @@ def test_explicit_threads_bound_the_runs_in_flight_and_change_no_byte(monkeypatc
                 live[0] += 1
                 peak[0] = max(peak[0], live[0])
             try:
+                threading.Event().wait(delay)
                 return self.inner.run(names, feeds)
             finally:
                 with lock:
@@ -616,18 +617,17 @@ def test_explicit_threads_bound_the_runs_in_flight_and_change_no_byte(monkeypatc
         def __getattr__(self, name):
             return getattr(self.inner, name)
 
-    def counted(*args, **kwargs):
-        return Counting(opened(*args, **kwargs))
+    monkeypatch.setattr(calibration, "make_session", lambda *a, **k: Counting(opened(*a, **k)))
+    return peak
 
-    monkeypatch.setattr(calibration, "make_session", counted)
-    slow = Counting.run
 
-    def run_slowly(self, names, feeds):  # long enough that a second run would overlap
-        out = slow(self, names, feeds)
-        threading.Event().wait(0.02)
-        return out
+@pytest.mark.parametrize("threads, runs", [(None, 2), (1, 1), (2, 2), (8, 2)])
+def test_explicit_threads_bound_the_runs_in_flight_and_change_no_byte(monkeypatch, threads, runs):
+    """``--threads 1`` is one onnxruntime run of one thread at a time (one worker's size)."""
+    from onnxq.calibrate import calibration
 
-    monkeypatch.setattr(Counting, "run", run_slowly)
+    # each run long enough that a second run would overlap
+    peak = _count_runs_in_flight(monkeypatch, 0.02)
     batches = [{"x": R.normal(0, 1, (2, 3, 6, 6)).astype(np.float32)} for _ in range(8)]
     kwargs = {"rounding": "nearest", "bias_correction": "none", "progress": False}
     float_model = conv_model()
@@ -636,7 +636,7 @@ def test_explicit_threads_bound_the_runs_in_flight_and_change_no_byte(monkeypatc
     assert peak[0] <= runs
     if runs == 1:
         assert peak[0] == 1
-    monkeypatch.setattr(calibration, "make_session", opened)
+    monkeypatch.undo()
     reference, _ = onnxq.quantize(float_model, batches, **kwargs)
     assert model.SerializeToString() == reference.SerializeToString()
 
@@ -648,30 +648,8 @@ def test_a_second_run_goes_ahead_only_while_the_runs_are_the_slower_side(monkeyp
     import threading
 
     from onnxq.calibrate import calibration, statistics
-    from onnxq.io import session as sessions
 
-    peak, live, lock = [0], [0], threading.Lock()
-    opened = sessions.make_session
-
-    class Counting:  # the pass's session, counting the runs at once
-        def __init__(self, inner):
-            self.inner = inner
-
-        def run(self, names, feeds):
-            with lock:
-                live[0] += 1
-                peak[0] = max(peak[0], live[0])
-            try:
-                if slow == "run":
-                    threading.Event().wait(0.03)
-                return self.inner.run(names, feeds)
-            finally:
-                with lock:
-                    live[0] -= 1
-
-        def __getattr__(self, name):
-            return getattr(self.inner, name)
-
+    peak = _count_runs_in_flight(monkeypatch, 0.03 if slow == "run" else 0.0)
     folding = statistics.Statistics.add
 
     def fold_slowly(self, *args, **kwargs):
@@ -679,7 +657,6 @@ def test_a_second_run_goes_ahead_only_while_the_runs_are_the_slower_side(monkeyp
             threading.Event().wait(0.03)
         return folding(self, *args, **kwargs)
 
-    monkeypatch.setattr(calibration, "make_session", lambda *a, **k: Counting(opened(*a, **k)))
     monkeypatch.setattr(statistics.Statistics, "add", fold_slowly)
     monkeypatch.setattr(calibration, "available_cores", lambda: 2)
     batches = [{"x": R.normal(0, 1, (2, 3, 6, 6)).astype(np.float32)} for _ in range(8)]
