@@ -223,12 +223,14 @@ def _quantize_io(q: argparse.ArgumentParser) -> None:
     )
     q.add_argument(
         "--depthwise-scaling",
-        default="off",
+        default="auto",
         choices=list(DEPTHWISE_SCALINGS),
         help="on: scale each channel of a depthwise convolution's input to span the tensor's "
         "int8 range, the filters taking the inverse, where the factor folds into a constant "
         "Mul/Div/Add, BatchNormalization or Conv upstream (exact in float; needs per-channel "
-        "weights); off (default): it helps PP-LCNet detectors and can hurt recognisers",
+        "weights); auto (default): the model is also quantized rescaled where it can be, and "
+        "that kept only if it scores higher on the held-back samples by more than their noise "
+        "(it helps PP-LCNet detectors and can hurt recognisers); off: never",
     )
     q.add_argument(
         "--rounding",

@@ -49,7 +49,7 @@ BIAS_CORRECTIONS = ("auto", "none", "fast", "layerwise", "sequential")
 SMOOTHQUANT = ("auto", "on", "off")
 #: cross-layer equalization of Conv chains (onnxq.passes.equalize)
 EQUALIZATIONS = ("auto", "on", "off")
-DEPTHWISE_SCALINGS = ("off", "on")
+DEPTHWISE_SCALINGS = ("auto", "off", "on")
 #: how weights are rounded to their grid (onnxq.solve.rounding)
 ROUNDINGS = ("auto", "nearest", "optimized")
 #: ``recipe``: ``auto`` (chosen on held-back batches), ``fixed`` (auto's picks, every batch
@@ -218,8 +218,8 @@ class Options:
     #: ``auto`` (on for CNNs with per-tensor weights), ``on`` or ``off``
     equalization: str = "auto"
     #: each depthwise input's channels scaled into its filters where the factor folds
-    #: upstream: ``off`` (the default) or ``on``
-    depthwise_scaling: str = "off"
+    #: upstream: ``auto`` (kept where the held-back batches score it higher), ``on`` or ``off``
+    depthwise_scaling: str = "auto"
     #: weights rounded for the least output error on the layer's calibration inputs
     #: (GPTQ-style): ``auto`` (CNNs and transformers), ``nearest`` or ``optimized``
     rounding: str = "auto"
@@ -319,9 +319,9 @@ class QuantizeOptions:
     #: cross-layer equalization: "auto" (on for CNNs with per-tensor weights), "on" or "off"
     equalization: str = "auto"
     #: depthwise inputs scaled per channel into the filters (onnxq.passes.depthwise_scaling):
-    #: "on" or "off" (the default: it helps PP-OCRv5's detector and hurts PP-OCRv4's
-    #: recogniser, see docs/ablation.md)
-    depthwise_scaling: str = "off"
+    #: "auto" (tried beside the unscaled model and kept where the held-back batches score it
+    #: higher by more than their noise), "on" or "off"
+    depthwise_scaling: str = "auto"
     #: weight rounding: "auto" (optimized for CNNs and transformers), "nearest" or "optimized"
     rounding: str = "auto"
     #: accuracy-driven fallback: the largest metric drop allowed (None: off); the caller's
@@ -470,7 +470,7 @@ def resolve(
             raise ConfigError(
                 f"{spell(key, cli, rest[key])} is unknown; choose one of {', '.join(allowed)}"
             )
-    if rest.get("depthwise_scaling", "off") not in DEPTHWISE_SCALINGS:
+    if rest.get("depthwise_scaling", "auto") not in DEPTHWISE_SCALINGS:
         raise ConfigError(
             f"{spell('depthwise_scaling', cli, rest['depthwise_scaling'])} is unknown; choose "
             f"one of {', '.join(DEPTHWISE_SCALINGS)}"

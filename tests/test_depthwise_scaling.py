@@ -155,7 +155,7 @@ def test_scaling_raises_the_int8_accuracy_in_onnxruntime():
     model, calib, evaluation = _model("affine"), _data(64, 4), _data(32, 5)
     ref = run(model, evaluation)[0]
     common = dict(rounding="nearest", bias_correction="none")
-    off, _ = onnxq.quantize(model, calib, **common)
+    off, _ = onnxq.quantize(model, calib, depthwise_scaling="off", **common)
     on, report = onnxq.quantize(model, calib, depthwise_scaling="on", **common)
     gain = _sqnr(ref, run(on, evaluation)[0]) - _sqnr(ref, run(off, evaluation)[0])
     assert gain > 3.0, gain
@@ -164,12 +164,13 @@ def test_scaling_raises_the_int8_accuracy_in_onnxruntime():
     assert "QLinearConv" in [n.op_type for n in on.graph.node]
 
 
-def test_off_by_default_and_the_same_bytes_as_off():
-    model, calib = _model("affine"), _data(16, 6)
+def test_without_held_back_batches_auto_is_off_and_the_same_bytes_as_off():
+    model, calib = _model("affine"), _data(16, 6)  # 16 batches: too few to hold any back
     default, report = onnxq.quantize(model, calib, rounding="nearest")
     off, _ = onnxq.quantize(model, calib, rounding="nearest", depthwise_scaling="off")
     assert default.SerializeToString() == off.SerializeToString()
-    assert report.algorithms["depthwise-scaling"].startswith("off")
+    assert report.algorithms["depthwise-scaling"].startswith("off (auto: the recipe is not")
+    assert "depthwise_scaling" not in report.choice
     a, _ = onnxq.quantize(model, calib, rounding="nearest", depthwise_scaling="on")
     b, _ = onnxq.quantize(model, calib, rounding="nearest", depthwise_scaling="on")
     assert a.SerializeToString() == b.SerializeToString()
@@ -192,13 +193,47 @@ def test_a_table_saved_after_scaling_is_refused_on_load(tmp_path):
 
 
 def test_an_unknown_setting_is_refused():
-    with pytest.raises(ConfigError, match="depthwise_scaling='auto' is unknown"):
-        onnxq.quantize(_model(), _data(4, 0), depthwise_scaling="auto")
+    with pytest.raises(ConfigError, match="depthwise_scaling='always' is unknown"):
+        onnxq.quantize(_model(), _data(4, 0), depthwise_scaling="always")
+
+
+def test_auto_keeps_the_rescaled_model_where_the_held_back_batches_score_it_higher():
+    model, calib, evaluation = _model("affine"), _data(64, 4), _data(32, 5)
+    ref = run(model, evaluation)[0]
+    auto, report = onnxq.quantize(model, calib, rounding="nearest")
+    off, _ = onnxq.quantize(model, calib, rounding="nearest", depthwise_scaling="off")
+    trial = report.choice["depthwise_scaling"]
+    assert trial["kept"] and trial["rescaled_inputs"] == 1
+    assert trial["vs_unscaled_db"] > trial["noise_db"] > 0
+    assert report.algorithms["depthwise-scaling"].startswith("on (auto: 1 inputs rescaled")
+    assert report.to_dict()["depthwise_scaling"]["dw"]["folded_into"]
+    # the int8 model onnxruntime runs is the better one on samples nobody fitted on
+    gain = _sqnr(ref, run(auto, evaluation)[0]) - _sqnr(ref, run(off, evaluation)[0])
+    assert gain > 3.0, gain
+    # the trial's own passes and data reads are listed as such
+    assert any(r["pass"].endswith("(depthwise scaling trial)") for r in report.data_reads)
+    again, _ = onnxq.quantize(model, calib, rounding="nearest")
+    assert again.SerializeToString() == auto.SerializeToString()
+
+
+def test_a_rescaled_model_that_scores_no_higher_leaves_no_trace(monkeypatch):
+    import onnxq.passes.depthwise_scaling as trial_pass
+
+    model, calib = _model("affine"), _data(64, 4)
+    off, _ = onnxq.quantize(model, calib, rounding="nearest", depthwise_scaling="off")
+    monkeypatch.setattr(trial_pass, "beats", lambda scored, kept: False)
+    auto, report = onnxq.quantize(model, calib, rounding="nearest")
+    assert auto.SerializeToString() == off.SerializeToString()
+    assert not report.choice["depthwise_scaling"]["kept"]
+    assert report.algorithms["depthwise-scaling"].startswith("off (auto: rescaling 1 inputs")
+    assert report.to_dict()["depthwise_scaling"] == {}
+    # measured already: no warning sends the user to try it
+    assert not any("can be rescaled" in w for w in report.warnings)
 
 
 def test_a_warning_that_blames_a_scalable_depthwise_conv_names_the_switch():
     model, calib = _model("affine"), _data(32, 8)
-    _, off = onnxq.quantize(model, calib, rounding="nearest")
+    _, off = onnxq.quantize(model, calib, rounding="nearest", depthwise_scaling="off")
     assert any("first jumps at node 'dw'" in w and "can be rescaled" in w for w in off.warnings)
     assert any("depthwise_scaling='on'" in w for w in off.warnings)  # Python spelling
     _, on = onnxq.quantize(model, calib, rounding="nearest", depthwise_scaling="on")

@@ -70,7 +70,10 @@ class Check:
             return PassResult(f"{n} warnings" if n else "")
         advice = (
             _depthwise_advice(float_model, o.kept_float(float_model))
-            if o.depthwise_scaling == "off" and o.per_channel
+            # not where the trial of auto (onnxq.passes.depthwise_scaling) measured it already
+            if o.depthwise_scaling == "off"
+            and o.per_channel
+            and "depthwise_scaling" not in state.choice
             else None
         )
         warnings = checks.accuracy_warnings(

@@ -16,23 +16,32 @@ Leaves ``state.float_model`` (rewritten), ``state.dataset`` and ``state.depthwis
 (per convolution: the input, where ``s`` went, the spreads and the gain), which the report
 lists.
 
-``depthwise_scaling``: ``on`` rewrites where it pays, ``off`` (the default) leaves the model
-alone. It is not a default: on PP-OCRv5's detector it raised the text-mask IoU from 85.6 to
-92.8%, but on PP-OCRv4's recogniser, whose int8 outputs it brought closer to fp32 with every
-other bias correction (18.3 against 15.4 dB SQNR with the fast one), the sequential bias
-correction (the CNN default) then moved it away (14.8 dB, CER 0.96 → 3.4%): docs/ablation.md.
-With weights per tensor it is refused (the filters could not absorb ``1/s``).
+``depthwise_scaling``: ``on`` rewrites where it pays, ``off`` leaves the model alone, ``auto``
+(the default) decides on the held-back batches of the recipe choice (:class:`DepthwiseTrial`):
+on PP-OCRv5's detector the rewrite raised the text-mask IoU from 87.1 to 92.2%, but on PP-OCR
+recognisers the sequential bias correction (the CNN default) moved the rescaled model away from
+fp32 (PP-OCRv4's: CER 0.86 → 3.55%): docs/ablation.md. With weights per tensor it is refused
+(the filters could not absorb ``1/s``).
 """
 
 from __future__ import annotations
+
+import copy
+import time
+from collections.abc import Sequence
+from dataclasses import fields, replace
+from typing import Any, Protocol
 
 import numpy as np
 import onnx
 
 from onnxq.io.graph import tensor_array
-from onnxq.passes.manager import PassResult, State
+from onnxq.passes.defaults import choosing
+from onnxq.passes.manager import Pass, PassRecord, PassResult, State, run_nested
 from onnxq.passes.stream import float_batches
 from onnxq.prepare.depthwise_scaling import candidates, constants, filter_energy, rewrite, uses_of
+from onnxq.simulate.emulate import emulate
+from onnxq.simulate.heldback import beats, gain, sqnr
 from onnxq.solve.depthwise_scaling import MIN_GAIN_DB, choose
 
 
@@ -107,3 +116,131 @@ def _ranges(
             lo[t] = np.minimum(lo[t], a) if t in lo else a
             hi[t] = np.maximum(hi[t], b) if t in hi else b
     return lo, hi
+
+
+class Fitter(Protocol):
+    """What fits one recipe on a calibrated state (onnxq.passes.choose.Choose)."""
+
+    def fit(self, state: State) -> Any:
+        """Solve, round and correct ``state`` for its options."""
+        ...
+
+
+class DepthwiseTrial:
+    """``depthwise_scaling`` auto: the model quantized unscaled and rescaled, the better kept.
+
+    Runs ``core`` (annotate, calibrate, choose) on the model as it is. Where some depthwise
+    input can take a factor, the recipe is chosen on held-back batches and the data can be read
+    again, it then rescales a copy of the float model (:class:`DepthwiseScaling`), annotates
+    and calibrates it, fits the recipe the choice kept (``fitter``) and scores both on the
+    held-back batches (output SQNR of the emulation, per sample). The rescaled model is kept
+    only when it scores above the unscaled one by more than the noise (twice the standard error
+    of the paired difference): a rewrite that helps a detector's layers can hurt through the
+    sequential bias correction (PP-OCR recognisers), and only the whole model's outputs on
+    samples nothing was fitted on tell. Costs one more calibration, fit and scoring, on models
+    with such inputs only. Leaves the state of the model kept, ``options.depthwise_scaling`` set
+    to what was decided (so the fallback's and the branches' quantizations follow it) and the
+    trial in ``state.choice["depthwise_scaling"]``.
+    """
+
+    name = "depthwise-scaling"
+
+    def __init__(self, scaling: Pass, core: Sequence[Pass], fitter: Fitter):
+        self.scaling, self.core, self.fitter = scaling, list(core), fitter
+
+    def run(self, state: State) -> PassResult:
+        """Run the core; try the rescaled model where it can be judged; keep the better."""
+        o = state.options
+        found = candidates(state.float_model, o.kept_float(state.float_model))
+        spare = _fork(state) if found and o.per_channel else None
+        run_nested(state, self.core)
+        why = self._why_not(state, found, spare)
+        if why or spare is None:
+            state.options = replace(state.options, depthwise_scaling="off")
+            return PassResult(f"off (auto: {why})")
+        start = time.perf_counter()
+        trial = self._rescaled(state, spare)
+        if trial is None:
+            state.options = replace(state.options, depthwise_scaling="off")
+            return PassResult("off (auto: no depthwise input gained from a factor)")
+        held = [feed for feed, _ in state.held_back]
+        refs = [ref for _, ref in state.held_back]
+        kept = sqnr(emulate(state, float_branches=False), held, refs)
+        scored = sqnr(emulate(trial, float_branches=False), held, refs)
+        mean, noise = gain(scored, kept)
+        won = beats(scored, kept)
+        rescaled = sum(1 for v in trial.depthwise_scaling.values() if v["folded_into"])
+        summary = {
+            "rescaled_inputs": rescaled,
+            "recipe": state.options.recipe,
+            "sqnr_db": round(float(np.mean(scored)), 3),
+            "unscaled_sqnr_db": round(float(np.mean(kept)), 3),
+            "vs_unscaled_db": round(mean, 3),
+            "noise_db": round(noise, 3),
+            "kept": won,
+            "seconds": round(time.perf_counter() - start, 3),
+        }
+        words = f"{mean:+.2f} dB output SQNR (noise ±{noise:.2f}) on the held-back batches"
+        state.records.extend(
+            PassRecord(f"{r.name} (rescaled)", r.seconds, r.changed) for r in trial.records
+        )
+        if won:
+            _adopt(state, trial)
+        choice = dict(state.choice)
+        choice["depthwise_scaling"] = summary
+        state.choice = choice
+        state.options = replace(state.options, depthwise_scaling="on" if won else "off")
+        if won:
+            return PassResult(f"on (auto: {rescaled} inputs rescaled, {words})")
+        state.depthwise_scaling = {}
+        return PassResult(f"off (auto: rescaling {rescaled} inputs scored {words})")
+
+    @staticmethod
+    def _why_not(state: State, found: list[Any], spare: State | None) -> str:
+        """Why the rescaled model is not tried ('' when it is)."""
+        if not found:
+            return "no depthwise input whose scale can be folded upstream"
+        if spare is None:
+            return "weights per tensor: the filters cannot take 1/s"
+        if not choosing(state) or not state.held_back:
+            return "the recipe is not chosen on held-back batches, which would judge it"
+        if not state.dataset.replayable:
+            return "the data can be read once only"
+        return ""
+
+    def _rescaled(self, state: State, spare: State) -> State | None:
+        """The rescaled model annotated, calibrated and fitted with the recipe chosen."""
+        spare.options = replace(state.options, depthwise_scaling="on")
+        spare.dataset, spare.held_back, spare.choice = state.dataset, state.held_back, {}
+        spare.data_reads = state.data_reads  # its reads are the call's too
+        first = len(state.data_reads)
+        run_nested(spare, [self.scaling])
+        if not any(v["folded_into"] for v in spare.depthwise_scaling.values()):
+            return None
+        run_nested(spare, self.core[:-1])  # annotate and calibrate; the recipe is chosen
+        self.fitter.fit(spare)
+        for read in state.data_reads[first:]:
+            read["pass"] += " (depthwise scaling trial)"
+        return spare
+
+
+def _fork(state: State) -> State:
+    """A copy of ``state`` before annotation, with its own float model and containers."""
+    spare = copy.copy(state)
+    for f in fields(State):
+        value = getattr(spare, f.name)
+        if isinstance(value, list | dict):
+            setattr(spare, f.name, copy.copy(value))
+    model = onnx.ModelProto()
+    model.CopyFrom(state.float_model)
+    spare.float_model = model
+    spare.records = []
+    return spare
+
+
+def _adopt(state: State, trial: State) -> None:
+    """Leave the rescaled model's results on ``state`` (its records and reads as they are)."""
+    records, choice, reads = state.records, state.choice, state.data_reads
+    for f in fields(State):
+        setattr(state, f.name, getattr(trial, f.name))
+    state.records, state.choice, state.data_reads = records, choice, reads

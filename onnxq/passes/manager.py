@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -192,7 +192,15 @@ def run_passes(state: State, passes: Sequence[Pass]) -> State:
     A bar names the pass under way (after two seconds, on a terminal: onnxq.io.progress).
     """
     steps = progress(passes, len(passes), "quantizing", state.options.progress, "step", _name)
-    for p in steps:
+    return run_nested(state, steps)
+
+
+def run_nested(state: State, passes: Iterable[Pass]) -> State:
+    """Run ``passes`` in order over ``state``, each recorded, without a bar of their own.
+
+    For a pass that runs others (onnxq.passes.depthwise_scaling.DepthwiseTrial).
+    """
+    for p in passes:
         start, before = time.perf_counter(), len(state.records)
         result = p.run(state)
         trim_heap()  # the next pass starts from what is in use, not from this one's peak

@@ -16,7 +16,7 @@ from onnxq.passes.budget import Budget
 from onnxq.passes.calibrate import Calibrate
 from onnxq.passes.check import Check
 from onnxq.passes.choose import Choose
-from onnxq.passes.depthwise_scaling import DepthwiseScaling
+from onnxq.passes.depthwise_scaling import DepthwiseScaling, DepthwiseTrial
 from onnxq.passes.equalize import Equalize
 from onnxq.passes.float_outputs import FloatOutputs
 from onnxq.passes.int4 import Int4Weights, WeightOnlyInt4
@@ -44,12 +44,20 @@ def build(options: QuantizeOptions, quantize_branch: BranchQuantizer) -> list[Pa
         passes.append(Equalize())
     if options.smoothquant != "off" and options.load_ranges is None:
         passes.append(SmoothQuant())
-    if options.depthwise_scaling != "off" and options.load_ranges is None:
+    if options.depthwise_scaling == "on" and options.load_ranges is None:
         passes.append(DepthwiseScaling())
-    passes += [Annotate(), Calibrate(requests, (rounding.taps, bias_correction.taps))]
     # your metric scores each candidate as the model it writes (the fallback's has its own)
     finish = _finish(options, quantize_branch) if options.choice_metric is not None else []
-    passes.append(Choose(Solve(), WeightRounding(), BiasCorrection(), finish))
+    choose = Choose(Solve(), WeightRounding(), BiasCorrection(), finish)
+    core: list[Pass] = [
+        Annotate(),
+        Calibrate(requests, (rounding.taps, bias_correction.taps)),
+        choose,
+    ]
+    if options.depthwise_scaling == "auto" and options.load_ranges is None:
+        passes.append(DepthwiseTrial(DepthwiseScaling(), core, choose))
+    else:
+        passes += core
     passes += [*_finish(options, quantize_branch), Verify(), Check(), Save()]
     return passes
 
