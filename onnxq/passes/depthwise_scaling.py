@@ -38,7 +38,7 @@ import onnx
 from onnxq.io.graph import tensor_array
 from onnxq.passes.defaults import choosing
 from onnxq.passes.manager import Pass, PassRecord, PassResult, State, run_nested
-from onnxq.passes.stream import float_batches
+from onnxq.passes.stream import float_batches, open_dataset
 from onnxq.prepare.depthwise_scaling import candidates, constants, filter_energy, rewrite, uses_of
 from onnxq.simulate.emulate import emulate
 from onnxq.simulate.heldback import beats, gain, sqnr
@@ -152,9 +152,14 @@ class DepthwiseTrial:
         """Run the core; try the rescaled model where it can be judged; keep the better."""
         o = state.options
         found = candidates(state.float_model, o.kept_float(state.float_model))
-        spare = _fork(state) if found and o.per_channel else None
+        if found and o.per_channel and (state.data is not None or state.dataset is not None):
+            open_dataset(state)  # split or not: whether the trial can be judged is known now
+        why = self._why_not(state, found)
+        # the float model as annotation will find it, copied only for a trial that will run
+        spare = None if why else _fork(state)
         run_nested(state, self.core)
-        why = self._why_not(state, found, spare)
+        if not why and not state.held_back:  # the choice found nothing to hold back
+            why = "the recipe is not chosen on held-back batches, which would judge it"
         if why or spare is None:
             state.options = replace(state.options, depthwise_scaling="off")
             return PassResult(f"off (auto: {why})")
@@ -196,13 +201,13 @@ class DepthwiseTrial:
         return PassResult(f"off (auto: rescaling {rescaled} inputs scored {words})")
 
     @staticmethod
-    def _why_not(state: State, found: list[Any], spare: State | None) -> str:
-        """Why the rescaled model is not tried ('' when it is)."""
+    def _why_not(state: State, found: list[Any]) -> str:
+        """Why the rescaled model is not tried ('' when it is), before the core runs."""
         if not found:
             return "no depthwise input whose scale can be folded upstream"
-        if spare is None:
+        if not state.options.per_channel:
             return "weights per tensor: the filters cannot take 1/s"
-        if not choosing(state) or not state.held_back:
+        if not choosing(state):
             return "the recipe is not chosen on held-back batches, which would judge it"
         if not state.dataset.replayable:
             return "the data can be read once only"
