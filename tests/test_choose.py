@@ -252,6 +252,32 @@ def test_the_check_after_quantizing_runs_on_the_held_back_batches(monkeypatch):
     assert np.allclose(outputs[0]["logits"], run(model, {"x": held[:1]})[0], atol=1e-5)
 
 
+def test_the_first_batches_fp32_outputs_are_kept_only_where_nothing_is_held_back(monkeypatch):
+    import onnxq.passes.calibrate as calibrate_pass
+
+    made = []
+    real = calibrate_pass.Calibrator
+
+    def spy(*args, **kwargs):
+        made.append(real(*args, **kwargs))
+        return made[-1]
+
+    monkeypatch.setattr(calibrate_pass, "Calibrator", spy)
+    model, data = _cnn()
+    _, report = onnxq.quantize(model, data, progress=False)
+    assert report.choice["chosen"] and made[-1].reference == []  # the check reads held-back
+    _, report = onnxq.quantize(model, data, progress=False, recipe="fixed")
+    assert len(made[-1].reference) == 4  # no held-back batches: the check reads these
+
+
+def test_the_verification_session_keeps_no_memory_arena():
+    from onnxq.passes.verify import verify
+
+    model, data = _cnn()
+    q, _ = onnxq.quantize(model, data, progress=False, recipe="fixed")
+    assert not verify(q).get_session_options().enable_cpu_mem_arena
+
+
 def test_a_loaded_range_table_with_data_fits_on_every_batch(tmp_path):
     model, data = _cnn()
     table = tmp_path / "ranges.json"

@@ -28,6 +28,7 @@ def make_session(
     as_written: bool = False,
     spin: bool = True,
     weights: Mapping[str, np.ndarray] | None = None,
+    arena: bool = True,
 ) -> Any:
     """An onnxruntime CPU InferenceSession for ``model`` (``threads`` 0 = onnxruntime's choice).
 
@@ -52,6 +53,11 @@ def make_session(
     one piece of a model each (onnxq.calibrate.sequential) and use no memory arena either: each
     would keep its own peak.
 
+    ``arena`` False: no memory arena either, for a session run a few times while the process
+    goes on to other work (the verification session, which the checks after quantizing run
+    on four batches: its arena kept the 128 MB peak of PP-OCRv5's detector while the check
+    compared every layer on a session of its own).
+
     ``spin`` False stops the threads of onnxruntime's pool from spinning while they wait for
     work: for a session that shares the cores with numpy work in this process (a calibration
     pass whose statistics are folded while onnxruntime runs on every core).
@@ -74,7 +80,7 @@ def make_session(
             opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
         if as_written:
             opts.add_session_config_entry("session.disable_quant_qdq", "1")
-        if as_written or expose:
+        if as_written or expose or not arena:
             opts.enable_cpu_mem_arena = False
         return opts
 

@@ -34,7 +34,7 @@ def verify(
     """
     check_model(model, "the quantized model")
     if runtime == "onnxruntime":
-        return make_session(model, exact=exact)
+        return make_session(model, exact=exact, arena=False)
     if not openvino_available():
         return None  # checked structurally only; `pip install openvino` to run it
     try:
