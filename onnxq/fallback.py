@@ -226,6 +226,8 @@ def search(
 
     first, state = run([])
     base = settle(base, state.over_budget)  # the trials repeat the first one's budget plan
+    # and its depthwise scaling as its trial decided it (auto is not judged again)
+    base = replace(base, depthwise_scaling=state.options.depthwise_scaling)
     trials.append(first)
     ranked = _ranked_groups(state, held, options.fallback)[:CANDIDATES] if first.drop > bar else []
     del state

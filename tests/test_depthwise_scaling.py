@@ -240,3 +240,20 @@ def test_a_warning_that_blames_a_scalable_depthwise_conv_names_the_switch():
     assert not any("can be rescaled" in w for w in on.warnings)
     _, excluded = onnxq.quantize(model, calib, rounding="nearest", exclude=["dw"])
     assert not any("can be rescaled" in w for w in excluded.warnings)
+
+
+def test_the_fallbacks_trials_follow_the_first_runs_decision(monkeypatch):
+    import onnxq.fallback as fallback
+
+    seen = []
+    real = fallback.build
+
+    def spy(options, *args, **kwargs):
+        seen.append(options.depthwise_scaling)
+        return real(options, *args, **kwargs)
+
+    monkeypatch.setattr(fallback, "build", spy)
+    # a bar no int8 model meets: the fallback tries groups in float after its first run
+    onnxq.quantize(_model("affine"), _data(96, 4), rounding="nearest", max_drop=0.0)
+    assert seen[0] == "auto" and len(seen) > 1
+    assert set(seen[1:]) == {"on"}  # rescaled in the first run: every trial rescales too
