@@ -257,3 +257,16 @@ def test_the_fallbacks_trials_follow_the_first_runs_decision(monkeypatch):
     onnxq.quantize(_model("affine"), _data(96, 4), rounding="nearest", max_drop=0.0)
     assert seen[0] == "auto" and len(seen) > 1
     assert set(seen[1:]) == {"on"}  # rescaled in the first run: every trial rescales too
+
+
+def test_a_model_already_above_the_sqnr_floor_is_not_tried(monkeypatch):
+    import onnxq.passes.depthwise_scaling as trial_pass
+
+    monkeypatch.setattr(trial_pass, "SQNR_FLOOR_DB", -1000.0)  # every model is above it
+    model, calib = _model("affine"), _data(64, 4)
+    auto, report = onnxq.quantize(model, calib, rounding="nearest")
+    off, _ = onnxq.quantize(model, calib, rounding="nearest", depthwise_scaling="off")
+    assert auto.SerializeToString() == off.SerializeToString()
+    assert report.algorithms["depthwise-scaling"].endswith("above the -1000 dB floor: not tried)")
+    assert "depthwise_scaling" not in report.choice
+    assert not any("depthwise scaling trial" in r["pass"] for r in report.data_reads)

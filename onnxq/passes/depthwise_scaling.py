@@ -40,6 +40,7 @@ from onnxq.passes.defaults import choosing
 from onnxq.passes.manager import Pass, PassRecord, PassResult, State, run_nested
 from onnxq.passes.stream import float_batches, open_dataset
 from onnxq.prepare.depthwise_scaling import candidates, constants, filter_energy, rewrite, uses_of
+from onnxq.simulate.checks import SQNR_FLOOR_DB
 from onnxq.simulate.emulate import emulate
 from onnxq.simulate.heldback import beats, gain, sqnr
 from onnxq.solve.depthwise_scaling import MIN_GAIN_DB, choose
@@ -137,10 +138,13 @@ class DepthwiseTrial:
     only when it scores above the unscaled one by more than the noise (twice the standard error
     of the paired difference): a rewrite that helps a detector's layers can hurt through the
     sequential bias correction (PP-OCR recognisers), and only the whole model's outputs on
-    samples nothing was fitted on tell. Costs one more calibration, fit and scoring, on models
-    with such inputs only. Leaves the state of the model kept, ``options.depthwise_scaling`` set
-    to what was decided (so the fallback's and the branches' quantizations follow it) and the
-    trial in ``state.choice["depthwise_scaling"]``.
+    samples nothing was fitted on tell. Costs one more calibration, fit and scoring (about
+    doubling the quantize time), so it is tried only where the recipe chosen scores below
+    :data:`~onnxq.simulate.checks.SQNR_FLOOR_DB` on the held-back batches, the floor below which
+    the check after quantizing warns about the model's accuracy (on the zoo, every model above
+    it on which the trial ran kept the unscaled model). Leaves the state of the model kept,
+    ``options.depthwise_scaling`` set to what was decided (so the fallback's and the branches'
+    quantizations follow it) and the trial in ``state.choice["depthwise_scaling"]``.
     """
 
     name = "depthwise-scaling"
@@ -160,6 +164,14 @@ class DepthwiseTrial:
         run_nested(state, self.core)
         if not why and not state.held_back:  # the choice found nothing to hold back
             why = "the recipe is not chosen on held-back batches, which would judge it"
+        if not why:
+            rows = {r["recipe"]: r for r in state.choice.get("candidates", [])}
+            level = rows.get(state.choice.get("chosen"), {}).get("sqnr_db")
+            if level is not None and level >= SQNR_FLOOR_DB:
+                why = (
+                    f"{level:.1f} dB output SQNR on the held-back batches, above the "
+                    f"{SQNR_FLOOR_DB:g} dB floor: not tried"
+                )
         if why or spare is None:
             state.options = replace(state.options, depthwise_scaling="off")
             return PassResult(f"off (auto: {why})")
