@@ -178,6 +178,10 @@ def latency_ms(model: onnx.ModelProto, held: list[Any]) -> float:
     return statistics.median(times)
 
 
+#: the options the first quantization settles for the trials after it
+FITTED = ("recipe", "method", "rounding", "bias_correction", "depthwise_scaling")
+
+
 def search(
     model: Any, data: Any, options: QuantizeOptions, quantize_branch: Any
 ) -> tuple[onnx.ModelProto, QuantizeReport]:
@@ -225,9 +229,11 @@ def search(
         return t
 
     first, state = run([])
-    base = settle(base, state.over_budget)  # the trials repeat the first one's budget plan
-    # and its depthwise scaling as its trial decided it (auto is not judged again)
-    base = replace(base, depthwise_scaling=state.options.depthwise_scaling)
+    # the trials repeat the first one's budget plan, the recipe it chose on held-back batches
+    # (written into its options by onnxq.passes.choose) and its depthwise scaling as decided:
+    # a trial differs from it in the groups returned to float, not in how the rest was fitted
+    chosen = {f: getattr(state.options, f) for f in FITTED}
+    base = settle(replace(base, **chosen), state.over_budget)
     trials.append(first)
     ranked = _ranked_groups(state, held, options.fallback)[:CANDIDATES] if first.drop > bar else []
     del state

@@ -262,3 +262,24 @@ def test_from_python_the_fallback_metric_may_be_a_function():
     _, report = onnxq.quantize(model, data, max_drop=0.5, metric=score, **KW)
     assert report.fallback["fp32"] == 1.0 and report.fallback["met"] and seen
     assert report.fallback["metric"].endswith("<locals>.score")
+
+
+def test_the_trials_are_fitted_with_the_recipe_the_first_run_chose(monkeypatch):
+    import onnxq.fallback as fallback
+
+    runs = []
+    real = fallback.run_passes
+
+    def spy(state, passes):
+        done = real(state, passes)
+        runs.append((state.options.recipe, done.choice.get("chosen")))
+        return done
+
+    monkeypatch.setattr(fallback, "run_passes", spy)
+    model, data = _fragile_mlp()
+    # 64 batches: the first run chooses its recipe on held-back ones; a bar no int8 model
+    # meets, so trials follow
+    onnxq.quantize(model, data, max_drop=0.0, **{**KW, "batch_size": 4})
+    (recipe, chosen), trials = runs[0], runs[1:]
+    assert recipe == "auto" and chosen and len(trials) > 1
+    assert {recipe for recipe, _ in trials} == {chosen}  # not auto's picks ("fixed")
