@@ -43,7 +43,7 @@ from __future__ import annotations
 import copy
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -315,11 +315,7 @@ class _Search:
 
     def _model(self, fitted: State) -> onnx.ModelProto:
         """The model ``fitted`` writes: the finishing passes on a copy of it."""
-        s = copy.copy(fitted)
-        for f in fields(State):  # the passes append to lists and fill dicts: their own ones
-            value = getattr(s, f.name)
-            if isinstance(value, list | dict):
-                setattr(s, f.name, copy.copy(value))
+        s = fitted.fork()
         for step in self.steps.finish:
             step.run(s)
         return s.proto()

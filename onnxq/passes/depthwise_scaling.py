@@ -26,7 +26,6 @@ fp32 (PP-OCRv4's: CER 0.86 → 3.55%): docs/ablation.md. With weights per tensor
 
 from __future__ import annotations
 
-import copy
 import time
 from collections.abc import Sequence
 from dataclasses import fields, replace
@@ -172,13 +171,13 @@ class DepthwiseTrial:
                     f"{level:.1f} dB output SQNR on the held-back batches, above the "
                     f"{SQNR_FLOOR_DB:g} dB floor: not tried"
                 )
+        # decided off unless the trial below keeps the rescaled model
+        state.options = replace(state.options, depthwise_scaling="off")
         if why or spare is None:
-            state.options = replace(state.options, depthwise_scaling="off")
             return PassResult(f"off (auto: {why})")
         start = time.perf_counter()
         trial = self._rescaled(state, spare)
         if trial is None:
-            state.options = replace(state.options, depthwise_scaling="off")
             return PassResult("off (auto: no depthwise input gained from a factor)")
         held = [feed for feed, _ in state.held_back]
         refs = [ref for _, ref in state.held_back]
@@ -219,10 +218,8 @@ class DepthwiseTrial:
             return "no depthwise input whose scale can be folded upstream"
         if not state.options.per_channel:
             return "weights per tensor: the filters cannot take 1/s"
-        if not choosing(state):
+        if not choosing(state):  # data read once only is never held back either
             return "the recipe is not chosen on held-back batches, which would judge it"
-        if not state.dataset.replayable:
-            return "the data can be read once only"
         return ""
 
     def _rescaled(self, state: State, spare: State) -> State | None:
@@ -243,11 +240,7 @@ class DepthwiseTrial:
 
 def _fork(state: State) -> State:
     """A copy of ``state`` before annotation, with its own float model and containers."""
-    spare = copy.copy(state)
-    for f in fields(State):
-        value = getattr(spare, f.name)
-        if isinstance(value, list | dict):
-            setattr(spare, f.name, copy.copy(value))
+    spare = state.fork()
     model = onnx.ModelProto()
     model.CopyFrom(state.float_model)
     spare.float_model = model

@@ -8,10 +8,11 @@ the report lists (``--report`` JSON and the summary).
 
 from __future__ import annotations
 
+import copy
 import time
 from collections import Counter
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, Protocol
 
 import onnx
@@ -133,6 +134,15 @@ class State:
     #: every read of the calibration data, in order: the pass, the batches it read and what
     #: for (:func:`record_read`); the report lists them
     data_reads: list[dict[str, Any]] = field(default_factory=list)
+
+    def fork(self) -> State:
+        """A shallow copy whose lists and dicts are its own (passes append to and fill them)."""
+        forked = copy.copy(self)
+        for f in fields(State):
+            value = getattr(forked, f.name)
+            if isinstance(value, list | dict):
+                setattr(forked, f.name, copy.copy(value))
+        return forked
 
     def proto(self) -> onnx.ModelProto:
         """The model being produced as a ModelProto: the graph exported, once, if it is one.
