@@ -67,11 +67,50 @@ def test_qparams_validates():
 
 
 def test_weight_params_symmetric_per_channel():
-    w = np.array([[1.0, -2.0], [0.5, 0.25]], np.float32)
+    w = np.array([[1.0, -2.3], [0.5, 0.3]], np.float32)
     qp = weight_params(w, axis=0)
-    np.testing.assert_allclose(qp.scale, [2 / 127, 0.5 / 127], rtol=1e-6)
+    np.testing.assert_allclose(qp.scale, [2.3 / 127, 0.5 / 127], rtol=1e-6)
     assert np.all(qp.zero_point == 0) and qp.zero_point.dtype == np.int8
     assert quantize(w, qp)[0, 1] == -127
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_weights_on_a_coarse_grid_keep_it_exactly(bits):
+    # YOLOv8's distribution-focal-loss Conv: weights 0..15; a ternary channel; a trained one
+    top = 2 ** (bits - 1) - 1
+    w = np.zeros((3, 16), np.float32)
+    w[0] = np.arange(16) if bits == 8 else np.arange(16) % 6
+    w[1] = 0.37 * rng(1).integers(-1, 2, 16)
+    w[2] = rng(2).normal(0, 1, 16)
+    qp = weight_params(w, axis=0, bits=bits)
+    back = dequantize(quantize(w, qp), qp)
+    np.testing.assert_array_equal(back[:2], w[:2])
+    assert np.max(np.abs(quantize(w, qp)[:2])) <= top
+    # the finest exact grid: 0..15 at 1/8 (0..120), not at 1 (0..15); the trained row as before
+    assert qp.scale[0] == (np.float32(1 / 8) if bits == 8 else np.float32(1.0))
+    assert qp.scale[2] == weight_params(w[2:], axis=0, bits=bits).scale[0]
+    np.testing.assert_allclose(qp.scale[2], np.abs(w[2]).max() / top, rtol=1e-6)
+
+
+def test_the_expectation_conv_of_a_yolo_head_is_written_with_exact_weights():
+    # Softmax over 16 bins → Conv with weights 0..15: the box edge as the bins' expectation
+    bins = np.arange(16, dtype=np.float32).reshape(1, 16, 1, 1)
+    nodes = [
+        h.make_node("Softmax", ["x"], ["p"], "soft", axis=1),
+        h.make_node("Conv", ["p", "W"], ["y"], "dfl"),
+    ]
+    model = make_model(nodes, [("x", ["N", 16, 4, 8])], [("y", None)], {"W": bins})
+    x = rng(5).normal(0, 2, (64, 16, 4, 8)).astype(np.float32)
+    q, _ = onnxq.quantize(model, {"x": x}, progress=False, rounding="nearest")
+    conv = next(n for n in q.graph.node if n.op_type == "QLinearConv")
+    inits = {t.name: onnx.numpy_helper.to_array(t) for t in q.graph.initializer}
+    w_q, w_s = inits[conv.input[3]], inits[conv.input[4]]
+    np.testing.assert_array_equal(w_q.astype(np.float32) * w_s.reshape(-1, 1, 1, 1), bins)
+    y_s = float(inits[conv.input[6]])
+    x_s = float(inits[conv.input[1]])
+    # onnxruntime's result: the output's rounding and the input's, nothing from the weights
+    err = np.abs(run(q, {"x": x[:8]})[0] - run(model, {"x": x[:8]})[0])
+    assert err.max() <= y_s / 2 + 0.5 * x_s * bins.sum() + 1e-5
 
 
 # observers ----------------------------------------------------------------------------------

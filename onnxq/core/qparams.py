@@ -187,8 +187,47 @@ def weight_params(
     if bits < 8:
         scale = np.maximum(np.asarray(absmax, np.float64) / (2 ** (bits - 1) - 1), MIN_SCALE)
         scale = np.where(scale > MIN_SCALE, scale, 1.0).astype(np.float32)
-        return QParams(scale, np.zeros(scale.shape, np.dtype(dtype)), axis if scale.ndim else None)
-    return params_from_range(-absmax, absmax, dtype, symmetric=True, axis=axis, narrow=narrow)
+        qp = QParams(scale, np.zeros(scale.shape, np.dtype(dtype)), axis if scale.ndim else None)
+        top = 2 ** (bits - 1) - 1
+    else:
+        qp = params_from_range(-absmax, absmax, dtype, symmetric=True, axis=axis, narrow=narrow)
+        top = qrange(dtype)[1]
+    if qrange(dtype)[0] >= 0 or not w.size:
+        return qp
+    rows = w.reshape(1, -1) if axis is None else np.moveaxis(w, axis, 0).reshape(w.shape[axis], -1)
+    exact = grid_scales(rows, np.asarray(absmax, np.float64).reshape(-1), top)
+    if exact is None:
+        return qp
+    scale = np.where(np.isnan(exact), qp.scale.reshape(-1), exact).astype(np.float32)
+    return QParams(scale.reshape(qp.scale.shape), qp.zero_point, qp.axis)
+
+
+def grid_scales(rows: np.ndarray, absmax: np.ndarray, top: int) -> np.ndarray | None:
+    """Per row: the finest scale that holds every value exactly in [-top, top], else NaN.
+
+    A weight already on a coarse grid keeps it: YOLOv8's distribution-focal-loss head is a
+    Conv with weights 0, 1, ..., 15 (the expectation over 16 bins); ``max|W| / 127`` puts 1 at
+    8.47 steps, rounded to 8 (0.945), and every box edge moved with it. Values that are whole
+    multiples ``k·d`` of their smallest nonzero magnitude ``d``, with ``max k <= top``, are exact
+    at scale ``d / floor(top / max k)``. None when no row is (the scale of the range stands).
+    Trained weights are never on such a grid (their smallest magnitude is far below max/127),
+    so one pass finds the smallest magnitudes and the rest is done only for rows that can be.
+    """
+    smallest = np.empty(rows.shape[0])
+    for part, _ in row_slices(rows, QUANTIZE_CHUNK):
+        a = np.abs(rows[part])
+        smallest[part] = np.min(np.where(a > 0, a, np.inf), axis=1)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        steps = absmax / smallest
+    candidates = np.flatnonzero(np.isfinite(smallest) & (np.round(steps) <= top))
+    if not candidates.size:
+        return None
+    out = np.full(rows.shape[0], np.nan)
+    for i in candidates:
+        k = np.abs(rows[i].astype(np.float64)) / smallest[i]
+        if np.all(np.abs(k - np.round(k)) <= 1e-6 * np.maximum(k, 1.0)):
+            out[i] = smallest[i] / (top // round(steps[i]))
+    return None if np.all(np.isnan(out)) else out
 
 
 def accumulation_bound(
