@@ -30,7 +30,7 @@ import onnx_graphsurgeon as gs
 
 from onnxq.annotate.config import most_specific
 from onnxq.annotate.explain import explain
-from onnxq.annotate.placement import attention_masks
+from onnxq.annotate.placement import attention_masks, expectations
 from onnxq.core.errors import ConfigError, QuantizationError
 from onnxq.core.specs import (
     BiasDerivation,
@@ -260,7 +260,7 @@ class Quantizer:
         if self.config.user is not None:
             self._resolve_user(graph, kept)
         #: nodes the graph itself keeps float (onnxq.annotate.placement), and why
-        placed = {**attention_masks(graph), **(kept_float or {})}
+        placed = {**attention_masks(graph), **expectations(graph), **(kept_float or {})}
         self.placement = {n: w for n, w in placed.items() if n not in kept}
         kept.update(self.placement)
         part = self._annotate(graph, excluded, kept)
