@@ -24,8 +24,9 @@ focal loss head turns 16 bin probabilities into one box edge with weights 0, 1, 
 integral (soft-argmax) regression heads do the same for keypoints. Its result is a coordinate
 that only float box arithmetic reads; int8 would round it to 1/255 of its range (on a
 YOLOv8n detector, box IoU with fp32 96.90% with it rounded, 97.69% float). It stays float,
-and with it the Softmax (no quantized op reads it then); it costs one multiply-add per bin and
-position.
+and with it the Softmax (no quantized op reads it then): one multiply-add per bin and
+position, and onnxruntime's float Softmax over the bins' axis (0.6 ms more than its int8 one
+on that detector, 10.5 ms in all at batch 1 on one thread).
 """
 
 from __future__ import annotations
