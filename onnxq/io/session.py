@@ -210,8 +210,8 @@ def resident_bytes() -> int | None:
         return None
 
 
-def trim_heap_if_grown(since: int | None) -> int | None:
-    """:func:`trim_heap` when the resident memory grew by :data:`TRIM_GROWTH` past ``since``.
+def trim_heap_if_grown(since: int | None, growth: int = TRIM_GROWTH) -> int | None:
+    """:func:`trim_heap` when the resident memory grew by ``growth`` bytes past ``since``.
 
     For a loop that frees much on every round (the sequential correction's pieces, each with a
     session of its own): glibc keeps what a round freed, the next rounds start from there and
@@ -224,7 +224,7 @@ def trim_heap_if_grown(since: int | None) -> int | None:
         return None
     if since is None:
         return now
-    if now > since + TRIM_GROWTH:
+    if now > since + growth:
         trim_heap()
         return resident_bytes()
     return since
