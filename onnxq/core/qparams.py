@@ -179,11 +179,12 @@ def weight_params(
     w = np.asarray(weight, dtype=np.float32)
     if not np.all(np.isfinite(w)):
         raise CalibrationError("weight holds NaN or Inf values; fix the model before quantizing")
+    # one row per channel (per tensor: one row), read for the range and for an exact grid
+    rows = w.reshape(1, -1) if axis is None else np.moveaxis(w, axis, 0).reshape(w.shape[axis], -1)
     if axis is None:
         absmax = np.asarray(np.max(np.abs(w)) if w.size else 0.0)
     else:
-        moved = np.moveaxis(w, axis, 0).reshape(w.shape[axis], -1)
-        absmax = np.max(np.abs(moved), axis=1) if moved.size else np.zeros(w.shape[axis])
+        absmax = np.max(np.abs(rows), axis=1) if rows.size else np.zeros(w.shape[axis])
     if bits < 8:
         scale = np.maximum(np.asarray(absmax, np.float64) / (2 ** (bits - 1) - 1), MIN_SCALE)
         scale = np.where(scale > MIN_SCALE, scale, 1.0).astype(np.float32)
@@ -194,7 +195,6 @@ def weight_params(
         top = qrange(dtype)[1]
     if qrange(dtype)[0] >= 0 or not w.size:
         return qp
-    rows = w.reshape(1, -1) if axis is None else np.moveaxis(w, axis, 0).reshape(w.shape[axis], -1)
     exact = grid_scales(rows, np.asarray(absmax, np.float64).reshape(-1), top)
     if exact is None:
         return qp
@@ -205,9 +205,9 @@ def weight_params(
 def grid_scales(rows: np.ndarray, absmax: np.ndarray, top: int) -> np.ndarray | None:
     """Per row: the finest scale that holds every value exactly in [-top, top], else NaN.
 
-    A weight already on a coarse grid keeps it: YOLOv8's distribution-focal-loss head is a
-    Conv with weights 0, 1, ..., 15 (the expectation over 16 bins); ``max|W| / 127`` puts 1 at
-    8.47 steps, rounded to 8 (0.945), and every box edge moved with it. Values that are whole
+    A weight already on a coarse grid keeps it: for weights 0, 1, ..., 15 (the expectation
+    over 16 bins of YOLOv8's box head, where it is quantized) ``max|W| / 127`` puts 1 at 8.47
+    steps, rounded to 8 (0.945), and every box edge moved with it. Values that are whole
     multiples ``k·d`` of their smallest nonzero magnitude ``d``, with ``max k <= top``, are exact
     at scale ``d / floor(top / max k)``. None when no row is (the scale of the range stands).
     Trained weights are never on such a grid (their smallest magnitude is far below max/127),

@@ -247,7 +247,7 @@ class _Search:
         judge = (
             f"by {self.metric_name}"
             if self.metric is not None
-            else f"on {sum(map(feed_samples, self.held))} held-back samples"
+            else f"on {state.choice['held_back_samples']} held-back samples"
         )
         if chosen is auto:
             return PassResult(

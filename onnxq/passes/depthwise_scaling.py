@@ -118,6 +118,10 @@ def _ranges(
     return lo, hi
 
 
+#: why the trial is not run where nothing is held back
+NOT_JUDGED = "the recipe is not chosen on held-back batches, which would judge it"
+
+
 class Fitter(Protocol):
     """What fits one recipe on a calibrated state (onnxq.passes.choose.Choose)."""
 
@@ -162,7 +166,7 @@ class DepthwiseTrial:
         spare = None if why else _fork(state)
         run_nested(state, self.core)
         if not why and not state.held_back:  # the choice found nothing to hold back
-            why = "the recipe is not chosen on held-back batches, which would judge it"
+            why = NOT_JUDGED
         if not why:
             rows = {r["recipe"]: r for r in state.choice.get("candidates", [])}
             level = rows.get(state.choice.get("chosen"), {}).get("sqnr_db")
@@ -219,7 +223,7 @@ class DepthwiseTrial:
         if not state.options.per_channel:
             return "weights per tensor: the filters cannot take 1/s"
         if not choosing(state):  # data read once only is never held back either
-            return "the recipe is not chosen on held-back batches, which would judge it"
+            return NOT_JUDGED
         return ""
 
     def _rescaled(self, state: State, spare: State) -> State | None:
