@@ -609,6 +609,27 @@ def test_hessian_rows_are_bounded_and_spread_over_the_batches():
     assert 100 <= patches.shape[2] <= 260  # a grid of positions near the cap, both samples
 
 
+def test_batches_of_unknown_number_give_rows_until_the_layer_has_its_total():
+    # 288 inputs (32 channels, 3 × 3) at 14 × 14: 196 rows a sample. One batch of 8 known to be
+    # the only one, or 8 batches of one sample from a source of unknown length: the same rows
+    # (every position of every sample), the same Hessian. Counted as row_cap() rows a batch,
+    # the unknown source stopped after 4 samples.
+    conv = ConvShape((3, 3), (1, 1), (1, 1), (1, 1, 1, 1), 1)
+    x = rng(13).normal(0, 1, (8, 32, 14, 14)).astype(np.float32)
+    known = HessianObserver(conv, groups=1, inputs=288, batches=1)
+    known.observe(x, index=0, block=0)
+    unknown = HessianObserver(conv, groups=1, inputs=288)
+    for i in range(8):
+        unknown.observe(x[i : i + 1], index=i, block=0)
+    np.testing.assert_allclose(unknown.hessian(), known.hessian(), rtol=1e-6)
+    assert unknown.rows == known.rows == 8 * 196
+    few = HessianObserver(conv, groups=1, inputs=288)  # still stops once it has its total
+    for i in range(200):
+        few.observe(x[i % 8 : i % 8 + 1], index=i, block=i)
+    assert few.hessian() is not None
+    assert few.total <= few.rows < few.total + 196
+
+
 @pytest.mark.parametrize("source", ["arrays", "folder"])
 def test_a_hessian_too_few_rows_could_fill_is_never_gathered(tmp_path, monkeypatch, source):
     """A 0.9 MB CNN with an 8,192-input classifier took 3.3 GB: the classifier's Hessian was
