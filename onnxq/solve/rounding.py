@@ -253,12 +253,8 @@ class ConvShape:
 
 
 #: multiply-adds one layer's Hessian may cost (G·K² per row), and rows per weight input: they
-#: bound the rows it takes in all. 2^31 (6,472 rows for 576 inputs, the floor of 2K rows from
-#: 1,152 inputs on) took YOLOv8n's products from 355 to 169 GFLOP and its whole quantize from
-#: 11.8 to 10.1 s, its metrics and those of eight more zoo models within their noise of 2^32;
-#: 2^30 saved little more (158 GFLOP) and cost the seal detector 3 points of mask IoU and the
-#: recognizers 0.1 point of CER
-MAC_BUDGET = 1 << 31
+#: bound the rows it takes in all
+MAC_BUDGET = 1 << 32
 ROWS_PER_INPUT_TOTAL = 256
 ROWS_PER_INPUT_GROUPED = 32
 #: rows one batch gives a Hessian when the number of batches is unknown: ROWS_PER_INPUT per
