@@ -567,7 +567,7 @@ class HessianObserver:
         #: the number of batches is not known: every batch gives rows (up to ``per_batch``)
         #: until the layer has ``total``, however few a batch holds (batches of one sample
         #: gave a 14 × 14 layer 196 rows each, counted as 4,096)
-        self.counted = not batches
+        self.by_rows = not batches
         self._gathered = 0
         self.sum = PairSum()
         self.rows = 0
@@ -597,7 +597,7 @@ class HessianObserver:
         if block != self._block:
             self._flush()
             self._block = block
-        if self._gathered >= self.total if self.counted else index >= self.batches_used:
+        if self._has_rows(index):
             return
         x = np.asarray(x, np.float32)
         if self.conv is None:
@@ -613,9 +613,15 @@ class HessianObserver:
         # the batch that gives the last rows multiplies them now, not when the Hessian is
         # taken: the same product (nothing joins it), without every layer's buffer held to
         # the end of the stream (95 MB on a YOLOv8n at 320 px)
-        last = self._gathered >= self.total if self.counted else index == self.batches_used - 1
+        last = self._has_rows(index + 1)
         if last or self._pending_rows >= FLUSH_ROWS or self._pending_bytes >= FLUSH_BYTES:
             self._product()
+
+    def _has_rows(self, index: int) -> bool:
+        """Whether the layer needs no rows from batch ``index`` (its rows are all in)."""
+        if self.by_rows:
+            return self._gathered >= self.total
+        return index >= self.batches_used
 
     @property
     def pending_bytes(self) -> int:
