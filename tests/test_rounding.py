@@ -158,28 +158,48 @@ def test_same_pads_follow_each_input_size_as_onnxruntime_pads(
         ((3,), (2,), (1,), (1, 1), 3, (90,)),  # 1-D
     ],
 )
-def test_sparse_patches_are_the_dense_patches_on_the_grid(
+def test_sparse_patches_are_the_dense_patches_at_the_spread_positions(
     kernel, strides, dilations, pads, group, size
 ):
-    # a cap that keeps a sparse grid takes the gather path; it must hold the same values in
-    # the same order as every position's patches cut down to that grid (sign of zero too)
+    # a cap that keeps few positions takes the gather path; it must hold the same values in
+    # the same order as every position's patches cut down to those positions (sign of zero)
+    from onnxq.solve.rounding import spread_positions
+
     x = rng(11).normal(0, 1, (1, 6, *size)).astype(np.float32)
     conv = ConvShape(kernel, strides, dilations, pads, group)
     full = conv_patches(x, conv, cap=10**9)
-    out = [
-        (size[i] + pads[i] + pads[len(size) + i] - (kernel[i] - 1) * dilations[i] - 1) // strides[i]
-        + 1
-        for i in range(len(size))
-    ]
-    cap = max(1, int(np.prod(out)) // 30)
-    step = int(np.ceil((np.prod(out) / cap) ** (1 / len(size))))
-    grid = full.reshape(group, full.shape[1], *out)[
-        (Ellipsis, *[slice(None, None, step)] * len(size))
-    ]
+    cap = max(1, full.shape[2] // 30)
+    want = full[:, :, spread_positions(full.shape[2], cap)]
     sparse = conv_patches(x, conv, cap=cap)
-    assert step > 1 and sparse.shape == (group, full.shape[1], grid[0, 0].size)
-    np.testing.assert_array_equal(sparse, grid.reshape(sparse.shape))
+    assert sparse.shape == want.shape == (group, full.shape[1], cap)
+    np.testing.assert_array_equal(sparse, want)
     assert not np.signbit(sparse[sparse == 0]).any()
+
+
+def test_a_batch_gives_its_share_of_rows_not_a_coarser_grid():
+    """A regular grid of every s-th position each way kept a quarter of a layer's positions
+    where its share was just under all of them (83 of 100 at 10 x 10: 25 rows), and the
+    layer was then left unrounded for too few rows. Every share is kept exactly, spread over
+    the map, whichever way the patches are cut."""
+    for kernel, pads in [((3, 3), (1, 1, 1, 1)), ((1, 1), (0, 0, 0, 0))]:
+        conv = ConvShape(kernel, (1, 1), (1, 1), pads, 1)
+        x = rng(14).normal(0, 1, (1, 8, 10, 10)).astype(np.float32)
+        full = conv_patches(x, conv, cap=100)
+        for cap in (99, 83, 51, 50, 26, 7, 1):
+            got = conv_patches(x, conv, cap=cap)
+            assert got.shape[2] == cap
+            cols = {tuple(col) for col in full[0].T}
+            assert all(tuple(col) in cols for col in got[0].T)  # real windows, none twice
+            assert len({tuple(col) for col in got[0].T}) == cap
+    # more samples than rows: a row from each of every other sample
+    conv = ConvShape((3, 3), (1, 1), (1, 1), (1, 1, 1, 1), 1)
+    x = rng(15).normal(0, 1, (10, 2, 6, 6)).astype(np.float32)
+    assert conv_patches(x, conv, cap=5).shape[2] == 5
+    # the positions reach across the map, not its first rows
+    at = np.unravel_index(
+        __import__("onnxq.solve.rounding", fromlist=["x"]).spread_positions(100, 25), (10, 10)
+    )
+    assert set(at[0]) == set(range(10)) and len(set(at[1])) >= 4
 
 
 @pytest.mark.parametrize(
@@ -203,16 +223,15 @@ def test_gathered_and_pointwise_patches_are_the_windows_copy_in_its_layout(
 
     x = rng(12).normal(0, 1, (n, c, *size)).astype(np.float32)
     conv = ConvShape(kernel, strides, (1,) * len(kernel), pads, group)
-    out = [
+    out = tuple(
         (size[i] + pads[i] + pads[len(size) + i] - kernel[i]) // strides[i] + 1
         for i in range(len(size))
-    ]
+    )
     positions = int(np.prod(out))
-    step = 1 if n * positions <= cap else int(np.ceil((n * positions / cap) ** (1 / len(size))))
-    kept = int(np.prod([-(-o // step) for o in out]))
-    every = 1 if n * positions <= cap else max(1, -(-n * kept // cap))
+    every = 1 if n * positions <= cap else max(1, -(-n // cap))
+    kept = positions if n * positions <= cap else min(positions, -(-cap // len(x[::every])))
     got = conv_patches(x, conv, cap)
-    want = _window_patches(x[::every], conv, step)
+    want = _window_patches(x[::every], conv, out, kept)
     np.testing.assert_array_equal(got, want)
     assert got.strides == want.strides
 

@@ -254,7 +254,7 @@ class ConvShape:
 
 #: multiply-adds one layer's Hessian may cost (G·K² per row), and rows per weight input: they
 #: bound the rows it takes in all
-MAC_BUDGET = 1 << 32
+MAC_BUDGET = 1 << 31
 ROWS_PER_INPUT_TOTAL = 256
 ROWS_PER_INPUT_GROUPED = 32
 #: rows one batch gives a Hessian when the number of batches is unknown: ROWS_PER_INPUT per
@@ -289,14 +289,18 @@ def total_rows(groups: int, k: int) -> int:
 def conv_patches(x: np.ndarray, conv: ConvShape, cap: int) -> np.ndarray:
     """The input patches a Conv reads, ``(G, C/G · prod(kernel), rows)`` in its weight's order.
 
-    At most about ``cap`` output positions: a regular grid over space (and samples). Three
-    ways to cut them, all giving the same values: a grid reading under half the input, or of
-    few positions per sample, is gathered through index arrays (:func:`_sparse_patches`); a
-    1×1 unpadded kernel reads its input as it is (a strided view); the rest is a strided
-    copy of sliding windows over the padded input. Per call on 2 cores: EfficientNet-Lite's
-    5×5 depthwise layers at 8×8 with 4 rows a sample took 740 µs as windows, 220 µs gathered;
-    a 3×3 layer of 64 channels keeping all 1,600 positions of 40×40 took 420 µs as windows,
-    2,500 µs gathered.
+    About ``cap`` rows (output positions) when the batch has more: the same positions of
+    every sample, spread evenly over each sample's positions in raster order
+    (:func:`spread_positions`), and every ``ceil(N / cap)``-th sample when there are more
+    samples than rows. A regular grid of every s-th position in each direction kept a
+    quarter of a 2-D layer's positions where the share was just under all of them (83 of
+    100 at 10×10 gave 25). Three ways to cut them, all giving the same values: few
+    positions, or positions reading under half the input, are gathered through index arrays
+    (:func:`_sparse_patches`); a 1×1 unpadded kernel reads its input as it is (a strided
+    view); the rest is a strided copy of sliding windows over the padded input. Per call on
+    2 cores: EfficientNet-Lite's 5×5 depthwise layers at 8×8 with 4 rows a sample took
+    740 µs as windows, 220 µs gathered; a 3×3 layer of 64 channels keeping all 1,600
+    positions of 40×40 took 420 µs as windows, 2,500 µs gathered.
     """
     x = np.asarray(x)
     n = x.shape[0]
@@ -309,30 +313,44 @@ def conv_patches(x: np.ndarray, conv: ConvShape, cap: int) -> np.ndarray:
         for i in range(spatial)
     )
     positions = math.prod(out_shape)
-    step, every = 1, 1
-    if n * positions > cap:  # a regular grid of positions, then of samples
-        step = math.ceil((n * positions / cap) ** (1 / spatial))
-    kept = math.prod(-(-o // step) for o in out_shape)
-    if n * positions > cap:
-        every = max(1, -(-n * kept // cap))
-    # the samples are chosen before padding: padding the whole batch copied all of it (a
-    # depthwise layer's 16 × 144 × 120 × 120 input for 36 positions of each sample)
-    x = x[::every]
-    read = math.prod(k * -(-o // step) for k, o in zip(conv.kernel, out_shape, strict=True))
-    if step > 1 and read * 2 < math.prod(x.shape[2:]):
-        return _sparse_patches(x, conv, out_shape, step)
+    kept = positions
+    if n * positions > max(cap, 1):
+        # the samples are chosen before padding: padding the whole batch copied all of it (a
+        # depthwise layer's 16 × 144 × 120 × 120 input for 36 positions of each sample)
+        x = x[:: max(1, -(-n // max(cap, 1)))]
+        kept = min(positions, -(-max(cap, 1) // x.shape[0]))
+    read = math.prod(conv.kernel) * kept
     # The Hessian's float32 product takes its bits from the rows' memory layout too (numpy's
-    # matmul picks its kernel by strides): the two ways below give C order, as the windows'
+    # matmul picks its kernel by strides): every way below gives C order, as the windows'
     # copy does for these layers (one position a sample can be a view of the input in another
     # order: left to the windows), so the Hessians keep their bits.
+    if kept < positions and read * 2 < math.prod(x.shape[2:]):
+        return _sparse_patches(x, conv, out_shape, kept)
     if all(k == 1 for k in conv.kernel) and not any(begin) and not any(end):
-        return _pointwise_patches(x, conv, step)
+        return _pointwise_patches(x, conv, out_shape, kept)
     if 1 < kept <= SPARSE_POSITIONS:
-        return np.ascontiguousarray(_sparse_patches(x, conv, out_shape, step))
-    return _window_patches(x, conv, step)
+        return np.ascontiguousarray(_sparse_patches(x, conv, out_shape, kept))
+    return _window_patches(x, conv, out_shape, kept)
 
 
-def _window_patches(x: np.ndarray, conv: ConvShape, step: int) -> np.ndarray:
+@functools.lru_cache(maxsize=256)
+def spread_positions(positions: int, kept: int) -> np.ndarray:
+    """``kept`` of ``positions`` flat output positions, evenly spread, in increasing order.
+
+    The middle of each of ``kept`` equal runs of the raster order: all of them when ``kept``
+    is ``positions``, every other one at half, and no two the same.
+    """
+    if kept >= positions:
+        out = np.arange(positions)
+    else:
+        out = (2 * np.arange(kept) + 1) * positions // (2 * kept)
+    out.setflags(write=False)
+    return out
+
+
+def _window_patches(
+    x: np.ndarray, conv: ConvShape, out_shape: tuple[int, ...], kept: int
+) -> np.ndarray:
     """:func:`conv_patches` as a copy of the sliding windows over the padded input."""
     c = x.shape[1]
     spatial = len(conv.kernel)
@@ -345,38 +363,46 @@ def _window_patches(x: np.ndarray, conv: ConvShape, step: int) -> np.ndarray:
     win = win[(slice(None), slice(None), *(slice(None, None, s) for s in conv.strides))]
     dilated: tuple[Any, ...] = (Ellipsis, *(slice(None, None, d) for d in conv.dilations))
     win = win[dilated]
-    if step > 1:
-        win = win[(slice(None), slice(None), *(slice(None, None, step),) * spatial)]
     order = (1, *range(2 + spatial, 2 + 2 * spatial), 0, *range(2, 2 + spatial))
     patches = win.transpose(order)  # (C, *kernel, N, *out): positions innermost, as stored
+    positions = math.prod(out_shape)
+    if kept < positions:  # the kept windows, (C, *kernel, N, kept), in C order
+        at = np.unravel_index(spread_positions(positions, kept), out_shape)
+        patches = np.ascontiguousarray(patches[(Ellipsis, *at)])
     k = c // conv.group * int(np.prod(conv.kernel))
     return patches.reshape(conv.group, k, -1)
 
 
-def _pointwise_patches(x: np.ndarray, conv: ConvShape, step: int) -> np.ndarray:
-    """:func:`conv_patches` of a 1×1 kernel without padding: every ``step``-th output position.
+def _pointwise_patches(
+    x: np.ndarray, conv: ConvShape, out_shape: tuple[int, ...], kept: int
+) -> np.ndarray:
+    """:func:`conv_patches` of a 1×1 kernel without padding, at ``kept`` spread positions.
 
-    Output position ``o`` reads input ``o · stride`` alone, so the grid is a strided slice of
-    the input (a view when nothing is skipped and the batch holds one sample).
+    Output position ``o`` reads input ``o · stride`` alone, so the rows are a strided slice of
+    the input (a view when every position is kept and the batch holds one sample).
     """
     n, c = x.shape[:2]
-    x = x[(slice(None), slice(None), *(slice(None, None, s * step) for s in conv.strides))]
-    return x.reshape(n, c, -1).transpose(1, 0, 2).reshape(conv.group, c // conv.group, -1)
+    x = x[(slice(None), slice(None), *(slice(None, None, s) for s in conv.strides))]
+    x = x.reshape(n, c, -1)
+    positions = math.prod(out_shape)
+    if kept < positions:
+        x = x[:, :, spread_positions(positions, kept)]
+    return x.transpose(1, 0, 2).reshape(conv.group, c // conv.group, -1)
 
 
 def _sparse_patches(
-    x: np.ndarray, conv: ConvShape, out_shape: tuple[int, ...], step: int
+    x: np.ndarray, conv: ConvShape, out_shape: tuple[int, ...], kept: int
 ) -> np.ndarray:
-    """:func:`conv_patches` on a grid of every ``step``-th output position, without padding.
+    """:func:`conv_patches` at ``kept`` spread output positions, without padding the input.
 
     One gather of the input positions the kept windows read (``kernel × kept`` of them,
-    padding as zeros), through index arrays made once per layer shape: a sparse grid over a
-    large input copies a fraction of it, and a batch of one sample costs a few numpy calls.
+    padding as zeros), through index arrays made once per layer shape: a few positions of a
+    large input copy a fraction of it, and a batch of one sample costs a few numpy calls.
     Calibration asks every layer for a few rows of each batch when the data's size is known:
     MobileNetV2's 1×1 layers took 81 µs a call with a gather per axis, 14 µs now.
     """
     n, c = x.shape[:2]
-    flat, outside = _gather_index(x.shape[2:], conv, out_shape, step)
+    flat, outside = _gather_index(x.shape[2:], conv, out_shape, kept)
     taken = x.reshape(n, c, -1)[:, :, flat]  # (N, C, K·O): kernel offset, then position
     if outside is not None:
         taken = np.where(outside, np.float32(0), taken)
@@ -388,24 +414,25 @@ def _sparse_patches(
 
 @functools.lru_cache(maxsize=256)
 def _gather_index(
-    shape: tuple[int, ...], conv: ConvShape, out_shape: tuple[int, ...], step: int
+    shape: tuple[int, ...], conv: ConvShape, out_shape: tuple[int, ...], kept: int
 ) -> tuple[np.ndarray, np.ndarray | None]:
     """Flat input indices ``(K·O,)`` of the kept windows and where they fall in the padding.
 
     ``K`` runs over the kernel offsets (first axis slowest), ``O`` over the kept output
-    positions (the same); indices in the padding point at the nearest edge and are zeroed by
-    the mask (None: the windows stay inside).
+    positions (:func:`spread_positions`, in raster order); indices in the padding point at
+    the nearest edge and are zeroed by the mask (None: the windows stay inside).
     """
     spatial = len(conv.kernel)
+    at = np.unravel_index(spread_positions(math.prod(out_shape), kept), out_shape)
     inside: np.ndarray = np.ones((), bool)
     flat: np.ndarray = np.zeros((), np.intp)
     for i in range(spatial):
-        starts = np.arange(0, out_shape[i], step) * conv.strides[i] - conv.pads[i]
+        starts = at[i] * conv.strides[i] - conv.pads[i]
         idx = (np.arange(conv.kernel[i]) * conv.dilations[i])[:, None] + starts[None, :]
-        # axis i's (kernel_i, kept_i) positions, placed to broadcast to (k1, .., kS, o1, .., oS)
-        at = [1] * (2 * spatial)
-        at[i], at[spatial + i] = idx.shape
-        idx = idx.reshape(at)
+        # axis i's (kernel_i, kept) positions, placed to broadcast to (k1, .., kS, kept)
+        place = [1] * (spatial + 1)
+        place[i], place[spatial] = idx.shape
+        idx = idx.reshape(place)
         inside = inside & (idx >= 0) & (idx < shape[i])
         flat = flat * shape[i] + np.clip(idx, 0, shape[i] - 1)
     flat = flat.reshape(-1)
@@ -543,7 +570,7 @@ class HessianObserver:
     ``groups`` × ``inputs``: the Hessian's shape (G, K); ``batches``: how many batches the data
     has, when known. The layer takes about :func:`total_rows` rows in all, spread evenly over
     the batches (else up to :func:`row_cap` from each of the first batches until it has them).
-    Each batch gives its rows from itself alone (a regular grid of its positions); rows are
+    Each batch gives its rows from itself alone (positions spread evenly over each sample); rows are
     buffered within a block of batches up to :data:`FLUSH_BYTES` or :data:`FLUSH_ROWS` (and
     sooner when all layers' buffers pass onnxq.calibrate.statistics.PENDING_BYTES) and
     multiplied as one float32 product per group (relative error ~1e-7), the block's products
