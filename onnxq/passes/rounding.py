@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from onnxq.core.qparams import qrange
+from onnxq.io.cores import CoreShare
 from onnxq.match.dfpattern import node_attr
 from onnxq.passes.defaults import runs
 from onnxq.passes.manager import PassResult, State, release
@@ -221,6 +222,11 @@ class WeightRounding:
                 return PassResult("off (ranges loaded: no calibration data streamed)")
             return PassResult("no Conv/Gemm/MatMul with a constant weight to round")
         done = 0
+        # the factorizations' BLAS on the cores other processes leave free, asked per layer
+        # (the same bits on any number of threads: tests/test_rounding.py)
+        from threadpoolctl import ThreadpoolController
+
+        blas, share = ThreadpoolController(), CoreShare()
         for name, (layer, obs) in state.hessians.items():
             h = obs.hessian()
             obs.release()  # its sums are in ``h`` now: one K×K float64 array, not three
@@ -240,7 +246,8 @@ class WeightRounding:
             w = np.asarray(state.quantizer.float_value(layer.weight), np.float64)
             rows = _as_rows(w, layer)
             grid = _grid(state, layer, rows)
-            result = round_weight(rows, h, grid)
+            with blas.limit(limits=share.free(), user_api="blas"):
+                result = round_weight(rows, h, grid)
             rounded = _from_rows(grid.value(result.q), w, layer).astype(np.float32)
             state.constants[layer.weight] = rounded
             state.rounding[name] = {
