@@ -15,8 +15,19 @@ import onnx
 
 from onnxq.core.errors import ModelError
 from onnxq.io import graph
+from onnxq.io.cores import CoreShare
 from onnxq.io.graph import serialize
 from onnxq.io.hostcheck import PRECISE_OPTION, u8s8_saturates
+
+_SHARE: CoreShare | None = None
+
+
+def _free_cores() -> int:
+    """The cores other processes leave this one now (:class:`onnxq.io.cores.CoreShare`)."""
+    global _SHARE
+    if _SHARE is None:
+        _SHARE = CoreShare()
+    return _SHARE.free()
 
 
 def make_session(
@@ -30,7 +41,12 @@ def make_session(
     weights: Mapping[str, np.ndarray] | None = None,
     arena: bool = True,
 ) -> Any:
-    """An onnxruntime CPU InferenceSession for ``model`` (``threads`` 0 = onnxruntime's choice).
+    """An onnxruntime CPU InferenceSession for ``model``.
+
+    ``threads`` 0: as many intra-op threads as other processes leave cores free when the
+    session is built (onnxq.io.cores; onnxruntime's pool spins while it waits, and a pool of
+    every core on a machine where another job holds one took the sequential bias correction
+    of nudenet_320n 2.97 s against 2.33 s). Its results are the same bits on any number.
 
     ``weights``: the values of the initializers ``model`` holds as in-memory stubs
     (onnxq.io.graph.split_weights), handed to onnxruntime as arrays.
@@ -72,7 +88,7 @@ def make_session(
         opts.log_severity_level = 4 if precise else 3
         if precise:
             opts.add_session_config_entry(PRECISE_OPTION, "1")
-        opts.intra_op_num_threads = threads
+        opts.intra_op_num_threads = threads or _free_cores()
         opts.inter_op_num_threads = 1
         if not spin:
             opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
