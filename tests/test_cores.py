@@ -78,3 +78,19 @@ def test_rounding_gives_the_same_bits_on_one_blas_thread_as_on_all():
         two = round_weight(w, h, grid)
     np.testing.assert_array_equal(one.q, two.q)
     assert one.error == two.error
+
+
+def test_a_session_without_a_thread_count_takes_the_free_cores(monkeypatch):
+    from helpers import make_model
+    from onnx import helper as h
+
+    from onnxq.io import session
+
+    class OneFree:
+        def free(self) -> int:
+            return 1
+
+    model = make_model([h.make_node("Relu", ["x"], ["y"])], [("x", [1, 4])], [("y", None)], {})
+    monkeypatch.setattr(session, "_SHARE", OneFree())
+    assert session.make_session(model).get_session_options().intra_op_num_threads == 1
+    assert session.make_session(model, threads=2).get_session_options().intra_op_num_threads == 2
