@@ -116,6 +116,7 @@ def test_the_sequential_estimate_counts_only_the_samples_it_runs(monkeypatch):
 
 def test_data_of_unknown_length_runs_every_default_and_says_why():
     path, calib = _digits(8)
+
     # one-shot data cannot be read again: the sequential correction falls back to fast
     def feeds():
         return iter([{"input": calib["input"][i : i + 1]} for i in range(8)])

@@ -181,6 +181,8 @@ def test_a_batch_gives_its_share_of_rows_not_a_coarser_grid():
     where its share was just under all of them (83 of 100 at 10 x 10: 25 rows), and the
     layer was then left unrounded for too few rows. Every share is kept exactly, spread over
     the map, whichever way the patches are cut."""
+    from onnxq.solve.rounding import spread_positions
+
     for kernel, pads in [((3, 3), (1, 1, 1, 1)), ((1, 1), (0, 0, 0, 0))]:
         conv = ConvShape(kernel, (1, 1), (1, 1), pads, 1)
         x = rng(14).normal(0, 1, (1, 8, 10, 10)).astype(np.float32)
@@ -196,9 +198,7 @@ def test_a_batch_gives_its_share_of_rows_not_a_coarser_grid():
     x = rng(15).normal(0, 1, (10, 2, 6, 6)).astype(np.float32)
     assert conv_patches(x, conv, cap=5).shape[2] == 5
     # the positions reach across the map, not its first rows
-    at = np.unravel_index(
-        __import__("onnxq.solve.rounding", fromlist=["x"]).spread_positions(100, 25), (10, 10)
-    )
+    at = np.unravel_index(spread_positions(100, 25), (10, 10))
     assert set(at[0]) == set(range(10)) and len(set(at[1])) >= 4
 
 
