@@ -87,10 +87,27 @@ def test_a_session_without_a_thread_count_takes_the_free_cores(monkeypatch):
     from onnxq.io import session
 
     class OneFree:
-        def free(self) -> int:
+        def threads(self) -> int:
             return 1
 
     model = make_model([h.make_node("Relu", ["x"], ["y"])], [("x", [1, 4])], [("y", None)], {})
     monkeypatch.setattr(session, "_SHARE", OneFree())
     assert session.make_session(model).get_session_options().intra_op_num_threads == 1
     assert session.make_session(model, threads=2).get_session_options().intra_op_num_threads == 2
+
+
+def test_a_runtime_pool_keeps_its_own_choice_unless_cores_are_taken(tmp_path):
+    from onnxq.io.cores import physical_cores
+
+    c = Counters()
+    share = c.share(cores=2)
+    c.run(0.5, others=0.0, own=2.0)
+    assert share.threads() == 0  # quiet: onnxruntime's own choice (its physical cores)
+    c.run(0.5, others=1.0, own=1.0)
+    assert share.threads() == 1
+    # two hyper-threads of one core count once
+    for cpu, sib in ((0, "0,2"), (1, "1,3"), (2, "0,2"), (3, "1,3")):
+        (tmp_path / f"cpu{cpu}" / "topology").mkdir(parents=True)
+        (tmp_path / f"cpu{cpu}" / "topology" / "thread_siblings_list").write_text(sib + "\n")
+    assert physical_cores(frozenset(range(4)), str(tmp_path)) == 2
+    assert physical_cores(frozenset({0, 1}), str(tmp_path / "none")) == 2

@@ -32,6 +32,18 @@ def affinity() -> frozenset[int]:
         return frozenset(range(os.cpu_count() or 1))
 
 
+def physical_cores(cores: frozenset[int], root: str = "/sys/devices/system/cpu") -> int:
+    """How many physical cores ``cores`` are on (hyper-threads of one core count once)."""
+    siblings = set()
+    for cpu in cores:
+        try:
+            with open(f"{root}/cpu{cpu}/topology/thread_siblings_list") as f:
+                siblings.add(f.read().strip())
+        except OSError:
+            siblings.add(str(cpu))
+    return max(1, len(siblings))
+
+
 def busy_seconds(cores: frozenset[int], path: str = "/proc/stat") -> float | None:
     """Seconds the ``cores`` have been busy since boot (any process, steal time included)."""
     try:
@@ -92,6 +104,16 @@ class CoreShare:
         if b0 is None or b1 is None or t1 - t0 <= 0:
             return None
         return max(0.0, ((b1 - b0) - (o1 - o0)) / (t1 - t0))
+
+    def threads(self) -> int:
+        """Threads for a runtime's pool: 0 (its own choice) unless others hold some cores.
+
+        Then the free cores, at most one a physical core (onnxruntime's own choice).
+        """
+        free = self.free()
+        if free >= len(self.cores):
+            return 0
+        return min(free, physical_cores(self.cores))
 
     def free(self) -> int:
         """Cores to run on now: the affinity set less what others used, at least one."""

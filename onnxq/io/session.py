@@ -23,11 +23,11 @@ _SHARE: CoreShare | None = None
 
 
 def _free_cores() -> int:
-    """The cores other processes leave this one now (:class:`onnxq.io.cores.CoreShare`)."""
+    """Intra-op threads now: 0 (onnxruntime's choice) unless other processes hold cores."""
     global _SHARE
     if _SHARE is None:
         _SHARE = CoreShare()
-    return _SHARE.free()
+    return _SHARE.threads()
 
 
 def make_session(
@@ -43,10 +43,11 @@ def make_session(
 ) -> Any:
     """An onnxruntime CPU InferenceSession for ``model``.
 
-    ``threads`` 0: as many intra-op threads as other processes leave cores free when the
-    session is built (onnxq.io.cores; onnxruntime's pool spins while it waits, and a pool of
-    every core on a machine where another job holds one took the sequential bias correction
-    of nudenet_320n 2.97 s against 2.33 s). Its results are the same bits on any number.
+    ``threads`` 0: onnxruntime's choice, or where other processes hold some of this one's
+    cores when the session is built, as many as they leave free (onnxq.io.cores).
+    onnxruntime's pool spins while it waits: a pool of every core, on a machine where another
+    job held one of two, took the sequential bias correction of nudenet_320n 2.97 s against
+    2.33 s. Its results are the same bits on any number.
 
     ``weights``: the values of the initializers ``model`` holds as in-memory stubs
     (onnxq.io.graph.split_weights), handed to onnxruntime as arrays.

@@ -223,10 +223,12 @@ class WeightRounding:
             return PassResult("no Conv/Gemm/MatMul with a constant weight to round")
         done = 0
         # the factorizations' BLAS on the cores other processes leave free, asked per layer
-        # (the same bits on any number of threads: tests/test_rounding.py)
+        # (the same bits on any number of threads: tests/test_cores.py)
         from threadpoolctl import ThreadpoolController
 
         blas, share = ThreadpoolController(), CoreShare()
+        # never more than the BLAS has now (OPENBLAS_NUM_THREADS and the like are the user's)
+        most = max([lib.num_threads for lib in blas.select(user_api="blas").lib_controllers] or [1])
         for name, (layer, obs) in state.hessians.items():
             h = obs.hessian()
             obs.release()  # its sums are in ``h`` now: one K×K float64 array, not three
@@ -246,7 +248,7 @@ class WeightRounding:
             w = np.asarray(state.quantizer.float_value(layer.weight), np.float64)
             rows = _as_rows(w, layer)
             grid = _grid(state, layer, rows)
-            with blas.limit(limits=share.free(), user_api="blas"):
+            with blas.limit(limits=min(most, share.free()), user_api="blas"):
                 result = round_weight(rows, h, grid)
             rounded = _from_rows(grid.value(result.q), w, layer).astype(np.float32)
             state.constants[layer.weight] = rounded
