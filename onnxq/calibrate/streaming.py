@@ -16,7 +16,6 @@ import collections
 import contextlib
 import math
 import operator
-import os
 import queue
 import re
 import threading
@@ -30,14 +29,12 @@ import onnx
 
 from onnxq.calibrate.dataset import feed_samples
 from onnxq.core.errors import CalibrationError
+from onnxq.io.cores import affinity
 
 
 def available_cores() -> int:
     """Cores this process may run on."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
+    return len(affinity())
 
 
 @contextlib.contextmanager

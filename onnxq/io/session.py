@@ -22,7 +22,7 @@ from onnxq.io.hostcheck import PRECISE_OPTION, u8s8_saturates
 _SHARE: CoreShare | None = None
 
 
-def _free_cores() -> int:
+def _pool_threads() -> int:
     """Intra-op threads now: 0 (onnxruntime's choice) unless other processes hold cores."""
     global _SHARE
     if _SHARE is None:
@@ -89,7 +89,7 @@ def make_session(
         opts.log_severity_level = 4 if precise else 3
         if precise:
             opts.add_session_config_entry(PRECISE_OPTION, "1")
-        opts.intra_op_num_threads = threads or _free_cores()
+        opts.intra_op_num_threads = pool
         opts.inter_op_num_threads = 1
         if not spin:
             opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
@@ -101,6 +101,7 @@ def make_session(
             opts.enable_cpu_mem_arena = False
         return opts
 
+    pool = threads or _pool_threads()  # one reading, whichever path below builds it
     precise = exact and u8s8_saturates()
     added = _append_outputs(model, expose)
     try:

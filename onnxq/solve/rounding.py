@@ -313,12 +313,12 @@ def conv_patches(x: np.ndarray, conv: ConvShape, cap: int) -> np.ndarray:
         for i in range(spatial)
     )
     positions = math.prod(out_shape)
-    kept = positions
-    if n * positions > max(cap, 1):
+    kept, cap = positions, max(cap, 1)
+    if n * positions > cap:
         # the samples are chosen before padding: padding the whole batch copied all of it (a
         # depthwise layer's 16 × 144 × 120 × 120 input for 36 positions of each sample)
-        x = x[:: max(1, -(-n // max(cap, 1)))]
-        kept = min(positions, -(-max(cap, 1) // x.shape[0]))
+        x = x[:: max(1, -(-n // cap))]
+        kept = min(positions, -(-cap // x.shape[0]))
     read = math.prod(conv.kernel) * kept
     # The Hessian's float32 product takes its bits from the rows' memory layout too (numpy's
     # matmul picks its kernel by strides): every way below gives C order, as the windows'
