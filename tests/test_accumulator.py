@@ -9,6 +9,7 @@ from onnx import helper as h
 
 import onnxq
 from onnxq.core.qparams import INT32_MAX, accumulation_bound
+from onnxq.report import widened_notes
 
 
 def _conv_bn(gamma_dead: float = 1e-6):
@@ -44,7 +45,18 @@ def test_dead_channel_after_batchnorm_stays_exact(fmt, bits):
     # the dead channel is 1.0 everywhere; before the fix it came out anywhere in [-1, 1]
     assert np.abs(got[:, 1] - 1.0).max() <= step
     assert np.abs(got - ref).max() <= 0.05 * np.abs(ref).max()
-    assert any("widened" in n and "int32 accumulator" in n for n in report.notes)
+    widened = [n for n in report.notes if "widened" in n and "int32 accumulator" in n]
+    assert len(widened) == 1 and report.widened_biases
+    assert set(report.to_dict()["widened_biases"]) == set(report.widened_biases)
+
+
+def test_widened_biases_make_one_note_naming_the_most():
+    one = widened_notes({"b1": 2})
+    assert len(one) == 1 and "2 channel(s)" in one[0] and "bias 'b1'" in one[0]
+    many = widened_notes({f"b{i}": 1 for i in range(36)} | {"stem.bias": 7})
+    assert len(many) == 1
+    assert "43 channel(s)" in many[0] and "37 biases" in many[0] and "'stem.bias' (7)" in many[0]
+    assert widened_notes({}) == []
 
 
 def test_random_tiny_weight_large_bias_channels_keep_their_sqnr():
