@@ -75,6 +75,19 @@ def test_a_session_fed_weights_as_arrays_computes_what_the_bytes_do(monkeypatch)
     assert serialize(model) == before  # the exposed output was removed again
 
 
+def test_a_session_that_exposes_tensors_plans_no_memory_pattern():
+    # with no arena, the pattern's block is a fresh mapping each run once it passes glibc's
+    # mmap ceiling: a calibration session allocates tensor by tensor instead
+    model = _dense_model()
+    x = {"x": rng(5).standard_normal((2, 64)).astype(np.float32)}
+    exposed = session.make_session(model, expose=["m"])
+    options = exposed.get_session_options()
+    assert not options.enable_mem_pattern and not options.enable_cpu_mem_arena
+    assert session.make_session(model).get_session_options().enable_mem_pattern
+    plain = session.make_session(model).run(None, x)[0]
+    assert np.array_equal(exposed.run(["y"], x)[0], plain)
+
+
 def test_shape_inference_on_the_skeleton_matches_the_full_model():
     model = _dense_model()
     full = onnx.shape_inference.infer_shapes(model, data_prop=True)
