@@ -152,6 +152,11 @@ def test_the_streamed_sums_are_the_float64_sums():
         assert abs(got - want) <= 1e-6 * abs(want)
     assert abs(st.ee - (f64 - q64) @ (f64 - q64)) <= 1e-5 * st.ee
     assert st.count == f.size
+    for n in (5, 3 * 4096, 4096 + 1):  # shorter than a row, whole rows, one value past them
+        part = TensorStats("t", False, 0)
+        part.add(f[:n], q[:n])
+        assert abs(part.ff - f64[:n] @ f64[:n]) <= 1e-6 * (f64[:n] @ f64[:n])
+        assert abs(part.ee - (f64[:n] - q64[:n]) @ (f64[:n] - q64[:n])) <= 1e-5 * part.ee
 
 
 def test_values_the_float_model_computes_as_nan_are_left_out():
