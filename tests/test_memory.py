@@ -76,16 +76,50 @@ def test_a_session_fed_weights_as_arrays_computes_what_the_bytes_do(monkeypatch)
 
 
 def test_a_session_that_exposes_tensors_plans_no_memory_pattern():
-    # with no arena, the pattern's block is a fresh mapping each run once it passes glibc's
-    # mmap ceiling: a calibration session allocates tensor by tensor instead
+    # the pattern's block is one allocation of the run's whole size: a calibration session
+    # allocates tensor by tensor from the shared arena instead
     model = _dense_model()
     x = {"x": rng(5).standard_normal((2, 64)).astype(np.float32)}
     exposed = session.make_session(model, expose=["m"])
     options = exposed.get_session_options()
-    assert not options.enable_mem_pattern and not options.enable_cpu_mem_arena
-    assert session.make_session(model).get_session_options().enable_mem_pattern
-    plain = session.make_session(model).run(None, x)[0]
-    assert np.array_equal(exposed.run(["y"], x)[0], plain)
+    assert not options.enable_mem_pattern
+    assert options.get_session_config_entry("session.use_env_allocators") == "1"
+    plain = session.make_session(model)
+    assert plain.get_session_options().enable_mem_pattern
+    with pytest.raises(RuntimeError, match="does not have configuration"):  # its own arena
+        plain.get_session_options().get_session_config_entry("session.use_env_allocators")
+    assert np.array_equal(exposed.run(["y"], x)[0], plain.run(None, x)[0])
+
+
+def _wide_model(width: int) -> onnx.ModelProto:
+    """x (1, width) -> a large intermediate of 64 x width floats -> its sum."""
+    nodes = [
+        h.make_node("Tile", ["x", "reps"], ["t"]),
+        h.make_node("Relu", ["t"], ["r"]),
+        h.make_node("ReduceSum", ["r"], ["y"], keepdims=0),
+    ]
+    return make_model(nodes, [("x", [1, width])], [("y", [])], {"reps": np.array([64, 1])})
+
+
+@pytest.mark.skipif(session.resident_bytes() is None, reason="reads /proc/self/statm")
+def test_the_shared_arena_reuses_memory_and_hands_it_back_when_released():
+    # as-written and exposing sessions allocate from one arena: a run reuses what the one
+    # before it (in any such session) freed, and the release after a pass returns it
+    model = _wide_model(1 << 18)  # a 64 MiB intermediate a run (the Relu may write in place)
+    x = {"x": np.ones((1, 1 << 18), np.float32)}
+    session.release_shared_arena()
+    session.trim_heap()
+    for _ in range(2):  # the second session's run reuses the first's memory
+        s = session.make_session(model, as_written=True)
+        assert s.get_session_options().get_session_config_entry("session.use_env_allocators")
+        assert s.run(None, x)[0] == 64 << 18
+        del s
+    session.trim_heap()
+    held = session.resident_bytes()
+    session.release_shared_arena()
+    session.trim_heap()
+    freed = held - session.resident_bytes()
+    assert freed > 48 << 20, f"the release freed {freed >> 20} MiB of the run's 64 MiB"
 
 
 def test_shape_inference_on_the_skeleton_matches_the_full_model():

@@ -19,7 +19,7 @@ import onnx
 
 from onnxq.io.graph import export_model
 from onnxq.io.progress import progress
-from onnxq.io.session import free_memory, trim_heap
+from onnxq.io.session import free_memory, release_shared_arena, trim_heap
 from onnxq.options import QuantizeOptions
 
 #: calibration batches the accuracy check after quantizing runs (their fp32 outputs are kept)
@@ -213,6 +213,7 @@ def run_nested(state: State, passes: Iterable[Pass]) -> State:
     for p in passes:
         start, before = time.perf_counter(), len(state.records)
         result = p.run(state)
+        release_shared_arena()
         trim_heap()  # the next pass starts from what is in use, not from this one's peak
         # a pass that runs others (onnxq.passes.choose) records them: its own time is the rest
         nested = sum(r.seconds for r in state.records[before:])

@@ -29,7 +29,7 @@ from onnxq.calibrate.streaming import outputs_bytes, run_ahead, run_checked
 from onnxq.core.optable import BY_QOP
 from onnxq.io.graph import tensor_array
 from onnxq.io.progress import progress
-from onnxq.io.session import make_session, output_types
+from onnxq.io.session import make_session, output_types, release_shared_arena
 
 FLOAT_TYPES = {onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.DOUBLE}
 CLEAN_DB = 60.0
@@ -245,6 +245,7 @@ def compare(
         if streamed:
             dataset.reset()
         samples = _stream(float_model, (quant_model, q_inits), dataset, plan, stats)
+        release_shared_arena()  # the group's sessions are gone: the next starts from nothing
         streamed = True
     link_inputs(float_model, stats)
     producers = {o: n for n in float_model.graph.node for o in n.output}
