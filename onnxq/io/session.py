@@ -106,7 +106,7 @@ def make_session(
             opts.add_session_config_entry("session.disable_quant_qdq", "1")
         if (as_written or expose) and _shared_arena(ort):
             opts.add_session_config_entry("session.use_env_allocators", "1")
-        elif as_written or expose or not arena:  # onnxruntime refused the shared arena
+        elif as_written or expose or not arena:  # (the first two: the shared one was refused)
             opts.enable_cpu_mem_arena = False
         if expose:
             # the memory pattern's one block for the run's other tensors, with no arena, is a
@@ -136,25 +136,31 @@ def make_session(
             del model.graph.output[-added:]
 
 
-#: the process's shared arena: whether it is registered, whether a session used it since the
-#: last release, and the one-node session whose run with shrinkage releases it
-_ARENA: dict[str, Any] = {}
+class _Arena:
+    """The process's shared arena (module state: one per process)."""
+
+    #: registered (True), refused by onnxruntime (False), or not tried yet (None)
+    registered: bool | None = None
+    #: whether a session was built on it since the last release
+    used = False
+    #: the one-node session and the run options whose run releases it, made at the first release
+    release: tuple[Any, Any] | None = None
 
 
 def _shared_arena(ort: Any) -> bool:
     """Register the shared CPU arena once; False where onnxruntime refuses (then none is used)."""
-    if "registered" not in _ARENA:
+    if _Arena.registered is None:
         try:
             info = ort.OrtMemoryInfo(
                 "Cpu", ort.OrtAllocatorType.ORT_ARENA_ALLOCATOR, 0, ort.OrtMemType.DEFAULT
             )
             # extend by what is asked (1): the arena holds no more than its largest run needs
             ort.create_and_register_allocator(info, ort.OrtArenaCfg(0, 1, -1, -1))
-            _ARENA["registered"] = True
+            _Arena.registered = True
         except Exception:  # an onnxruntime without env allocators, or one already registered
-            _ARENA["registered"] = False
-    _ARENA["used"] = _ARENA["registered"]
-    return bool(_ARENA["registered"])
+            _Arena.registered = False
+    _Arena.used = _Arena.registered
+    return _Arena.registered
 
 
 def release_shared_arena() -> None:
@@ -164,11 +170,12 @@ def release_shared_arena() -> None:
     the arena's unused regions, which every pass's sessions have let go by then. Nothing to do
     when no session used it since the last release.
     """
-    if not _ARENA.pop("used", False):
+    if not _Arena.used:
         return
-    import onnxruntime as ort
+    _Arena.used = False
+    if _Arena.release is None:
+        import onnxruntime as ort
 
-    if "release" not in _ARENA:
         x = onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1])
         y = onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1])
         node = onnx.helper.make_node("Identity", ["x"], ["y"])
@@ -183,8 +190,8 @@ def release_shared_arena() -> None:
         session = ort.InferenceSession(
             tiny.SerializeToString(), opts, providers=["CPUExecutionProvider"]
         )
-        _ARENA["release"] = (session, run)
-    session, run = _ARENA["release"]
+        _Arena.release = (session, run)
+    session, run = _Arena.release
     session.run(None, {"x": np.zeros(1, np.float32)}, run)
 
 
