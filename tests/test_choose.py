@@ -86,6 +86,19 @@ def test_the_default_chooses_on_held_back_batches_and_reports_every_candidate():
     assert isinstance(model, onnx.ModelProto)
 
 
+def test_every_pass_a_candidate_runs_hands_its_freed_memory_back(monkeypatch):
+    """As the pass manager does after each pass: the sequential correction's held tensors
+    went back only after the whole choice (EfficientNet-Lite1 peaked at 595 MiB, 521 now)."""
+    handed: list[str] = []
+    monkeypatch.setattr(choose_module, "release_shared_arena", lambda: handed.append("arena"))
+    monkeypatch.setattr(choose_module, "trim_heap", lambda: handed.append("heap"))
+    model, data = _cnn()
+    _, report = onnxq.quantize(model, data, progress=False)
+    # every candidate runs the solve at least: one hand-back (arena, then heap) a pass each
+    rounds = len(handed) // 2
+    assert rounds >= len(report.choice["candidates"]) and handed == ["arena", "heap"] * rounds
+
+
 def test_the_report_lists_every_read_of_the_data_and_why():
     """One calibration stream feeds ranges, Hessians and the correction's float sums; the
     sequential correction reads the first samples once more (a candidate of the choice), and
