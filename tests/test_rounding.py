@@ -434,6 +434,46 @@ def test_the_factor_built_in_place_has_the_bits_of_the_copies(groups, k):
     assert a.tobytes() == reversed_copy.tobytes()
 
 
+@pytest.mark.parametrize("groups,k", [(1, 1), (1, 255), (1, 256), (1, 600), (2, 385)])
+def test_the_cholesky_in_place_is_numpy_s_bit_for_bit(groups, k):
+    # numpy's own dpotrf on the caller's array, the factor moved to row order by blocks (256
+    # rows): the bits of numpy.linalg.cholesky, with zeros above the diagonal
+    from onnxq.solve import lapack
+
+    if not lapack.available():
+        pytest.skip("numpy's dpotrf is not reachable in this build: numpy's path is used")
+    r = rng(12)
+    x = r.normal(0, 1, (groups, k, 2 * k + 3))
+    hess = x @ np.swapaxes(x, 1, 2) / (2 * k) + 0.01 * np.eye(k)
+    want = np.linalg.cholesky(hess)
+    got = hess.copy()
+    lapack.cholesky_in_place(got)
+    assert got.tobytes() == want.tobytes()
+    bad = -np.eye(3)[None].copy()
+    with pytest.raises(np.linalg.LinAlgError):
+        lapack.cholesky_in_place(bad)
+    with pytest.raises(ValueError, match="C-contiguous"):
+        lapack.cholesky_in_place(np.eye(4)[None, ::-1, ::-1])
+
+
+@pytest.mark.parametrize("k", [383, 384, 700])
+def test_a_hessian_handed_over_is_factored_in_place_to_the_same_bits(k):
+    # at IN_PLACE_INPUTS and up the factor is written over the Hessian handed over (no copy
+    # beside it); below, and for an array the caller keeps, numpy factors a copy: same bits
+    from onnxq.solve import rounding
+
+    r = rng(13)
+    x = r.normal(0, 1, (1, k, 2 * k))
+    hess = x @ np.swapaxes(x, 1, 2) / (2 * k) + 0.01 * np.eye(k)
+    kept = upper_factor_of_inverse(hess)
+    assert not np.shares_memory(kept, hess)
+    handed = hess.copy()
+    factor = upper_factor_of_inverse(handed, own=True)
+    assert factor.tobytes() == kept.tobytes()
+    in_place = k >= rounding.IN_PLACE_INPUTS and rounding.lapack_available()
+    assert np.shares_memory(factor, handed) == in_place
+
+
 def _small_cnn():
     """Conv → Relu → depthwise Conv → Relu → pointwise Conv → pool → Gemm, correlated inputs."""
     r = rng(6)

@@ -35,6 +35,8 @@ from typing import Any
 
 import numpy as np
 
+from onnxq.solve.lapack import available as lapack_available
+from onnxq.solve.lapack import cholesky_in_place
 from onnxq.solve.sums import PairSum
 
 #: dampening added to H's diagonal, as a fraction of its mean (keeps H⁻¹ well conditioned)
@@ -96,7 +98,7 @@ def gptq(w: np.ndarray, h: np.ndarray, grid: Grid) -> np.ndarray:
     w = np.take_along_axis(w, order[:, None, :], axis=2)
     # its rows give each column's update; H is reordered in a new array that only the factor
     # holds, which lets it go once factored (K × K float64 a group)
-    u = upper_factor_of_inverse(_reordered(h, order, diag))
+    u = upper_factor_of_inverse(_reordered(h, order, diag), own=True)
     # columns as rows (G, K, M): the loop reads and updates contiguous memory, the same
     # arithmetic element by element (K = 2,304: 0.54 -> 0.43 s)
     wt = np.ascontiguousarray(np.swapaxes(w, 1, 2))
@@ -139,22 +141,43 @@ def _reordered(h: np.ndarray, order: np.ndarray, diag: np.ndarray) -> np.ndarray
     return out
 
 
-def upper_factor_of_inverse(h: np.ndarray) -> np.ndarray:
+def upper_factor_of_inverse(h: np.ndarray, own: bool = False) -> np.ndarray:
     """U, upper triangular with ``Uᵀ U = H⁻¹``, for symmetric positive definite ``h`` (G, K, K).
 
     With ``P`` the reversal of the K axes and ``P H P = L Lᵀ`` (Cholesky), ``U = P L⁻¹ P``:
     one Cholesky and one triangular inverse, a third of the work of inverting ``H`` and then
     factoring ``H⁻¹`` (2,304 inputs: about 0.65 → 0.3 s).
 
-    ``h`` is let go of once factored (the caller can hand it over: pass an array nobody else
-    holds), the inverse is built over the factor and reversed in place: past the Cholesky,
-    about two K × K arrays a group are alive, the result included.
+    ``own``: the caller hands ``h`` over (an array nobody else reads). It is then reversed and
+    factored in place (onnxq.solve.lapack: numpy's own ``dpotrf``, the same bits) where its
+    matrices are large, so the factor takes no memory beside it; otherwise numpy factors a
+    copy and ``h`` is let go of once factored. The inverse is built over the factor and
+    reversed in place: about two K × K arrays a group are alive at most, the result included
+    (numpy's Cholesky alone held four: its input, its column-major copy, its result and the
+    caller's ``H``).
     """
-    lower = np.ascontiguousarray(np.linalg.cholesky(h[:, ::-1, ::-1]))  # it is: no copy
+    k = h.shape[-1]
+    if own and k >= IN_PLACE_INPUTS and _factors_in_place(h):
+        _reverse_in_place(h)
+        cholesky_in_place(h)
+        lower = h
+    else:
+        lower = np.ascontiguousarray(np.linalg.cholesky(h[:, ::-1, ::-1]))  # it is: no copy
     del h
     _lower_inverse(lower, in_place=True)
     _reverse_in_place(lower)
     return lower
+
+
+#: weight inputs from which a Hessian handed over is factored in place (1 MiB a matrix and up;
+#: below it numpy's batched Cholesky is faster and the copies are small)
+IN_PLACE_INPUTS = 384
+
+
+def _factors_in_place(h: np.ndarray) -> bool:
+    """Whether ``h`` can be factored where it is (:func:`~onnxq.solve.lapack.cholesky_in_place`)."""
+    fits = h.dtype == np.float64 and h.flags.c_contiguous and h.flags.writeable
+    return fits and lapack_available()
 
 
 def _reverse_in_place(a: np.ndarray) -> None:
@@ -193,11 +216,17 @@ def _lower_inverse(lower: np.ndarray, in_place: bool = False) -> np.ndarray:
     half = k // 2
     a_inv = _lower_inverse(lower[:, :half, :half])
     c_inv = _lower_inverse(lower[:, half:, half:])
-    corner = -np.matmul(c_inv, np.matmul(lower[:, half:, :half], a_inv))
+    # −C⁻¹ (B A⁻¹), each piece placed as soon as it is no longer read: at most three quarter
+    # blocks beside ``lower``, not five (the same products, the same bits)
+    right = np.matmul(lower[:, half:, :half], a_inv)
     out = lower if in_place else np.empty_like(lower)
     out[:, :half, :half] = a_inv
-    out[:, :half, half:] = 0.0
+    del a_inv
+    corner = np.matmul(c_inv, right)
+    del right
+    np.negative(corner, out=corner)
     out[:, half:, half:] = c_inv
+    out[:, :half, half:] = 0.0
     out[:, half:, :half] = corner
     return out
 
