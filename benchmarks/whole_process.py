@@ -19,6 +19,12 @@ kernel's accounting of that child, ``os.wait4``), and the ratio of the medians t
 Zoo models (``models/manifest.toml``) are quantized on their manifest's calibration samples,
 written once to an ``.npz`` in a scratch folder; ``--model``/``--data`` take your own.
 
+For a zoo model each variant's model (the last round's) is also scored with the zoo metric on
+the manifest's evaluation data (the scoreboard's, in a process of its own after the timings),
+and a last line per model gives fp32's score and names the fastest variant scoring at least
+NNCF's (no margin for noise: a tie counts): a speed ratio means something only beside what it
+buys.
+
 NNCF imports PyTorch at its own import whenever torch is installed, ONNX model or not (NNCF
 3.4 on 2 cores: 2.5 s and 310 MiB for ``import nncf`` with torch, 1.0 s and 100 MiB
 without). Its process therefore runs with torch hidden (a stub package that refuses to load
@@ -153,6 +159,53 @@ def _prepare(name: str, scratch: Path) -> None:
     (scratch / f"{name}.kind").write_text(model.kind)
 
 
+def _score(name: str, files: list[str]) -> None:
+    """Print the zoo metric of each model file as JSON: {"fp32": x, file: x, ...}."""
+    import json
+
+    from benchmarks.zoo import _setup
+    from onnxq.tools.zoo import runner
+
+    _, model, recipe, paths = _setup(name)
+    scores = {"fp32": recipe.evaluate(runner(paths["model"]), model.evaluation)}
+    for file in files:
+        scores[file] = recipe.evaluate(runner(Path(file)), model.evaluation)
+    meta = {"metric": recipe.metric, "unit": recipe.unit, "higher": recipe.higher_is_better}
+    print(json.dumps({"scores": scores, **meta}))
+
+
+def scores(name: str, files: dict[str, Path]) -> tuple[dict[str, float], str, bool] | None:
+    """({variant or "fp32": zoo metric}, the metric's label, higher is better), or None.
+
+    Scored by a process of its own (its peak would be inherited by the next child).
+    """
+    import json
+
+    cmd = [sys.executable, "-m", "benchmarks.whole_process", "--score", name]
+    proc = subprocess.run([*cmd, *(str(f) for f in files.values())], capture_output=True, text=True)
+    if proc.returncode:
+        last = proc.stderr.strip().splitlines()[-1:]
+        print(f"  scoring {name}: exit {proc.returncode}: {last}", file=sys.stderr)
+        return None
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    by_file = got["scores"]
+    out = {"fp32": by_file["fp32"], **{v: by_file[str(f)] for v, f in files.items()}}
+    return out, f"{got['metric']}{' (' + got['unit'] + ')' if got['unit'] else ''}", got["higher"]
+
+
+def fastest_as_good(
+    walls: dict[str, float], metric: dict[str, float], higher: bool, peer: str = "nncf"
+) -> str | None:
+    """The fastest variant (not ``peer``) whose metric is at least ``peer``'s, or None."""
+    if peer not in metric:
+        return None
+    sign = 1 if higher else -1
+    good = [
+        v for v in walls if v != peer and v in metric and sign * (metric[v] - metric[peer]) >= 0
+    ]
+    return min(good, key=lambda v: walls[v]) if good else None
+
+
 def bench(
     label: str,
     model: Path,
@@ -162,10 +215,12 @@ def bench(
     out: Path,
     variants: list[str],
     nncf_env: dict[str, str] | None = None,
+    zoo: str | None = None,
 ) -> None:
     """Time every variant ``rounds`` times, taking turns, and print one row each.
 
-    ``nncf_env``: the environment of NNCF's process (None: this one's).
+    ``nncf_env``: the environment of NNCF's process (None: this one's). ``zoo``: the zoo
+    model's name, whose metric then scores each variant's model.
     """
     runs: dict[str, list[tuple[float, float, int]]] = {v: [] for v in variants}
     for _ in range(rounds):
@@ -178,19 +233,34 @@ def bench(
         if all(r[2] == 0 for r in rs)
     }
     base = median.get("nncf")
+    scored = scores(zoo, {v: out / f"{v}.onnx" for v in median}) if zoo else None
+    metric, label_of_metric, higher = scored if scored else ({}, "", True)
     for v in variants:
         if v not in median:
-            print(f"| {label} | {v} | failed | | | |")
+            print(f"| {label} | {v} | failed | | | | |")
             continue
         wall, peak = median[v]
         ratio = f"{wall / base[0]:.2f}× | {peak / base[1]:.2f}×" if base else "– | –"
-        print(f"| {label} | {v} | {wall:.2f} s | {peak:.0f} MiB | {ratio} |", flush=True)
+        score = f"{metric[v]:.2f}" if v in metric else "–"
+        row = f"| {label} | {v} | {wall:.2f} s | {peak:.0f} MiB | {ratio} | {score} |"
+        print(row, flush=True)
+    if metric:
+        said = f"fp32: {metric['fp32']:.2f} ({label_of_metric})"
+        if base and "nncf" in metric:
+            walls = {v: w for v, (w, _) in median.items()}
+            best = fastest_as_good(walls, metric, higher)
+            ratio = f"{best}, {walls[best] / base[0]:.2f}× its wall time" if best else "none"
+            said += f"; the fastest scoring at least NNCF's: {ratio}"
+        print(f"| {label} | {said} | | | | | |", flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run the comparison; print a Markdown table."""
     if argv is None and sys.argv[1:2] == ["--prepare"]:
         _prepare(sys.argv[2], Path(sys.argv[3]))
+        return 0
+    if argv is None and sys.argv[1:2] == ["--score"]:
+        _score(sys.argv[2], sys.argv[3:])
         return 0
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("models", nargs="*", help="zoo models")
@@ -207,8 +277,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if (args.model is None) != (args.data is None) or not (args.models or args.model):
         ap.error("name zoo models, or give --model and --data")
-    print("| model | variant | wall (median) | peak RSS | wall × NNCF | peak × NNCF |")
-    print("|---|---|---|---|---|---|")
+    print("| model | variant | wall (median) | peak RSS | wall × NNCF | peak × NNCF | metric |")
+    print("|---|---|---|---|---|---|---|")
     with tempfile.TemporaryDirectory() as tmp:
         scratch = Path(tmp)
         env = None if args.nncf_with_torch else without_torch(scratch)
@@ -216,7 +286,8 @@ def main(argv: list[str] | None = None) -> int:
             case = (args.model, args.data, args.kind)
             bench(args.model.stem, *case, args.rounds, scratch, args.variants, env)
         for name in args.models:
-            bench(name, *zoo_case(name, scratch), args.rounds, scratch, args.variants, env)
+            case = zoo_case(name, scratch)
+            bench(name, *case, args.rounds, scratch, args.variants, env, zoo=name)
     return 0
 
 

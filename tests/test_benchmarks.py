@@ -120,6 +120,38 @@ def test_whole_process_compares_with_nncf(tmp_path):
     assert rows["nncf"][4] == "1.00×" and rows["onnxq"][4].endswith("×")
 
 
+def test_the_fastest_variant_at_least_as_good_as_nncf_respects_the_metric_direction():
+    from benchmarks.whole_process import fastest_as_good
+
+    walls = {"onnxq": 9.0, "onnxq-nearest": 4.0, "nncf": 6.0}
+    higher = {"onnxq": 92.0, "onnxq-nearest": 90.0, "nncf": 90.0}  # a tie counts
+    assert fastest_as_good(walls, higher, True) == "onnxq-nearest"
+    assert fastest_as_good(walls, {**higher, "onnxq-nearest": 89.9}, True) == "onnxq"
+    cer = {"onnxq": 0.1, "onnxq-nearest": 0.5, "nncf": 0.3}  # lower is better
+    assert fastest_as_good(walls, cer, False) == "onnxq"
+    assert fastest_as_good(walls, {**cer, "onnxq": 0.4}, False) is None
+    assert fastest_as_good(walls, {"onnxq": 1.0}, True) is None  # no NNCF score
+
+
+def test_whole_process_scores_each_variant_of_a_zoo_model():
+    nncf = importlib.util.find_spec("nncf") is not None
+    variants = ["onnxq-nearest", "ort", *(["nncf"] if nncf else [])]
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks.whole_process", "digits_cnn", "--rounds", "1"]
+        + ["--variants", *variants],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = [[c.strip() for c in r.split("|")[1:-1]] for r in done.stdout.strip().splitlines()[2:]]
+    scores = {cells[1]: float(cells[6]) for cells in rows[:-1]}
+    assert set(scores) == set(variants)
+    assert all(90.0 < x <= 100.0 for x in scores.values()), done.stdout  # digits accuracy, %
+    last = rows[-1][1]
+    assert last.startswith("fp32: ") and ("at least NNCF's: " in last) == nncf, last
+
+
 def test_nncf_runs_without_torch_as_on_a_machine_without_it(tmp_path):
     # NNCF imports torch whenever it is installed (2.5 s and 310 MiB of its whole process):
     # its process in the comparison cannot see it
