@@ -35,6 +35,7 @@ visible.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import statistics
@@ -160,18 +161,15 @@ def _prepare(name: str, scratch: Path) -> None:
 
 
 def _score(name: str, files: list[str]) -> None:
-    """Print the zoo metric of each model file as JSON: {"fp32": x, file: x, ...}."""
-    import json
-
+    """Print as JSON the zoo metric of fp32 and of each model file, in their order."""
     from benchmarks.zoo import _setup
     from onnxq.tools.zoo import runner
 
     _, model, recipe, paths = _setup(name)
-    scores = {"fp32": recipe.evaluate(runner(paths["model"]), model.evaluation)}
-    for file in files:
-        scores[file] = recipe.evaluate(runner(Path(file)), model.evaluation)
+    fp32 = recipe.evaluate(runner(paths["model"]), model.evaluation)
+    each = [recipe.evaluate(runner(Path(f)), model.evaluation) for f in files]
     meta = {"metric": recipe.metric, "unit": recipe.unit, "higher": recipe.higher_is_better}
-    print(json.dumps({"scores": scores, **meta}))
+    print(json.dumps({"fp32": fp32, "files": each, **meta}))
 
 
 def scores(name: str, files: dict[str, Path]) -> tuple[dict[str, float], str, bool] | None:
@@ -179,8 +177,6 @@ def scores(name: str, files: dict[str, Path]) -> tuple[dict[str, float], str, bo
 
     Scored by a process of its own (its peak would be inherited by the next child).
     """
-    import json
-
     cmd = [sys.executable, "-m", "benchmarks.whole_process", "--score", name]
     proc = subprocess.run([*cmd, *(str(f) for f in files.values())], capture_output=True, text=True)
     if proc.returncode:
@@ -188,8 +184,7 @@ def scores(name: str, files: dict[str, Path]) -> tuple[dict[str, float], str, bo
         print(f"  scoring {name}: exit {proc.returncode}: {last}", file=sys.stderr)
         return None
     got = json.loads(proc.stdout.strip().splitlines()[-1])
-    by_file = got["scores"]
-    out = {"fp32": by_file["fp32"], **{v: by_file[str(f)] for v, f in files.items()}}
+    out = {"fp32": got["fp32"], **dict(zip(files, got["files"], strict=True))}
     return out, f"{got['metric']}{' (' + got['unit'] + ')' if got['unit'] else ''}", got["higher"]
 
 
