@@ -27,7 +27,7 @@ def main(argv: list[str] | None = None) -> int:
         "--options", nargs="+", default=["{}"], help="JSON objects of quantize() arguments"
     )
     args = ap.parse_args(argv)
-    from onnxq.tools.zoo import load_manifest, run_model
+    from onnxq.tools.zoo import load_manifest, noise_text, run_model
 
     manifest = load_manifest(ROOT / "models" / "manifest.toml")
     sets = [json.loads(text) for text in args.options]
@@ -37,7 +37,8 @@ def main(argv: list[str] | None = None) -> int:
             result = run_model(manifest, model, log=lambda s: print(s, file=sys.stderr), **options)
             print(
                 f"{name}  {json.dumps(options)}  {result.metric}: int8 {result.int8:.2f}"
-                f"{result.unit} (fp32 {result.fp32:.2f}{result.unit})  {result.seconds:.1f} s",
+                f"{result.unit}{noise_text(result.noise)} (fp32 {result.fp32:.2f}{result.unit})  "
+                f"{result.seconds:.1f} s",
                 flush=True,
             )
             for line in budget_lines(result.summary):

@@ -211,7 +211,7 @@ def latency(
 
 
 def bench_model(name: str, runs: int, tmp: Path, batch: int = 1) -> dict[str, Any]:
-    from onnxq.tools.zoo import runner
+    from onnxq.tools.zoo import Scores, runner
 
     _, model, recipe, files = _setup(name)
     src = files["model"]
@@ -232,9 +232,13 @@ def bench_model(name: str, runs: int, tmp: Path, batch: int = 1) -> dict[str, An
             f"{name} {variant}: built in {seconds:.1f} s{' FAILED ' + error if error else ''}",
             file=sys.stderr,
         )
+    scores: dict[str, Scores] = {}
     for variant, path in list(paths.items()):  # a variant that does not run leaves it
         try:
-            rows[variant]["metric"] = recipe.evaluate(runner(path), model.evaluation)
+            scores[variant] = Scores(recipe, runner(path), model.evaluation)
+            rows[variant]["metric"] = scores[variant].value
+            if variant != "fp32" and "fp32" in scores:
+                rows[variant]["noise"] = scores[variant].noise(scores["fp32"])
             rows[variant]["bytes"] = path.stat().st_size
         except Exception as exc:
             rows[variant]["error"] = f"does not run: {type(exc).__name__}"
@@ -259,6 +263,8 @@ def _fmt(row: dict[str, Any], key: str, spec: str) -> str:
 
 def markdown(results: list[dict[str, Any]], runs: int, batch: int = 1) -> str:
     """The scoreboard as Markdown."""
+    from onnxq.tools.zoo import noise_text
+
     lines = [
         "# onnxq scoreboard",
         "",
@@ -293,7 +299,8 @@ def markdown(results: list[dict[str, Any]], runs: int, batch: int = 1) -> str:
             r2 = row.get("ms_2t", float("nan")) / base.get("ms_2t", float("nan"))
             better = "higher" if sign > 0 else "lower"
             name = f"**{variant}**" if variant == "onnxq" else variant
-            shown_delta = "" if variant == "fp32" else format(delta, "+.2f")
+            noise = row.get("noise")
+            shown_delta = "" if variant == "fp32" else format(delta, "+.2f") + noise_text(noise)
             cells = [
                 res["model"],
                 f"{res['metric']} ({res['unit']}, {better} is better)",
@@ -309,7 +316,13 @@ def markdown(results: list[dict[str, Any]], runs: int, batch: int = 1) -> str:
                 f"{row['rss_mib']:.0f}",
             ]
             lines.append("| " + " | ".join(cells) + " |")
-    lines += ["", "Δ vs fp32: metric points, positive = better than fp32.", ""]
+    lines += [
+        "",
+        "Δ vs fp32: metric points, positive = better than fp32; ± its noise, twice the "
+        "standard error of the paired per-sample difference (none where the metric is not a "
+        "mean over samples).",
+        "",
+    ]
     return "\n".join(lines)
 
 

@@ -10,8 +10,9 @@ For the commands that take them from any user (``--data``, ``onnxq debug --eval`
 count); ``<name>(path)`` scores the model file at ``path`` with the recipe's metric on the
 manifest's ``evaluation`` samples (the figure ``onnxq zoo run`` prints, negated where lower is
 better, e.g. CER, since these commands take higher as better); ``<name>_samples(path)``, for
-the recipes that score sample by sample (the classifiers), the score of each sample, which
-lets ``quantize --metric`` tell a difference from its noise. The model is fetched into the
+the recipes whose metric is a mean over samples (all but the correlations and the speech
+windows), the score of each sample (negated too), which lets ``quantize --metric`` tell a
+difference from its noise. The model is fetched into the
 cache on first use.
 """
 
@@ -61,9 +62,10 @@ def __getattr__(attr: str) -> Callable[..., Any]:
 
         def samples(path: str) -> Any:
             model, recipe = _recipe(name)
-            if not hasattr(recipe, "evaluate_samples"):
+            if getattr(recipe, "evaluate_samples", None) is None:
                 raise AttributeError(f"the recipe of {name!r} scores no single samples")
-            return recipe.evaluate_samples(zoo.runner_for(onnx.load(path)), model.evaluation)
+            scores = recipe.evaluate_samples(zoo.runner_for(onnx.load(path)), model.evaluation)
+            return scores if recipe.higher_is_better else -scores
 
         return samples
 

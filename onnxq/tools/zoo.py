@@ -41,6 +41,7 @@ from onnxq.io.openvino import OpenVINOSession
 from onnxq.io.openvino import available as openvino_available
 from onnxq.lower.convert import convert
 from onnxq.lower.fakequantize import holds_fakequantize
+from onnxq.simulate.heldback import gain
 
 MODEL_KEYS = {
     "description",
@@ -523,6 +524,9 @@ class ZooResult:
     seconds: float
     float_reasons: dict[str, str] = field(default_factory=dict)
     summary: str = ""
+    #: the noise of ``int8 − fp32`` in metric points: twice the standard error of the paired
+    #: per-sample difference (None: the recipe's metric is not a mean over samples)
+    noise: float | None = None
 
     @property
     def loss(self) -> float:
@@ -551,6 +555,7 @@ class ZooResult:
             "fp32": self.fp32,
             "int8": self.int8,
             "loss": self.loss,
+            "noise": self.noise,
             "max_loss": self.max_loss,
             "quantized_nodes": self.quantized_nodes,
             "min_quantized": self.min_quantized,
@@ -595,6 +600,35 @@ def runner_for(model: onnx.ModelProto) -> Callable[[dict[str, np.ndarray]], list
     return runner(model)
 
 
+class Scores:
+    """A model's score by its recipe: the metric, and per sample where the recipe has them."""
+
+    def __init__(self, recipe: Any, run: Callable[[dict[str, np.ndarray]], Any], n: int):
+        per_sample = getattr(recipe, "evaluate_samples", None)
+        self.samples: np.ndarray | None = None
+        if per_sample is not None:
+            self.samples = np.asarray(per_sample(run, n), np.float64)
+            self.value = float(np.mean(self.samples))
+        else:
+            self.value = float(recipe.evaluate(run, n))
+
+    def noise(self, other: Scores) -> float | None:
+        """The noise of the difference from ``other`` (the same samples), or None."""
+        if self.samples is None or other.samples is None:
+            return None
+        return gain(self.samples, other.samples)[1]
+
+
+def noise_text(noise: float | None) -> str:
+    """`` ±N`` after a zoo figure: the noise of its difference from fp32 (nothing if unknown).
+
+    Two decimals, or two significant digits below 0.1 (an encoder's cosine: ±0.0031).
+    """
+    if noise is None:
+        return ""
+    return f" ±{noise:.2f}" if noise >= 0.1 or noise == 0 else f" ±{noise:.2g}"
+
+
 def make_recipe(manifest: Manifest, model: ZooModel, files: dict[str, Path]) -> Any:
     """The recipe object of ``model``."""
     recipes = manifest.recipes()
@@ -625,7 +659,7 @@ def run_model(
     check_inputs(model, files["model"])
     recipe = make_recipe(manifest, model, files)
     path = files["model"]
-    fp32 = recipe.evaluate(runner(path), model.evaluation)
+    fp32 = Scores(recipe, runner(path), model.evaluation)
     if model.expect == "already-quantized":
         return _run_quantized(model, recipe, path, fp32, output)
     start = time.perf_counter()
@@ -648,7 +682,7 @@ def run_model(
 
 
 def _run_quantized(
-    model: ZooModel, recipe: Any, path: Path, reference: float, output: Any
+    model: ZooModel, recipe: Any, path: Path, reference: Scores, output: Any
 ) -> ZooResult:
     """An already-int8 model: ``quantize`` must refuse it, ``convert`` must keep its outputs."""
     try:
@@ -679,7 +713,7 @@ def _result(
     model: ZooModel,
     recipe: Any,
     path: Path,
-    fp32: float,
+    fp32: Scores,
     qmodel: onnx.ModelProto,
     output: Any,
     seconds: float,
@@ -688,7 +722,7 @@ def _result(
     reasons: dict[str, str],
 ) -> ZooResult:
     """Score ``qmodel``, save it to ``output`` (if given) and gather the result."""
-    int8 = recipe.evaluate(runner_for(qmodel), model.evaluation)
+    int8 = Scores(recipe, runner_for(qmodel), model.evaluation)
     if output is not None:
         save_model(qmodel, output)
     return ZooResult(
@@ -696,8 +730,8 @@ def _result(
         metric=recipe.metric,
         unit=recipe.unit,
         higher_is_better=recipe.higher_is_better,
-        fp32=fp32,
-        int8=int8,
+        fp32=fp32.value,
+        int8=int8.value,
         max_loss=model.max_loss,
         quantized_nodes=quantized,
         min_quantized=model.min_quantized,
@@ -706,4 +740,5 @@ def _result(
         seconds=seconds,
         float_reasons=reasons,
         summary=summary,
+        noise=int8.noise(fp32),
     )

@@ -17,10 +17,12 @@ from onnxq.io.graph import check_model
 from onnxq.tools.zoo import (
     SYSTEM_PACKAGES,
     MissingPackage,
+    Scores,
     ZooError,
     fetch,
     load_manifest,
     missing_packages,
+    noise_text,
     run_model,
 )
 
@@ -397,3 +399,73 @@ def test_photo_scores_feed_caffe_pixels_and_correlate_the_positive_log_odds(tmp_
 
     got = recipe.evaluate(noisy, 48)
     assert 0.0 < got < 99.9
+
+
+def test_an_error_rate_is_the_mean_of_each_samples_share():
+    from models.recipes import shares
+
+    errors, lengths = [0, 2, 1, 0], [10, 5, 20, 15]
+    each = shares(errors, lengths)
+    assert each.mean() == pytest.approx(100.0 * 3 / 50)  # the rate over every character
+    assert each[0] == 0 and each[1] == pytest.approx(2 * each[2])  # weighed by errors alone
+
+
+def test_zoo_scores_state_the_noise_of_the_paired_difference():
+    class PerSample:
+        def __init__(self, scores):
+            self.scores = np.asarray(scores, np.float64)
+
+        def evaluate_samples(self, run, n):
+            return self.scores[:n]
+
+    class Whole:  # a metric of the whole set (a correlation): no score per sample
+        evaluate_samples = None
+
+        def evaluate(self, run, n):
+            return 97.0
+
+    fp32 = Scores(PerSample([100, 100, 0, 100, 100, 0]), None, 6)
+    int8 = Scores(PerSample([100, 0, 0, 100, 100, 100]), None, 6)
+    assert (fp32.value, int8.value) == pytest.approx((400 / 6, 400 / 6))
+    d = np.array([0, -100, 0, 0, 0, 100])
+    assert int8.noise(fp32) == pytest.approx(2 * d.std(ddof=1) / np.sqrt(6))
+    assert Scores(PerSample([50, 50]), None, 2).noise(Scores(PerSample([50, 50]), None, 2)) == 0
+    whole = Scores(Whole(), None, 6)
+    assert whole.value == 97.0 and whole.noise(fp32) is None and fp32.noise(whole) is None
+    # printed after the figure, to two significant digits where two decimals would show 0
+    assert [noise_text(x) for x in (None, 0.0, 0.0012, 0.14)] == [
+        "",
+        " ±0.00",
+        " ±0.0012",
+        " ±0.14",
+    ]
+
+
+def test_a_correlation_recipe_offers_no_per_sample_scores():
+    # open_nsfw's metric correlates log-odds over every crop: the agreement samples of the
+    # class it derives from would score another metric under --metric
+    from models.recipes import PhotoScores, SpeechEmbeddings
+
+    assert PhotoScores.evaluate_samples is None
+    assert getattr(SpeechEmbeddings, "evaluate_samples", None) is None
+
+
+@pytest.mark.slow
+def test_a_recognizers_cer_comes_with_its_noise_and_negated_samples(monkeypatch):
+    import sys
+
+    monkeypatch.syspath_prepend(str(ROOT))
+    sys.modules.pop("models.zoo_eval", None)
+    from models import zoo_eval
+
+    model = MANIFEST.models["ppocrv6_tiny_rec"]
+    skip_without_packages(model)
+    res = run_model(MANIFEST, model, log=lambda _: None)
+    assert res.noise is not None and res.noise > 0
+    assert res.to_dict()["noise"] == res.noise
+    path = str(zoo_eval.model_path("ppocrv6_tiny_rec"))
+    each = zoo_eval.ppocrv6_tiny_rec_samples(path)  # higher is better: CER shares negated
+    assert len(each) == model.evaluation and np.all(each <= 0)
+    assert (
+        -each.mean() == pytest.approx(res.fp32) == pytest.approx(-zoo_eval.ppocrv6_tiny_rec(path))
+    )
