@@ -52,7 +52,7 @@ RUNTIME_GAP_DB = 6.0
 #: the layer search (every tensor exposed) runs on one batch of models up to this size
 LAYER_SEARCH_BYTES = 64 * 2**20
 #: the layer search hands out at most this many bytes of tensors at once (both models)
-LAYER_SEARCH_RUN_BYTES = 512 * 2**20
+LAYER_SEARCH_RUN_BYTES = 64 * 2**20
 #: onnxruntime's optimized graph is asked for models up to this size (it is written to a file)
 NARROWED_SEARCH_BYTES = 2**30
 #: the onnxruntime session option that sets MatMulNBits' arithmetic (4: int8 activations)
