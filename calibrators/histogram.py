@@ -147,9 +147,10 @@ class Histogram:
         # bins per unit: a power of two (the range is), so x·k is exact in float32 and its
         # floor is the bin below the centre, with no float64 copy of the batch
         k = np.float32(self.bins / (2 * self.half_range))
-        counts = np.zeros(self.bins, np.int64)
         # fixed-size chunks through reused scratch buffers: no fresh large allocations (and their
-        # page faults) per batch, and the working set stays in cache
+        # page faults) per batch, and the working set stays in cache. Each chunk counts only
+        # the bins between its lowest and highest index: a small tensor (a Loop body's
+        # iteration) pays for its values, not for every bin
         pos, idx = _scratch()
         for start in range(0, x.size, _CHUNK):
             part = x[start : start + _CHUNK]
@@ -157,9 +158,12 @@ class Histogram:
             np.multiply(part, k, out=pos[:n])
             np.floor(pos[:n], out=pos[:n])
             idx[:n] = pos[:n]
-            idx[:n] += self.bins // 2  # |x| < R: every index is in [0, bins)
-            counts += np.bincount(idx[:n], minlength=self.bins)
-        self.counts += counts
+            # |x| < R: every index plus bins // 2 is in [0, bins)
+            first = int(idx[:n].min())
+            idx[:n] -= first
+            found = np.bincount(idx[:n])
+            first += self.bins // 2
+            self.counts[first : first + found.size] += found
 
     def bounded(self, lo: float, hi: float) -> Histogram:
         """A copy whose values outside ``[lo, hi]`` sit at the bound instead.

@@ -45,6 +45,24 @@ def test_histogram_growth_by_doubling_is_exact():
     assert grown.total == allv.size and grown.min == allv.min() and grown.max == allv.max()
 
 
+def test_histogram_counts_small_and_chunked_batches_exactly():
+    # a batch is counted into the bins it spans: a few values (a Loop body's iteration) far
+    # from the centre, one value, and a batch longer than a scratch chunk all land where
+    # counting every bin would put them
+    import onnxq.calibrators.histogram as histogram
+
+    chunks = [
+        np.float32([5.5, 5.75, 6.0]),
+        np.float32([-7.0]),
+        R.normal(0, 2, 3 * histogram._CHUNK + 17).astype(np.float32),
+        R.uniform(0.5, 0.75, 40).astype(np.float32),
+    ]
+    hist = feed(Histogram(512), chunks)
+    allv = np.concatenate(chunks)
+    direct = np.histogram(allv, bins=512, range=(-hist.half_range, hist.half_range))[0]
+    np.testing.assert_array_equal(hist.counts, direct)
+
+
 def test_histogram_counts_leading_zeros():
     h = feed(Histogram(64), [np.zeros(10, np.float32), np.ones(5, np.float32)])
     assert h.total == 15 and h.counts[32] == 10

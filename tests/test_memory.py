@@ -7,6 +7,7 @@ equivalences the savings rely on.
 from __future__ import annotations
 
 import gc
+import os
 
 import numpy as np
 import onnx
@@ -205,3 +206,20 @@ def test_a_model_is_weighed_by_its_weights_without_serializing_it(monkeypatch):
     x = rng(1).normal(0, 1, (3, 64)).astype(np.float32)
     got = session.make_session(model).run(["y"], {"x": x})[0]
     np.testing.assert_allclose(got, x @ w, rtol=1e-5)
+
+
+@pytest.mark.skipif(
+    session.resident_bytes() is None or not hasattr(os, "fork"), reason="reads /proc/self/statm"
+)
+def test_resident_bytes_in_a_forked_child_are_the_childs():
+    # the probe keeps /proc/self/statm open; a child forked after it was opened must read its
+    # own memory, not its parent's through the inherited descriptor
+    session.resident_bytes()
+    pid = os.fork()
+    if pid == 0:  # the child: grow by 64 MiB, touched, and say whether the probe saw it
+        before = session.resident_bytes()
+        grown = np.ones(8 << 20)
+        after = session.resident_bytes()
+        os._exit(0 if after - before > 48 << 20 and grown[-1] == 1 else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0

@@ -292,16 +292,25 @@ def free_memory(model: onnx.ModelProto | None = None) -> None:
     trim_heap()
 
 
+_PAGE_BYTES = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
 #: growth of the resident memory past which :func:`trim_heap_if_grown` trims
 TRIM_GROWTH = 32 << 20
 
 
+#: (pid, descriptor) of this process's /proc/self/statm, kept open: the calibrate pass reads it
+#: every batch, and opening it was 40 µs of each (a Loop body's 8,236 iterations: 0.4 s)
+_STATM: tuple[int, int] | None = None
+
+
 def resident_bytes() -> int | None:
     """The resident memory of the process now (Linux), else None."""
+    global _STATM
     try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
+        if _STATM is None or _STATM[0] != os.getpid():  # a forked child reads its own
+            _STATM = (os.getpid(), os.open("/proc/self/statm", os.O_RDONLY | os.O_CLOEXEC))
+        return int(os.pread(_STATM[1], 128, 0).split()[1]) * _PAGE_BYTES
+    except (OSError, ValueError, IndexError, AttributeError):  # no /proc, no os.pread
         return None
 
 
