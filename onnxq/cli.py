@@ -588,7 +588,9 @@ def _zoo(args: argparse.Namespace) -> int:
             )
             print(
                 f"{m.name}: {res.metric} {before} {res.fp32:.2f}{res.unit} → {after} "
-                f"{res.int8:.2f}{res.unit}{zoo.noise_text(res.noise)} (bar: ≤ {res.max_loss:g} "
+                f"{res.int8:.2f}{res.unit}{zoo.noise_text(res.noise)}"
+                + (f", worst sample {res.worst:.2f}{res.unit}" if res.worst is not None else "")
+                + f" (bar: ≤ {res.max_loss:g} "
                 "points worse), "
                 f"{res.quantized_nodes} nodes int8, {res.fp32_bytes / 1024:.0f} → "
                 f"{res.int8_bytes / 1024:.0f} KiB, {res.seconds:.1f} s: {verdict}",

@@ -527,6 +527,9 @@ class ZooResult:
     #: the noise of ``int8 − fp32`` in metric points: twice the standard error of the paired
     #: per-sample difference (None: the recipe's metric is not a mean over samples)
     noise: float | None = None
+    #: the int8 model's least favourable sample, in the metric's units, where the recipe keeps
+    #: one (an encoder's smallest cosine with fp32); None otherwise
+    worst: float | None = None
 
     @property
     def loss(self) -> float:
@@ -556,6 +559,7 @@ class ZooResult:
             "int8": self.int8,
             "loss": self.loss,
             "noise": self.noise,
+            "worst": self.worst,
             "max_loss": self.max_loss,
             "quantized_nodes": self.quantized_nodes,
             "min_quantized": self.min_quantized,
@@ -611,6 +615,9 @@ class Scores:
             self.value = float(np.mean(self.samples))
         else:
             self.value = float(recipe.evaluate(run, n))
+        #: the recipe's least favourable sample of this evaluation, if it keeps one (``worst``)
+        worst = getattr(recipe, "worst", None)
+        self.worst = float(worst) if worst is not None and np.isfinite(worst) else None
 
     def noise(self, other: Scores) -> float | None:
         """The noise of the difference from ``other`` (the same samples), or None."""
@@ -741,4 +748,5 @@ def _result(
         float_reasons=reasons,
         summary=summary,
         noise=int8.noise(fp32),
+        worst=int8.worst,
     )

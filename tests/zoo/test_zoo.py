@@ -441,6 +441,36 @@ def test_zoo_scores_state_the_noise_of_the_paired_difference():
     ]
 
 
+def test_zoo_scores_keep_the_worst_sample_of_their_own_evaluation():
+    # an encoder's recipe keeps its smallest cosine in ``worst`` at every evaluation: each
+    # Scores reads the one its evaluation left, and a recipe without one gives None
+    class Cosines:
+        worst = float("nan")
+
+        def __init__(self):
+            self.runs = iter([[100.0, 100.0, 100.0], [99.9, 99.2, 99.95]])
+
+        def evaluate_samples(self, run, n):
+            scores = np.asarray(next(self.runs))
+            self.worst = float(scores.min())
+            return scores
+
+    class Unkept(Cosines):
+        def evaluate_samples(self, run, n):
+            return np.asarray(next(self.runs))
+
+    recipe = Cosines()
+    fp32, int8 = Scores(recipe, None, 3), Scores(recipe, None, 3)
+    assert (fp32.worst, int8.worst) == (100.0, 99.2)
+    assert Scores(Unkept(), None, 3).worst is None  # still NaN: nothing kept
+
+    class Plain:  # no ``worst`` at all (a classifier's recipe)
+        def evaluate_samples(self, run, n):
+            return np.ones(n)
+
+    assert Scores(Plain(), None, 2).worst is None
+
+
 def test_a_correlation_recipe_offers_no_per_sample_scores():
     # open_nsfw's metric correlates log-odds over every crop: the agreement samples of the
     # class it derives from would score another metric under --metric
