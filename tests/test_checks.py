@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 
 import numpy as np
@@ -107,15 +108,18 @@ def test_latency_is_measured_for_real():
 
 
 def _timed_sessions(monkeypatch, fp32_ms, int8_ms):
-    """Sessions whose runs take the given times on a fake clock (no real waiting)."""
+    """Sessions whose runs take the given times on a fake clock (no real waiting).
+
+    A time may be a list: the runs take its times in turn.
+    """
     clock = [0.0]
 
     class Session:
         def __init__(self, ms):
-            self.ms = ms
+            self.ms = itertools.cycle(ms if isinstance(ms, list) else [ms])
 
         def run(self, names, feed):
-            clock[0] += self.ms / 1e3
+            clock[0] += next(self.ms) / 1e3
 
     made = iter([Session(fp32_ms), Session(int8_ms)])
     monkeypatch.setattr(checks, "make_session", lambda model, threads: next(made))
@@ -129,10 +133,15 @@ def test_latency_stops_early_only_when_the_verdict_is_clear(monkeypatch):
     lat = checks.latency(None, None, {}, seconds=0.3)
     assert lat.ratio == 0.25 and lat.runs == 40
     assert clock[0] < 0.2
-    # int8 as fast as fp32: as close to the warning as can be, timed the whole 2 × 0.3 s
-    clock = _timed_sessions(monkeypatch, 1.0, 1.0)
+    # int8 as fast as fp32 on every pair: below the warning's 1.05 every time, settled by the
+    # sign test as soon as the minimum time is spent
+    _timed_sessions(monkeypatch, 1.0, 1.0)
     lat = checks.latency(None, None, {}, seconds=0.3)
-    assert lat.ratio == 1.0 and lat.runs == 300
+    assert lat.ratio == 1.0 and lat.runs == 50
+    # int8 on either side of the warning pair by pair: never settled, timed the whole 2 × 0.3 s
+    _timed_sessions(monkeypatch, 1.0, [0.9, 1.1])
+    lat = checks.latency(None, None, {}, seconds=0.3)
+    assert lat.runs == 300 and not lat.warning()
     # int8 at twice fp32's time: clearly slower, early too, and warned about
     _timed_sessions(monkeypatch, 1.0, 2.0)
     lat = checks.latency(None, None, {}, seconds=0.3)

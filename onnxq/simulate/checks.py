@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import statistics
 import tempfile
@@ -47,6 +48,8 @@ SLOWER_MS = 0.05
 #: of fp32's time, after at least LATENCY_MIN_RUNS runs of each and LATENCY_MIN_SECONDS
 CLEARLY_FASTER, CLEARLY_SLOWER = 0.8, 1.3
 LATENCY_MIN_RUNS, LATENCY_MIN_SECONDS = 5, 0.1
+#: or earlier when the pairs of runs settle the warning (:func:`settled`) at this many sigmas
+SIGN_TEST_SIGMAS = 2.0
 #: an output the target runtime computes this much below the fake-quantized model is warned about
 RUNTIME_GAP_DB = 6.0
 #: the layer search (every tensor exposed) runs on one batch of models up to this size
@@ -325,6 +328,17 @@ class Latency:
         )
 
 
+def settled(above: int, runs: int) -> bool:
+    """Whether ``runs`` pairs of runs taken in turns settle the warning's ratio test.
+
+    A sign test: ``above`` pairs took int8 over :data:`SLOWER_RATIO` × that pair's fp32 time.
+    Where the median ratio sits near the warning about half the pairs are above; the test is
+    settled when the count is farther from half than :data:`SIGN_TEST_SIGMAS` standard
+    deviations (√runs / 2): five pairs all below, or more pairs mostly on one side.
+    """
+    return abs(above - runs / 2) > SIGN_TEST_SIGMAS * math.sqrt(runs) / 2
+
+
 def latency(
     float_model: onnx.ModelProto, quant_model: onnx.ModelProto, feed: Feed, seconds: float = 0.3
 ) -> Latency:
@@ -333,7 +347,8 @@ def latency(
     Taking turns keeps the ratio fair when the machine's speed drifts. Stops after at least
     :data:`LATENCY_MIN_RUNS` runs of each and :data:`LATENCY_MIN_SECONDS` once the ratio is
     clear of the warning (int8 under :data:`CLEARLY_FASTER` of fp32's time, or over
-    :data:`CLEARLY_SLOWER`); else after about ``seconds`` for each model (2,000 runs at most).
+    :data:`CLEARLY_SLOWER`, or the pairs of runs on one side of :data:`SLOWER_RATIO` by a sign
+    test: :func:`settled`); else after about ``seconds`` for each model (2,000 runs at most).
     """
     sessions = {
         key: make_session(m, threads=1) for key, m in (("fp32", float_model), ("int8", quant_model))
@@ -341,12 +356,14 @@ def latency(
     for session in sessions.values():
         session.run(None, feed)  # warm-up
     samples: dict[str, list[float]] = {key: [] for key in sessions}
+    above = 0  # pairs whose int8 run took over SLOWER_RATIO × their fp32 run
     start = time.perf_counter()
     while True:
         for key, session in sessions.items():
             t = time.perf_counter()
             session.run(None, feed)
             samples[key].append(time.perf_counter() - t)
+        above += samples["int8"][-1] > SLOWER_RATIO * samples["fp32"][-1]
         n = len(samples["fp32"])
         spent = time.perf_counter() - start
         if n >= 2000 or (n >= LATENCY_MIN_RUNS and spent >= 2 * seconds):
@@ -356,6 +373,8 @@ def latency(
                 statistics.median(samples["fp32"]), 1e-12
             )
             if ratio <= CLEARLY_FASTER or ratio >= CLEARLY_SLOWER:
+                break
+            if settled(above, n):
                 break
     times = {key: statistics.median(v) * 1e3 for key, v in samples.items()}
     return Latency(times["fp32"], times["int8"], len(samples["fp32"]))
