@@ -159,11 +159,11 @@ class Histogram:
             np.floor(pos[:n], out=pos[:n])
             idx[:n] = pos[:n]
             # |x| < R: every index plus bins // 2 is in [0, bins)
-            first = int(idx[:n].min())
-            idx[:n] -= first
+            lowest = int(idx[:n].min())
+            idx[:n] -= lowest
             found = np.bincount(idx[:n])
-            first += self.bins // 2
-            self.counts[first : first + found.size] += found
+            at = lowest + self.bins // 2
+            self.counts[at : at + found.size] += found
 
     def bounded(self, lo: float, hi: float) -> Histogram:
         """A copy whose values outside ``[lo, hi]`` sit at the bound instead.

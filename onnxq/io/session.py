@@ -292,8 +292,6 @@ def free_memory(model: onnx.ModelProto | None = None) -> None:
     trim_heap()
 
 
-_PAGE_BYTES = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
-
 #: growth of the resident memory past which :func:`trim_heap_if_grown` trims
 TRIM_GROWTH = 32 << 20
 
@@ -301,6 +299,7 @@ TRIM_GROWTH = 32 << 20
 #: (pid, descriptor) of this process's /proc/self/statm, kept open: the calibrate pass reads it
 #: every batch, and opening it was 40 µs of each (a Loop body's 8,236 iterations: 0.4 s)
 _STATM: tuple[int, int] | None = None
+_PAGE_BYTES = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
 def resident_bytes() -> int | None:

@@ -372,9 +372,7 @@ def latency(
             ratio = statistics.median(samples["int8"]) / max(
                 statistics.median(samples["fp32"]), 1e-12
             )
-            if ratio <= CLEARLY_FASTER or ratio >= CLEARLY_SLOWER:
-                break
-            if settled(above, n):
+            if ratio <= CLEARLY_FASTER or ratio >= CLEARLY_SLOWER or settled(above, n):
                 break
     times = {key: statistics.median(v) * 1e3 for key, v in samples.items()}
     return Latency(times["fp32"], times["int8"], len(samples["fp32"]))
