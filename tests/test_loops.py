@@ -18,7 +18,7 @@ from onnx import numpy_helper as nh
 import onnxq
 from onnxq.calibrate.iterations import Iterations
 from onnxq.core.errors import ConfigError
-from onnxq.io.bodies import body_iterations
+from onnxq.io.bodies import body_iterations, steps_together
 from onnxq.io.session import make_session
 from onnxq.post.subgraphs import branch_model
 from onnxq.prepare.preprocess import prepare
@@ -326,6 +326,63 @@ def test_iterations_hold_one_iteration_in_memory():
         tracemalloc.stop()
         assert count == steps
     assert peaks[1] < 1.5 * peaks[0] + (1 << 16), peaks
+
+
+def _scan_iterations(model: onnx.ModelProto, rows: list[dict], stacked: bool) -> Iterations:
+    node = next(n for n in model.graph.node if n.op_type == "Scan")
+    body = branch_model(model, _body(model), _first(node, rows[0]))
+    sizes = [len(r["x"]) for r in rows] if stacked else None
+    return Iterations(node, body, [], rows, sizes)
+
+
+def _scan_rows(n: int, steps: int) -> list[dict]:
+    g = rng(11)
+    return [
+        {"h0": np.zeros((1, H), np.float32), "x": g.normal(0, 1, (1, steps, D)).astype(np.float32)}
+        for _ in range(n)
+    ]
+
+
+def test_rows_stacked_in_one_body_run_give_every_iteration_they_give_alone():
+    # 40 samples of 100 steps: 4,000 row-iterations, 15 rows a run (256 feeds kept at least)
+    rows = _scan_rows(40, 100)
+    model = scan_rnn(100)
+    alone, together = _scan_iterations(model, rows, False), _scan_iterations(model, rows, True)
+    each = list(alone.batches())
+    joined = list(together.batches())
+    assert alone.stacked == 1 and together.stacked == 15
+    assert alone.count == together.count == 4000
+    assert len(each) == 4000 and len(joined) == 300  # 2 runs of 15 rows and one of 10, 100 steps
+    for name in ("h_in", "x_t"):
+        ref = np.concatenate([f[name] for f in each])
+        got = np.concatenate([f[name] for f in joined])
+        # the same values, in another order: a step of every stacked row, then the next step
+        np.testing.assert_allclose(np.sort(got, axis=0), np.sort(ref, axis=0), atol=1e-5)
+
+
+def test_a_body_that_mixes_its_rows_runs_each_row_alone():
+    # the body adds its batch's mean to the state: stacked rows would see each other's values
+    model = scan_rnn(100)
+    body = _body(model)
+    tanh = next(n for n in body.node if n.op_type == "Tanh")
+    tanh.output[0] = "t"
+    body.node.extend(
+        [
+            h.make_node("ReduceMean", ["t"], ["m"], axes=[0], keepdims=1),
+            h.make_node("Add", ["t", "m"], ["h_out"]),
+        ]
+    )
+    data = _scan_iterations(model, _scan_rows(40, 100), True)
+    assert len(list(data.batches())) == 4000 and data.stacked == 1
+
+
+def test_a_loop_whose_body_computes_its_condition_is_not_stacked():
+    body = _body(loop_rnn(10))
+    assert steps_together(next(n for n in loop_rnn(10).graph.node if n.op_type == "Loop"))
+    cond = next(n for n in body.node if n.name == "cond")
+    cond.op_type, cond.input[:] = "Not", ["cond_in"]  # a condition of its own: the rows may part
+    node = h.make_node("Loop", ["steps", "", "h0"], ["h_last", "states"], body=body)
+    assert not steps_together(node)
 
 
 def test_fakequantize_output_leaves_the_body_float_with_its_reason():

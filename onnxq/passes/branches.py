@@ -11,6 +11,7 @@ from typing import Any
 
 import onnx
 
+from onnxq.calibrate.dataset import feed_samples
 from onnxq.calibrate.iterations import Iterations
 from onnxq.options import QuantizeOptions
 from onnxq.passes.defaults import settle
@@ -49,6 +50,7 @@ class Branches:
             return PassResult(f"{len(ifs)} If/Loop/Scan nodes left float")
         state.dataset.reset()
         feeds = [dict(f) for f in state.dataset.batches()]
+        sizes = [feed_samples(f) for f in feeds]  # the rows of a body's feeds, per outer feed
         options = settle(state.options.for_branches(), state.over_budget)
 
         def run(model: onnx.ModelProto, samples: Any) -> Any:
@@ -59,7 +61,7 @@ class Branches:
             state.model,
             feeds,
             run,
-            Iterations,
+            lambda node, body, free, rows: Iterations(node, body, free, rows, sizes),
             state.options.kept_float(q.float_model),
         )
         done = sum(1 for b in state.branches if b.quantized)
