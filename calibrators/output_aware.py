@@ -25,7 +25,7 @@ from onnx import numpy_helper
 
 from onnxq.calibrators.minmax import MinMaxCallback
 from onnxq.core.callbacks import CalibrationInfo, Observer, ObserverCallback
-from onnxq.core.qparams import QParams, dequantize, params_from_range, quantize, weight_params
+from onnxq.core.qparams import QParams, dequantize, params_from_range, quantize
 from onnxq.io.session import make_session
 
 
@@ -85,7 +85,7 @@ class OutputAwareCallback(ObserverCallback):
 
     def _base_params(self, info: CalibrationInfo, qt: Any) -> QParams:
         if qt.role == "weight":
-            return weight_params(info.constant(qt.tensor), qt.axis, qt.dtype, bits=qt.bits)
+            return info.weight_params(qt)
         if qt.scale in info.values:
             return QParams(info.values[qt.scale], info.values[qt.zero_point])
         lo, hi = self.base.activation_range(info, qt)

@@ -184,6 +184,31 @@ def test_retained_statistics_do_not_grow_with_samples(method):
     assert many.observer_bytes <= many.tensors_observed * (2048 * 8 + 64)
 
 
+def test_recalibrating_reuses_each_weights_parameters(monkeypatch):
+    # the recipe choice recalibrates once per range candidate: a weight's parameters do not
+    # depend on the activation ranges, so they are computed once and handed out as copies
+    import onnxq.core.callbacks as callbacks
+
+    calls = []
+
+    def counted(*args, **kwargs):
+        calls.append(args[0].shape)
+        return weight_params(*args, **kwargs)
+
+    monkeypatch.setattr(callbacks, "weight_params", counted)
+    quantizer = Quantizer(conv_model())
+    feeds = [{"x": R.normal(0, 1, (1, 3, 6, 6)).astype(np.float32)} for _ in range(4)]
+    cal = Calibrator(
+        quantizer, as_dataset(feeds, model_inputs(quantizer.float_model)), progress=False
+    )
+    first = cal.calibrate()
+    first["W_scale"][:] = 0  # a caller's edit of the values reaches no later calibration
+    again = cal.recalibrate(MinMaxCallback())
+    assert calls == [(4, 3, 3, 3)]
+    expected = weight_params(quantizer.float_value("W"), 0, "int8").scale
+    np.testing.assert_array_equal(again["W_scale"], expected)
+
+
 def test_nonfinite_calibration_values_are_reported_and_ignored():
     model = conv_model()
     x = R.normal(0, 1, (4, 3, 6, 6)).astype(np.float32)

@@ -259,6 +259,9 @@ class Calibrator:
         #: per-channel means read from a range table (--load-ranges) instead of the data
         self.loaded_means: dict[str, np.ndarray] = {}
         self.channel_sums: dict[str, tuple[np.ndarray, int]] = {}
+        #: each weight's parameters by (tensor, axis, dtype, bits), computed once
+        #: (CalibrationInfo.weight_params)
+        self.weight_qparams: dict[tuple[str, int | None, str, int], Any] = {}
         #: observers a later pass streams over the same batches (tensor -> observers with an
         #: ``observe(array)``), set before calibrate: optimized rounding's layer Hessians
         self.taps: dict[str, list[Any]] = {}

@@ -15,7 +15,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from onnxq.core.errors import CalibrationError
-from onnxq.core.qparams import params_from_range, weight_params
+from onnxq.core.qparams import QParams, params_from_range, weight_params
 from onnxq.core.specs import PatternRecord, QTensor
 
 
@@ -62,7 +62,7 @@ class ObserverCallback(CalibrationCallback):
         values: dict[str, np.ndarray] = {}
         for qt in [*info.inputs, *info.outputs]:
             if qt.role == "weight":
-                qp = weight_params(info.constant(qt.tensor), qt.axis, qt.dtype, bits=qt.bits)
+                qp = info.weight_params(qt)
             else:
                 lo, hi = self.activation_range(info, qt)
                 info.calibrator.ranges.setdefault(qt.tensor, (float(lo), float(hi)))
@@ -170,6 +170,21 @@ class CalibrationInfo:
     def constant(self, tensor: str) -> np.ndarray:
         """Float value of a constant input (a weight)."""
         return self.calibrator.quantizer.float_value(tensor)
+
+    def weight_params(self, qt: QTensor) -> QParams:
+        """Symmetric parameters of weight ``qt`` (onnxq.core.qparams.weight_params).
+
+        Computed once per calibrator and weight: the float weights do not change while it
+        calibrates, and the recipe choice recalibrates with every range candidate.
+        """
+        key = (qt.tensor, qt.axis, qt.dtype, qt.bits)
+        memo = getattr(self.calibrator, "weight_qparams", None)
+        qp = memo.get(key) if memo is not None else None
+        if qp is None:
+            qp = weight_params(self.constant(qt.tensor), qt.axis, qt.dtype, bits=qt.bits)
+            if memo is not None:
+                memo[key] = qp
+        return QParams(qp.scale.copy(), qp.zero_point.copy(), qp.axis)
 
     def get_unquantized_layer_inputs(self, feeds: Mapping[str, np.ndarray]) -> list[np.ndarray]:
         """Float values of the pattern's inputs for one feed of the float model."""
