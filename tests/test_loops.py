@@ -540,6 +540,33 @@ def _hoisted(model: onnx.ModelProto) -> onnx.ModelProto:
     return out
 
 
+def test_a_loops_carried_value_keeps_its_shape_without_symbolic_inference(monkeypatch):
+    # ONNX types a carried value without its shape; the body declares [N, H] in and out, as
+    # its initial value is: the Loop's output is given it, and the MatMul after it its shape
+    import onnxq.prepare.preprocess as preprocess
+
+    def refused(model):
+        assert not preprocess._unshaped(model), "onnxruntime's symbolic inference was needed"
+        return []
+
+    monkeypatch.setattr(preprocess, "_symbolic_value_info", refused)
+    out, _ = prepare(loop_rnn(10))
+    shapes = {
+        v.name: [d.dim_param or d.dim_value for d in v.type.tensor_type.shape.dim]
+        for v in out.graph.value_info
+    }
+    assert shapes["h_last"] == ["N", H]
+    # a body whose carried value changes shape (declared [N, H] in, [N, 2H] out) gets none
+    model = loop_rnn(10)
+    body = _body(model)
+    body.output[1].type.tensor_type.shape.dim[1].dim_value = 2 * H
+    monkeypatch.setattr(preprocess, "_symbolic_value_info", lambda model: [])
+    out, _ = prepare(model)
+    assert not any(
+        v.name == "h_last" and v.type.tensor_type.HasField("shape") for v in out.graph.value_info
+    )
+
+
 @pytest.mark.parametrize("reverse", [False, True])
 def test_prepare_hoists_a_scan_bodys_input_projection_into_one_matmul(reverse):
     out = _hoisted(scan_rnn(12, reverse))

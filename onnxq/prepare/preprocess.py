@@ -90,10 +90,76 @@ def _shaped(out: onnx.ModelProto, model: onnx.ModelProto) -> onnx.ModelProto:
     out.producer_version = model.producer_version
     try:
         out = _with_weights(onnx.shape_inference.infer_shapes(skeleton(out), data_prop=True), out)
+        if _carried_shapes(out):  # and what follows from them
+            out = _with_weights(
+                onnx.shape_inference.infer_shapes(skeleton(out), data_prop=True), out
+            )
     except Exception as exc:  # shape inference is best effort: patterns cope with unknown shapes
         logging.getLogger("onnxq").info("shape inference failed: %s", exc)
     out.graph.value_info.extend(_symbolic_value_info(out))
     return out
+
+
+def _dims(value: onnx.ValueInfoProto | None) -> list[int | str] | None:
+    """``value``'s dimensions (a number or a name each), or None where one is unknown."""
+    if value is None or not value.type.tensor_type.HasField("shape"):
+        return None
+    dims: list[int | str] = []
+    for d in value.type.tensor_type.shape.dim:
+        if d.HasField("dim_value"):
+            dims.append(d.dim_value)
+        elif d.HasField("dim_param"):
+            dims.append(d.dim_param)
+        else:
+            return None
+    return dims
+
+
+def _carried_shapes(model: onnx.ModelProto) -> bool:
+    """Give each Loop carried value and Scan state leaving the main graph its initial shape.
+
+    ONNX inference types them without a shape (a carried value may change shape between
+    iterations). One whose body declares the same shape for it coming in and going out, the
+    shape its initial value has, keeps that shape on every iteration: its output is given it.
+    onnxruntime's symbolic inference, the other way to these shapes, costs half a second to
+    import. True when a shape was added (inference then runs again for what follows).
+    """
+    g = model.graph
+    known = {v.name: v for v in [*g.input, *g.value_info, *g.output]}
+    declared = {o.name for o in g.output}  # the model's own outputs stay as it declares them
+    added = False
+    for node in g.node:
+        if node.op_type not in ("Loop", "Scan"):
+            continue
+        body = dict(graphs_of(node))["body"]
+        if node.op_type == "Loop":
+            states = len(node.input) - 2
+            pairs = [(node.input[2 + k], 2 + k, 1 + k, k) for k in range(states)]
+        else:
+            scans = next((a.i for a in node.attribute if a.name == "num_scan_inputs"), 0)
+            states = len(node.input) - scans
+            pairs = [(node.input[k], k, k, k) for k in range(states)]
+        for initial, body_in, body_out, out_at in pairs:
+            if out_at >= len(node.output) or not node.output[out_at]:
+                continue
+            name = node.output[out_at]
+            if name in declared or _dims(known.get(name)) is not None:
+                continue
+            first = _dims(known.get(initial))
+            if first is None or body_in >= len(body.input) or body_out >= len(body.output):
+                continue
+            if not first == _dims(body.input[body_in]) == _dims(body.output[body_out]):
+                continue
+            value = known.get(name)
+            typed = onnx.ValueInfoProto()
+            typed.CopyFrom(known[initial])
+            typed.name = name
+            if value is not None:
+                value.CopyFrom(typed)
+            else:
+                g.value_info.append(typed)
+            added = True
+    return added
 
 
 def _with_weights(inferred: onnx.ModelProto, full: onnx.ModelProto) -> onnx.ModelProto:
