@@ -150,9 +150,7 @@ def _prepare(name: str, scratch: Path) -> None:
     names = list(feeds[0])
     # one .npz where the batches join on their first axis; a folder where shapes differ or an
     # input is a scalar (silero-vad's sample rate), which has no axis to join on
-    if all(
-        np.ndim(f[k]) and f[k].shape[1:] == feeds[0][k].shape[1:] for f in feeds for k in names
-    ):
+    if all(np.ndim(f[k]) and f[k].shape[1:] == feeds[0][k].shape[1:] for f in feeds for k in names):
         arrays = {k: np.concatenate([f[k] for f in feeds]) for k in names}
         np.savez(scratch / f"{name}.npz", **arrays)
     else:
