@@ -148,21 +148,20 @@ class Histogram:
         # floor is the bin below the centre, with no float64 copy of the batch
         k = np.float32(self.bins / (2 * self.half_range))
         # fixed-size chunks through reused scratch buffers: no fresh large allocations (and their
-        # page faults) per batch, and the working set stays in cache. Each chunk counts only
-        # the bins between its lowest and highest index: a small tensor (a Loop body's
-        # iteration) pays for its values, not for every bin
+        # page faults) per batch, and the working set stays in cache. Counts start at the bin
+        # of the batch's lowest value (the same float32 product as the values'), so a small
+        # tensor (a Loop body's iteration) pays for its values, not for every bin; floor writes
+        # the indices directly (one pass fewer than flooring in place and converting)
         pos, idx = _scratch()
+        lowest = int(np.floor(np.float32(lo) * k))
+        at = lowest + self.bins // 2  # |x| < R: every index plus bins // 2 is in [0, bins)
         for start in range(0, x.size, _CHUNK):
             part = x[start : start + _CHUNK]
             n = part.size
             np.multiply(part, k, out=pos[:n])
-            np.floor(pos[:n], out=pos[:n])
-            idx[:n] = pos[:n]
-            # |x| < R: every index plus bins // 2 is in [0, bins)
-            lowest = int(idx[:n].min())
+            np.floor(pos[:n], out=idx[:n], casting="unsafe")
             idx[:n] -= lowest
             found = np.bincount(idx[:n])
-            at = lowest + self.bins // 2
             self.counts[at : at + found.size] += found
 
     def bounded(self, lo: float, hi: float) -> Histogram:
