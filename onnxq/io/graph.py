@@ -7,6 +7,7 @@ topologically sorted after :meth:`GraphEditor.finish`.
 
 from __future__ import annotations
 
+import hashlib
 import math
 import os
 import secrets
@@ -821,6 +822,112 @@ def hoist_nested_initializers(graph: onnx.GraphProto) -> None:
                     body.initializer.append(t)
                     held.add(t.name)
             del inner.initializer[:]
+
+
+#: body constants smaller than this are left where they are (shape and index constants)
+SHARED_MIN_BYTES = 1024
+
+
+def share_body_constants(model: onnx.ModelProto, min_bytes: int = SHARED_MIN_BYTES) -> int:
+    """Keep one copy of each constant that bodies hold several times; return the bytes saved.
+
+    Folding a body's constant subgraph writes its result into that body: silero-vad's two
+    inner If branches each slice and concatenate the same LSTM weights of their enclosing
+    branch, so the folded model held them twice per branch (its int8 file 2.7 MB against the
+    float model's 2.3 MB). Initializers of bodies (never the main graph's, so a model without
+    bodies is untouched) with the same type, shape and bytes, of at least ``min_bytes``, become
+    one initializer in the innermost graph enclosing all of them, read from there (ONNX bodies
+    read enclosing scopes); the others' readers are renamed to it. Deterministic: graphs and
+    initializers are visited in their order, and the first copy's name is kept where it is
+    defined nowhere else.
+    """
+    graphs: list[onnx.GraphProto] = []
+    parent: list[int | None] = []
+
+    def walk(g: onnx.GraphProto, up: int | None) -> None:
+        me = len(graphs)
+        graphs.append(g)
+        parent.append(up)
+        for body in _subgraphs(g):
+            walk(body, me)
+
+    walk(model.graph, None)
+    # a graph input or output of that name is not the constant alone: left where it is
+    ends = {v.name for g in graphs for v in (*g.input, *g.output)}
+    groups: dict[tuple[int, tuple[int, ...], bytes], list[tuple[int, int]]] = {}
+    for at, g in enumerate(graphs):
+        if parent[at] is None:
+            continue
+        for k, t in enumerate(g.initializer):
+            if is_file_weight(t) or t.name in ends or _nbytes(t) < min_bytes:
+                continue
+            key = (t.data_type, tuple(t.dims), hashlib.sha256(raw_bytes(t)).digest())
+            groups.setdefault(key, []).append((at, k))
+    shared = {key: members for key, members in groups.items() if len(members) > 1}
+    if not shared:
+        return 0
+    defined: dict[str, int] = {}
+    for g in graphs:
+        for name in (
+            *(i.name for i in g.input),
+            *(t.name for t in g.initializer),
+            *(o for n in g.node for o in n.output if o),
+        ):
+            defined[name] = defined.get(name, 0) + 1
+
+    def chain(at: int | None) -> list[int]:
+        """The graphs from the main one down to ``at``."""
+        out: list[int] = []
+        while at is not None:
+            out.append(at)
+            at = parent[at]
+        return out[::-1]
+
+    saved = 0
+    moved: dict[int, list[tuple[int, onnx.TensorProto]]] = {}  # graph -> (index, tensor) to drop
+    for members in shared.values():
+        chains = [chain(at) for at, _ in members]
+        home = 0
+        for level in range(min(len(c) for c in chains)):
+            if len({c[level] for c in chains}) > 1:
+                break
+            home = chains[0][level]
+        first = graphs[members[0][0]].initializer[members[0][1]]
+        name = first.name
+        if defined.get(name, 0) > 1:  # the name means something else in another graph
+            n = 0
+            while f"{first.name}_shared{n}" in defined:
+                n += 1
+            name = f"{first.name}_shared{n}"
+            defined[name] = 1
+        kept = onnx.TensorProto()
+        kept.CopyFrom(first)
+        kept.name = name
+        for at, k in members:
+            t = graphs[at].initializer[k]
+            moved.setdefault(at, []).append((k, t))
+            if t.name != name:
+                _rename_reads(graphs[at], t.name, name)
+        saved += _nbytes(first) * (len(members) - 1)
+        graphs[home].initializer.append(kept)
+    for at, dropped in moved.items():
+        g = graphs[at]
+        gone = {t.name for _, t in dropped}
+        for k, _ in sorted(dropped, key=lambda d: -d[0]):
+            del g.initializer[k]
+        kept_info = [v for v in g.value_info if v.name not in gone]
+        del g.value_info[:]
+        g.value_info.extend(kept_info)
+    return saved
+
+
+def _rename_reads(graph: onnx.GraphProto, old: str, new: str) -> None:
+    """Every read of ``old`` in ``graph`` and the bodies nested in it now reads ``new``."""
+    for g in all_graphs(graph):
+        for node in g.node:
+            for k, name in enumerate(node.input):
+                if name == old:
+                    node.input[k] = new
 
 
 def tidy(graph: gs.Graph) -> None:

@@ -1,7 +1,9 @@
 """Branches: the bodies of top-level If, Loop and Scan nodes quantized as models of their own.
 
 Needs ``state.model``, ``state.quantizer`` and ``state.dataset``. Leaves ``state.model`` with
-those bodies replaced and ``state.branches`` (what became of each, for the decisions).
+those bodies replaced, each constant they hold several times kept once
+(onnxq.io.graph.share_body_constants), and ``state.branches`` (what became of each, for the
+decisions).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import onnx
 
 from onnxq.calibrate.dataset import feed_samples
 from onnxq.calibrate.iterations import Iterations
+from onnxq.io.graph import share_body_constants
 from onnxq.options import QuantizeOptions
 from onnxq.passes.defaults import settle
 from onnxq.passes.manager import PassResult, State
@@ -47,7 +50,7 @@ class Branches:
             )
             reason = f"its bodies stay float: {why}"
             state.branches = [BranchResult(n, "branches", reason=reason) for n in ifs]
-            return PassResult(f"{len(ifs)} If/Loop/Scan nodes left float")
+            return PassResult(f"{len(ifs)} If/Loop/Scan nodes left float{_shared(state)}")
         state.dataset.reset()
         feeds = [dict(f) for f in state.dataset.batches()]
         sizes = [feed_samples(f) for f in feeds]  # the rows of a body's feeds, per outer feed
@@ -65,4 +68,10 @@ class Branches:
             state.options.kept_float(q.float_model),
         )
         done = sum(1 for b in state.branches if b.quantized)
-        return PassResult(f"{done} of {len(state.branches)} bodies quantized")
+        return PassResult(f"{done} of {len(state.branches)} bodies quantized{_shared(state)}")
+
+
+def _shared(state: State) -> str:
+    """Keep one copy of the constants the bodies repeat; what it saved, for the pass line."""
+    saved = share_body_constants(state.model)
+    return f"; {saved / 1024:.0f} KiB of repeated body constants kept once" if saved else ""
