@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import numpy as np
 import onnx
+import pytest
 from helpers import rng, run
 from onnx import TensorProto
 from onnx import helper as h
 from onnx import numpy_helper as nh
 
 import onnxq
+from onnxq.core.errors import ConfigError
 from onnxq.io.graph import hoist_nested_initializers, share_body_constants
 from onnxq.post.subgraphs import free_variables
 
@@ -186,6 +188,20 @@ def test_nested_copies_of_an_outer_constant_are_hoisted():
     assert model.ByteSize() < before - 60 * 64 * 4
     f = {"x": np.ones((1, 64), np.float32), "c": np.array(True)}
     np.testing.assert_array_equal(run(model, f)[0], np.full((1, 64), 64, np.float32))
+
+
+def test_exclude_takes_a_body_node_as_inspect_names_it():
+    model, data = if_model(), feeds(1) + feeds(2)
+    # `inspect --explain` and the report name it branch/then_branch/Conv_then_y
+    q, report = onnxq.quantize(
+        model, data, exclude=["branch/then_branch/Conv_then_y"], progress=False
+    )
+    assert _branch_ops(q, "then_branch").count("QLinearConv") == 1
+    assert _branch_ops(q, "else_branch").count("QLinearConv") == 2
+    plain, _ = onnxq.quantize(model, data, exclude=["Conv_then_y"], progress=False)
+    assert q.SerializeToString() == plain.SerializeToString()
+    with pytest.raises(ConfigError, match="not in the model"):
+        onnxq.quantize(model, data, exclude=["branch/then_branch/no_such_node"], progress=False)
 
 
 def _all_initializers(model: onnx.ModelProto) -> list[tuple[str, onnx.TensorProto]]:

@@ -44,6 +44,7 @@ from onnxq.io.graph import (
     GraphEditor,
     constant_value,
     copy_graph,
+    graphs_of,
     in_file,
     is_file_weight,
     load_model,
@@ -172,6 +173,27 @@ def refuse_shared_names(model: onnx.ModelProto, exclude: Sequence[str]) -> None:
             f"named so; onnxq names them {', '.join(shown(r) for r in renamed)} (`onnxq "
             "inspect MODEL --explain` lists them): exclude those names"
         )
+
+
+def body_node_names(model: onnx.ModelProto, exclude: Sequence[str]) -> tuple[str, ...]:
+    """``exclude`` with each body node given as ``inspect`` and the report name it made plain.
+
+    ``inspect --explain`` and the report's decisions name a node of an If branch or a Loop/Scan
+    body ``HOLDER/ATTRIBUTE/NODE`` (``If_0/then_branch/…/stft/Conv``); each body is quantized
+    as a model of its own, where the node is ``NODE``. A name that is a node of the main graph
+    stays as it is; one whose prefix is no body's stays too (refused later, as before).
+    """
+    top = {n.name for n in model.graph.node}
+
+    def plain(graph: onnx.GraphProto, name: str) -> str:
+        for node in graph.node:
+            for attr, body in graphs_of(node):
+                prefix = f"{node.name}/{attr}/"
+                if node.name and name.startswith(prefix):
+                    return plain(body, name[len(prefix) :])
+        return name
+
+    return tuple(e if e in top else plain(model.graph, e) for e in exclude)
 
 
 class Quantizer:
@@ -462,15 +484,8 @@ class Quantizer:
         names = all_node_names(graph)
         missing = [] if self.config.body else [e for e in self.config.exclude if e not in names]
         if missing:
-            # a body node that preprocessing moved before its Loop/Scan has its own name now
-            moved = {e: e.rsplit("/body/", 1)[1] for e in missing if "/body/" in e}
-            hint = "".join(
-                f"; '{e}' runs before its loop now, as '{n}'"
-                for e, n in moved.items()
-                if n in names
-            )
             raise ConfigError(
-                f"--exclude: node(s) {missing} are not in the model{hint}; "
+                f"--exclude: node(s) {missing} are not in the model; "
                 "`onnxq inspect MODEL --explain` lists node names"
             )
 

@@ -11,7 +11,9 @@ preprocesses their result again (new nodes need shapes).
 
 from __future__ import annotations
 
-from onnxq.annotate.quantizer import refuse_shared_names
+from dataclasses import replace
+
+from onnxq.annotate.quantizer import body_node_names, refuse_shared_names
 from onnxq.passes.manager import PassResult, State, op_changes, op_histogram
 from onnxq.prepare.preprocess import prepare_hoisting
 
@@ -24,6 +26,10 @@ class Prepare:
     def run(self, state: State) -> PassResult:
         """Fold, fuse, name and infer shapes; keep the graph."""
         before = op_histogram(state.float_model)
+        # a body node named as inspect and the report name it (HOLDER/BODY/NODE): its own name
+        plain = body_node_names(state.float_model, state.options.exclude)
+        if plain != tuple(state.options.exclude):
+            state.options = replace(state.options, exclude=plain)
         # an --exclude name several nodes share is refused before preprocessing renames them
         refuse_shared_names(state.float_model, state.options.quantizer_config().exclude)
         kept = state.options.kept_float(state.float_model)
