@@ -83,6 +83,9 @@ class QuantizeReport:
     #: bias -> how many of its channels had their weight scale widened so that the int32
     #: accumulator cannot wrap (one note in :attr:`notes` says how many in all)
     widened_biases: dict[str, int] = field(default_factory=dict)
+    #: each If branch and Loop/Scan body: its holder and attribute, nodes int8 of nodes, the
+    #: calibration samples (and iterations) it saw, or why it stayed float
+    bodies: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def quantized_nodes(self) -> list[str]:
@@ -114,11 +117,16 @@ class QuantizeReport:
             if not text.startswith("off")
         ]
         cal = self.calibration
+        calibrated = f"calibrated on {cal.samples} samples"
+        if not cal.tensors_observed and any(b["quantized"] for b in self.bodies):
+            calibrated = "the main graph has nothing to calibrate"
         lines.append(
-            f"calibrated on {cal.samples} samples; "
+            f"{calibrated}; "
             + (f"{self.model_kind} model: {', '.join(ran)}" if ran else "no extra algorithm ran")
             + f"; {total:.1f} s in all"
         )
+        if self.bodies:
+            lines.append("bodies: " + "; ".join(body_words(b) for b in self.bodies))
         if self.choice.get("chosen"):
             lines.append(choice_line(self.choice))
         if self.latency:
@@ -198,7 +206,19 @@ class QuantizeReport:
             "choice": self.choice,
             "data_reads": self.data_reads,
             "widened_biases": self.widened_biases,
+            "bodies": self.bodies,
         }
+
+
+def body_words(body: dict[str, Any]) -> str:
+    """One body for the summary: ``If_0/then_branch 12 of 120 nodes int8 (128 samples)``."""
+    where = f"{body['node']}/{body['branch']}"
+    if not body["quantized"]:
+        return f"{where} float ({body['reason']})"
+    seen = f"{body['samples']} samples"
+    if body["iterations"]:
+        seen += f", {body['iterations']:,} iterations"
+    return f"{where} {body['quantized']} of {body['nodes']} nodes int8 ({seen})"
 
 
 def choice_line(choice: dict[str, Any]) -> str:
@@ -267,6 +287,10 @@ def nonfinite_warnings(nonfinite: dict[str, int], shown_at_most: int = 4) -> lis
     ]
 
 
+#: what the report keeps of each body (onnxq.post.subgraphs.BranchResult)
+BODY_FIELDS = ("node", "branch", "quantized", "nodes", "samples", "iterations", "reason")
+
+
 def build_report(state: State) -> QuantizeReport:
     """The report of a finished quantize pipeline."""
     q, o, sol = state.quantizer, state.options, state.solution
@@ -305,6 +329,7 @@ def build_report(state: State) -> QuantizeReport:
         budget=dict(state.budget),
         choice=dict(state.choice),
         data_reads=list(state.data_reads),
+        bodies=[{k: getattr(b, k) for k in BODY_FIELDS} for b in state.branches],
     )
     explain_constraints(report.decisions, sol)
     if not o.cli:

@@ -121,6 +121,19 @@ def test_both_branches_quantized_and_close_to_float():
         assert np.abs(got - ref).max() < 0.05 * np.abs(ref).max()
 
 
+def test_the_summary_says_what_each_body_got_when_the_main_graph_has_nothing():
+    # 32 batches: enough for a recipe choice, which has nothing to choose in the main graph
+    q, report = onnxq.quantize(if_model(), feeds(1, 16) + feeds(2, 16), progress=False)
+    text = report.summary()
+    assert "the main graph has nothing to calibrate" in text and "calibrated on 0" not in text
+    bodies = next(line for line in text.splitlines() if line.startswith("bodies: "))
+    assert "branch/then_branch 3 of 3 nodes int8 (" in bodies
+    assert "branch/else_branch 3 of 3 nodes int8 (" in bodies
+    assert report.choice == {"skipped": "the main graph has nothing to quantize"}
+    assert "recipe:" not in text
+    assert {b["branch"] for b in report.to_dict()["bodies"]} == {"then_branch", "else_branch"}
+
+
 def test_branch_no_sample_takes_stays_float_with_reason():
     model = if_model()
     q, report = onnxq.quantize(model, feeds(1), progress=False)

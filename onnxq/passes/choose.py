@@ -142,7 +142,9 @@ class Choose:
 
     def run(self, state: State) -> PassResult:
         """Leave the chosen candidate's values and constants on ``state``."""
-        if not choosing(state):
+        if choosing(state) and not state.values:  # every candidate would write the same
+            state.choice = {"skipped": "the main graph has nothing to quantize"}
+        if not choosing(state) or not state.values:
             self.fit(state)
             why = state.choice.get("skipped")
             if self.finish and why:  # the data turned it off (options that do are refused)
