@@ -84,7 +84,8 @@ class QuantizeReport:
     #: accumulator cannot wrap (one note in :attr:`notes` says how many in all)
     widened_biases: dict[str, int] = field(default_factory=dict)
     #: each If branch and Loop/Scan body: its holder and attribute, nodes int8 of nodes, the
-    #: calibration samples (and iterations) it saw, or why it stayed float
+    #: calibration batches (``samples``: an If takes a branch per batch) and iterations it
+    #: saw, or why it stayed float
     bodies: list[dict[str, Any]] = field(default_factory=list)
 
     @property
@@ -215,7 +216,7 @@ def body_words(body: dict[str, Any]) -> str:
     where = f"{body['node']}/{body['branch']}"
     if not body["quantized"]:
         return f"{where} float ({body['reason']})"
-    seen = f"{body['samples']} samples"
+    seen = f"{body['samples']} batches"
     if body["iterations"]:
         seen += f", {body['iterations']:,} iterations"
     return f"{where} {body['quantized']} of {body['nodes']} nodes int8 ({seen})"
@@ -540,11 +541,11 @@ def branch_decisions(quantizer: Quantizer, branches: list[Any]) -> list[Decision
         if b.iterations:
             loops.add(b.node)
             line = (
-                f"{b.branch}: {b.quantized} of {b.nodes} nodes int8 ({b.samples} samples, "
+                f"{b.branch}: {b.quantized} of {b.nodes} nodes int8 ({b.samples} batches, "
                 f"{b.iterations:,} iterations)"
             )
         elif b.quantized:
-            line = f"{b.branch}: {b.quantized} of {b.nodes} nodes int8 ({b.samples} samples)"
+            line = f"{b.branch}: {b.quantized} of {b.nodes} nodes int8 ({b.samples} batches)"
         else:
             line = f"{b.branch}: {b.reason}"
         by_if.setdefault(b.node, []).append(line)

@@ -112,7 +112,7 @@ def test_both_branches_quantized_and_close_to_float():
     for branch in ("then_branch", "else_branch"):
         assert _branch_ops(q, branch).count("QLinearConv") == 2, branch
     d = next(d for d in report.decisions if d.node == "branch")
-    assert d.quantized and "then_branch: 3 of 3 nodes int8 (8 samples)" in d.reason
+    assert d.quantized and "then_branch: 3 of 3 nodes int8 (8 batches)" in d.reason
     inner = [d for d in report.decisions if d.node.startswith("branch/then_branch/")]
     assert inner and any(d.quantized for d in inner)
     for mode in (1, 2):
@@ -131,6 +131,8 @@ def test_the_summary_says_what_each_body_got_when_the_main_graph_has_nothing():
     assert "branch/else_branch 3 of 3 nodes int8 (" in bodies
     assert report.choice == {"skipped": "the main graph has nothing to quantize"}
     assert "recipe:" not in text
+    # nothing was judged on the held-back batches: each branch calibrated on all its samples
+    assert {b["samples"] for b in report.bodies} == {16}  # batches of each mode, none held
     assert {b["branch"] for b in report.to_dict()["bodies"]} == {"then_branch", "else_branch"}
 
 

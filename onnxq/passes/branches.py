@@ -13,7 +13,7 @@ from typing import Any
 
 import onnx
 
-from onnxq.calibrate.dataset import feed_samples
+from onnxq.calibrate.dataset import HeldBack, feed_samples
 from onnxq.calibrate.iterations import Iterations
 from onnxq.io.graph import share_body_constants
 from onnxq.options import QuantizeOptions
@@ -52,7 +52,12 @@ class Branches:
             state.branches = [BranchResult(n, "branches", reason=reason) for n in ifs]
             return PassResult(f"{len(ifs)} If/Loop/Scan nodes left float{_shared(state)}")
         state.dataset.reset()
-        feeds = [dict(f) for f in state.dataset.batches()]
+        source = state.dataset
+        if isinstance(source, HeldBack) and not state.values:
+            # the main graph quantizes nothing, so nothing was judged on the held-back batches:
+            # the bodies calibrate on every batch (and hold back their own for their choice)
+            source = source.inner
+        feeds = [dict(f) for f in source.batches()]
         sizes = [feed_samples(f) for f in feeds]  # the rows of a body's feeds, per outer feed
         options = settle(state.options.for_branches(), state.over_budget)
 
