@@ -205,7 +205,7 @@ def test_nested_copies_of_an_outer_constant_are_hoisted():
     np.testing.assert_array_equal(run(model, f)[0], np.full((1, 64), 64, np.float32))
 
 
-def test_exclude_takes_a_body_node_as_inspect_names_it():
+def test_exclude_and_config_take_a_body_node_as_inspect_names_it():
     model, data = if_model(), feeds(1) + feeds(2)
     # `inspect --explain` and the report name it branch/then_branch/Conv_then_y
     q, report = onnxq.quantize(
@@ -217,6 +217,10 @@ def test_exclude_takes_a_body_node_as_inspect_names_it():
     assert q.SerializeToString() == plain.SerializeToString()
     with pytest.raises(ConfigError, match="not in the model"):
         onnxq.quantize(model, data, exclude=["branch/then_branch/no_such_node"], progress=False)
+    # a [node."…"] entry takes the same name
+    config = {"node": {"branch/then_branch/Conv_then_y": {"keep_float": True}}}
+    configured, _ = onnxq.quantize(model, data, config=config, progress=False)
+    assert configured.SerializeToString() == plain.SerializeToString()
 
 
 def _all_initializers(model: onnx.ModelProto) -> list[tuple[str, onnx.TensorProto]]:

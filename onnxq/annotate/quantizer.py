@@ -176,7 +176,7 @@ def refuse_shared_names(model: onnx.ModelProto, exclude: Sequence[str]) -> None:
 
 
 def body_node_names(model: onnx.ModelProto, exclude: Sequence[str]) -> tuple[str, ...]:
-    """``exclude`` with each body node given as ``inspect`` and the report name it made plain.
+    """Node names (``exclude``, ``[node."…"]`` keys), a body node's given as ``inspect`` does plain.
 
     ``inspect --explain`` and the report's decisions name a node of an If branch or a Loop/Scan
     body ``HOLDER/ATTRIBUTE/NODE`` (``If_0/then_branch/…/stft/Conv``); each body is quantized

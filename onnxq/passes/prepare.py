@@ -27,9 +27,16 @@ class Prepare:
         """Fold, fuse, name and infer shapes; keep the graph."""
         before = op_histogram(state.float_model)
         # a body node named as inspect and the report name it (HOLDER/BODY/NODE): its own name
-        plain = body_node_names(state.float_model, state.options.exclude)
-        if plain != tuple(state.options.exclude):
-            state.options = replace(state.options, exclude=plain)
+        o = state.options
+        plain = body_node_names(state.float_model, o.exclude)
+        if plain != tuple(o.exclude):
+            state.options = o = replace(o, exclude=plain)
+        if o.user is not None and o.user.node:
+            keys = list(o.user.node)
+            named = body_node_names(state.float_model, keys)
+            if list(named) != keys:
+                tables = dict(zip(named, o.user.node.values(), strict=True))
+                state.options = replace(o, user=replace(o.user, node=tables))
         # an --exclude name several nodes share is refused before preprocessing renames them
         refuse_shared_names(state.float_model, state.options.quantizer_config().exclude)
         kept = state.options.kept_float(state.float_model)
