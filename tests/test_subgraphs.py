@@ -361,3 +361,27 @@ def test_config_reaches_a_branch_node_and_a_main_node_entry_leaves_branches_alon
     assert _branch_ops(q, "else_branch").count("QLinearConv") == 2
     q2, _ = onnxq.quantize(model, data, config={"node": {"Equal_cond": {}}}, progress=False)
     assert _branch_ops(q2, "then_branch").count("QLinearConv") == 2
+
+
+def test_debug_says_its_emulation_leaves_the_bodies_out_and_advises_above_the_noise():
+    from dataclasses import replace
+
+    from onnxq.tools.debug import debug
+
+    result = debug(if_model(), feeds(1, 16) + feeds(2, 16), budget=5)
+    text = result.summary()
+    # the emulation behind the loss parts, the ranking and the cross-check has float bodies
+    assert "not measured: the emulation covers the main graph only" in text
+    assert "the same int8 in float arithmetic -" in text
+    assert "sensitivity: the main graph holds no int8 group to rank" in text
+    assert "the fake-quantized model keeps the If/Loop/Scan bodies float" in text
+    best = result.body_groups[0]
+    gain = best.metric - result.int8
+    assert gain > 0
+    # a gain within the noise is not advice; above it, the name --exclude takes
+    assert result.body_advice() is None if gain <= result.noise else result.body_advice()
+    louder = replace(result, noise=gain / 2)
+    assert louder.body_advice() is not None
+    assert f"--exclude {best.name} wins back" in louder.summary()
+    quiet = replace(result, noise=gain * 2)
+    assert quiet.body_advice() is None and "advice:" not in quiet.summary()

@@ -118,7 +118,11 @@ class Ranking:
         return db(self.noise)
 
     def table(self, limit: int = 15) -> str:
-        """A terminal table."""
+        """A terminal table (one line when the main graph holds no int8 group)."""
+        if not self.groups:
+            return "sensitivity: the main graph holds no int8 group to rank" + "".join(
+                f"; {n}" for n in self.notes
+            )
         lines = [
             f"sensitivity on {self.samples} samples ({self.runs} runs, {self.seconds:.1f} s): "
             f"output SQNR {self.sqnr_db:.2f} dB with every group int8",

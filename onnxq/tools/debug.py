@@ -216,6 +216,9 @@ class DebugResult:
                 f"  {g.name}: {g.metric:.4f} ({g.metric - self.int8:+.4f})"
                 for g in self.body_groups
             ]
+            advice = self.body_advice()
+            if advice:
+                lines.append(advice)
             lines.append("")
         if self.fixed is None:
             lines.append(
@@ -259,13 +262,34 @@ class DebugResult:
                     f"{self.fp32_ms:.3f} ms (1 thread): fp32 itself is faster and more accurate"
                 )
         lines += ["", self.check.summary()]
+        if self.body_groups:
+            lines.append(
+                "  (the fake-quantized model keeps the If/Loop/Scan bodies float: the outputs' "
+                "gap above is theirs, the layers compared are the main graph's)"
+            )
         lines.extend(f"note: {n}" for n in self.notes)
         return "\n".join(lines)
 
     @property
     def config_hint(self) -> str:
         """How a body group is returned to float by hand."""
-        return '[node."NODE"] keep_float = true in --config, NODE as named after the body\'s name'
+        return '--exclude NODE, or [node."NODE"] keep_float = true in --config'
+
+    def body_advice(self) -> str | None:
+        """The body group whose float return wins back most, where that is above the noise.
+
+        The fix below leaves body groups out (its emulation covers the main graph), so this
+        is said apart; None when no group gains more than the noise (or without a noise).
+        """
+        best = self.body_groups[0] if self.body_groups else None
+        if best is None or self.noise is None or best.metric - self.int8 <= self.noise:
+            return None
+        gain = best.metric - self.int8
+        share = f" ({100 * gain / self.loss:.0f}% of the loss)" if self.loss > 0 else ""
+        return (
+            f"  advice: --exclude {best.name} wins back {gain:.4f}{share}, above the noise "
+            f"{self.noise:.4f}; the fix below does not return body groups"
+        )
 
     @property
     def fixed_ms(self) -> float:
@@ -391,8 +415,27 @@ def debug(
     int8 = metric(int8_model)
     noise = calibration_noise(source, feeds, metric, kw) if fp32 > int8 else None
     emulation = emulate(state)
-    parts = (
-        loss_parts(
+    inside = [
+        (b.node, b.branch, d.node)
+        for b in state.branches
+        for d in b.decisions
+        if d.quantized and d.pattern not in ("", "requantize", "branches")
+    ]
+    if fp32 <= int8:
+        parts = None
+    elif inside:  # the emulation's bodies are float: its parts would leave their loss out
+        parts = LossParts(
+            fp32,
+            int8,
+            None,
+            None,
+            notes=(
+                f"not measured: the emulation covers the main graph only, and {len(inside)} "
+                "group(s) inside If/Loop/Scan bodies are int8 (each measured below)",
+            ),
+        )
+    else:
+        parts = loss_parts(
             emulation,
             metric,
             fp32,
@@ -402,19 +445,10 @@ def debug(
                 quantize_state(source, feeds, activation_dtype="int16", format="qdq", **kw)
             ).fixed(),
         )
-        if fp32 > int8
-        else None
-    )
     ranking = rank(emulation, feeds, budget, fallback=mode)
     check = cross_check(
         emulation, state.quantizer.float_model, int8_model, check_feeds, state.options.target.name
     )
-    inside = [
-        (b.node, b.branch, d.node)
-        for b in state.branches
-        for d in b.decisions
-        if d.quantized and d.pattern not in ("", "requantize", "branches")
-    ]
     del state, emulation
     body_groups = []
     if int8 < fp32:
