@@ -180,20 +180,31 @@ def body_node_names(model: onnx.ModelProto, exclude: Sequence[str]) -> tuple[str
 
     ``inspect --explain`` and the report's decisions name a node of an If branch or a Loop/Scan
     body ``HOLDER/ATTRIBUTE/NODE`` (``If_0/then_branch/…/stft/Conv``); each body is quantized
-    as a model of its own, where the node is ``NODE``. A name that is a node of the main graph
-    stays as it is; one whose prefix is no body's stays too (refused later, as before).
+    as a model of its own, where the node is ``NODE``. A name that is a node of the main graph,
+    or that names no body's node, stays as it is (refused later with the name as given).
     """
     top = {n.name for n in model.graph.node}
 
-    def plain(graph: onnx.GraphProto, name: str) -> str:
+    def resolve(graph: onnx.GraphProto, name: str) -> str | None:
         for node in graph.node:
             for attr, body in graphs_of(node):
                 prefix = f"{node.name}/{attr}/"
-                if node.name and name.startswith(prefix):
-                    return plain(body, name[len(prefix) :])
-        return name
+                if not node.name or not name.startswith(prefix):
+                    continue
+                rest = name[len(prefix) :]
+                # a body's unnamed nodes by the names its own preprocessing gives them
+                bases = [
+                    n.name or f"{n.op_type}_{n.output[0] if n.output else 'node'}"
+                    for n in body.node
+                ]
+                if rest in set(unique_names(bases)):
+                    return rest
+                deeper = resolve(body, rest)
+                if deeper is not None:
+                    return deeper
+        return None
 
-    return tuple(e if e in top else plain(model.graph, e) for e in exclude)
+    return tuple(e if e in top else resolve(model.graph, e) or e for e in exclude)
 
 
 class Quantizer:
