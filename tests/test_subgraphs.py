@@ -11,7 +11,7 @@ from onnx import helper as h
 from onnx import numpy_helper as nh
 
 import onnxq
-from onnxq.core.errors import ConfigError
+from onnxq.core.errors import ConfigError, ModelError
 from onnxq.io.graph import hoist_nested_initializers, share_body_constants
 from onnxq.post.subgraphs import free_variables
 
@@ -385,3 +385,27 @@ def test_debug_says_its_emulation_leaves_the_bodies_out_and_advises_above_the_no
     assert f"--exclude {best.name} wins back" in louder.summary()
     quiet = replace(result, noise=gain * 2)
     assert quiet.body_advice() is None and "advice:" not in quiet.summary()
+
+
+def test_a_model_quantized_in_its_bodies_is_known_as_quantized(tmp_path, capsys):
+    from onnxq.cli import _check_compare_order, main
+
+    # silero-vad: onnxq's int8 model holds its quantized ops inside the If branches alone
+    data = feeds(1) + feeds(2)
+    q, _ = onnxq.quantize(if_model(), data, progress=False)
+    assert not any(n.op_type.startswith("QLinear") for n in q.graph.node)
+    fp, qp = tmp_path / "f.onnx", tmp_path / "q.onnx"
+    onnx.save(if_model(), str(fp))
+    onnx.save(q, str(qp))
+    with pytest.raises(ModelError, match="already quantized inside its If/Loop/Scan"):
+        onnxq.quantize(q, data, progress=False)
+    capsys.readouterr()
+    assert main(["inspect", str(qp)]) == 2
+    assert "already quantized inside its If/Loop/Scan bodies" in capsys.readouterr().err
+    assert main(["convert", str(qp), "--format", "qdq", "-o", str(tmp_path / "c.onnx")]) == 2
+    assert "sit in its If/Loop/Scan bodies" in capsys.readouterr().err
+    assert not (tmp_path / "c.onnx").exists()
+    # compare takes it as the quantized one, and refuses it as the float one
+    _check_compare_order(str(fp), if_model(), str(qp), q)
+    with pytest.raises(ConfigError, match="is the quantized model"):
+        _check_compare_order(str(qp), q, str(fp), if_model())

@@ -26,7 +26,13 @@ import onnx_graphsurgeon as gs
 from onnxq.core.errors import ConfigError, ModelError
 from onnxq.core.optable import CARRIERS, INTEGER_OPS, MS_DOMAIN, TABLE, QOp, qops
 from onnxq.core.qparams import qrange
-from onnxq.io.graph import GraphEditor, constant_value, export_model, import_graph
+from onnxq.io.graph import (
+    GraphEditor,
+    all_graphs,
+    constant_value,
+    export_model,
+    import_graph,
+)
 from onnxq.lower.fakequantize import qdq_to_fakequantize
 from onnxq.lower.qdq import to_qdq
 from onnxq.lower.qoperator import slots
@@ -44,6 +50,9 @@ from onnxq.pattern import (
 from onnxq.post.requantize import Requantizer
 from onnxq.prepare.opset import default_opset
 from onnxq.prepare.preprocess import preprocess
+
+#: op types a body of an onnxq model holds when it was quantized (Q/DQ, QOperator, integer)
+_QUANTIZED = frozenset({"QuantizeLinear", "DequantizeLinear"}) | qops() | INTEGER_OPS
 
 QDQ_OPS = frozenset({"QuantizeLinear", "DequantizeLinear"})
 #: ops that make a model QOperator (the table's QLinear ops, and integer ops)
@@ -279,6 +288,11 @@ def convert(model: onnx.ModelProto, target: str) -> tuple[onnx.ModelProto, Conve
         )
     source = quantized_form(model)
     if source is None:
+        if any(n.op_type in _QUANTIZED for g in all_graphs(model.graph)[1:] for n in g.node):
+            raise ModelError(
+                "the model's quantized ops sit in its If/Loop/Scan bodies, which convert does "
+                "not read; quantize the float model again with the format you want (--format)"
+            )
         raise ModelError(
             "the model holds no QuantizeLinear/DequantizeLinear or QLinear ops: it "
             "is a float model; use `onnxq quantize` with calibration data"

@@ -10,7 +10,7 @@ import onnx
 
 from onnxq.core.errors import ModelError
 from onnxq.core.optable import INTEGER_OPS, qops
-from onnxq.io.graph import load_model
+from onnxq.io.graph import all_graphs, load_model
 from onnxq.options import QuantizeOptions
 from onnxq.passes.manager import PassResult, State
 from onnxq.post.weight_only import INT4_OPSET
@@ -34,19 +34,29 @@ def describe(source: object) -> str:
 
 
 def quantized_ops(model: onnx.ModelProto) -> list[str]:
-    """The quantized op types ``model`` holds (QOperator, Q/DQ, integer ops, FakeQuantize)."""
+    """The quantized op types ``model`` holds (QOperator, Q/DQ, integer ops, FakeQuantize).
+
+    Its If/Loop/Scan bodies included: a model onnxq quantized may hold them there alone
+    (silero-vad).
+    """
     return sorted(
         {
             n.op_type
-            for n in model.graph.node
+            for g in all_graphs(model.graph)
+            for n in g.node
             if n.op_type in QUANTIZED_OPS or n.op_type == "FakeQuantize"
         }
     )
 
 
 def refuse_quantized(model: onnx.ModelProto, where: str, command: str = "quantize") -> None:
-    """Raise when ``model`` already holds quantized ops."""
-    found = sorted({n.op_type for n in model.graph.node if n.op_type in QUANTIZED_OPS})
+    """Raise when ``model`` already holds quantized ops (in its bodies too)."""
+    found = [op for op in quantized_ops(model) if op != "FakeQuantize"]
+    if found and not any(n.op_type in QUANTIZED_OPS for n in model.graph.node):
+        raise ModelError(
+            f"{where} is already quantized inside its If/Loop/Scan bodies (they hold "
+            f"{', '.join(found)}); {command} the float model instead"
+        )
     if found:
         raise ModelError(
             f"{where} is already quantized (it holds {', '.join(found)}); {command} the float "
