@@ -74,13 +74,18 @@ def _names(graph: gs.Graph, top: bool = True) -> list[tuple[str, str]]:
     ``inspect`` shows.
     """
     nodes = list(graph.nodes)
-    bases = [n.name or f"{n.op}_{n.outputs[0].name if n.outputs else 'node'}" for n in nodes]
+    bases = [_base_name(n.name, n.op, n.outputs[0].name if n.outputs else None) for n in nodes]
     out = list(zip([n.name for n in nodes] if top else unique_names(bases), [n.op for n in nodes]))
     for n in nodes:
         for v in n.attrs.values():
             if isinstance(v, gs.Graph):
                 out += _names(v, top=False)
     return out
+
+
+def _base_name(name: str, op: str, first_output: str | None) -> str:
+    """A body node's name before it is made unique: its own, else its op and first output."""
+    return name or f"{op}_{first_output if first_output is not None else 'node'}"
 
 
 def all_node_names(graph: gs.Graph) -> set[str]:
@@ -194,7 +199,7 @@ def body_node_names(model: onnx.ModelProto, exclude: Sequence[str]) -> tuple[str
                 rest = name[len(prefix) :]
                 # a body's unnamed nodes by the names its own preprocessing gives them
                 bases = [
-                    n.name or f"{n.op_type}_{n.output[0] if n.output else 'node'}"
+                    _base_name(n.name, n.op_type, n.output[0] if n.output else None)
                     for n in body.node
                 ]
                 if rest in set(unique_names(bases)):

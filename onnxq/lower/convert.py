@@ -51,9 +51,6 @@ from onnxq.post.requantize import Requantizer
 from onnxq.prepare.opset import default_opset
 from onnxq.prepare.preprocess import preprocess
 
-#: op types a body of an onnxq model holds when it was quantized (Q/DQ, QOperator, integer)
-_QUANTIZED = frozenset({"QuantizeLinear", "DequantizeLinear"}) | qops() | INTEGER_OPS
-
 QDQ_OPS = frozenset({"QuantizeLinear", "DequantizeLinear"})
 #: ops that make a model QOperator (the table's QLinear ops, and integer ops)
 QOPERATOR_OPS = qops() | INTEGER_OPS
@@ -288,7 +285,8 @@ def convert(model: onnx.ModelProto, target: str) -> tuple[onnx.ModelProto, Conve
         )
     source = quantized_form(model)
     if source is None:
-        if any(n.op_type in _QUANTIZED for g in all_graphs(model.graph)[1:] for n in g.node):
+        bodies = all_graphs(model.graph)[1:]
+        if any(n.op_type in QDQ_OPS | QOPERATOR_OPS for g in bodies for n in g.node):
             raise ModelError(
                 "the model's quantized ops sit in its If/Loop/Scan bodies, which convert does "
                 "not read; quantize the float model again with the format you want (--format)"

@@ -50,7 +50,8 @@ class Branches:
             )
             reason = f"its bodies stay float: {why}"
             state.branches = [BranchResult(n, "branches", reason=reason) for n in ifs]
-            return PassResult(f"{len(ifs)} If/Loop/Scan nodes left float{_shared(state)}")
+            shared = _saved(share_body_constants(state.model))
+            return PassResult(f"{len(ifs)} If/Loop/Scan nodes left float{shared}")
         state.dataset.reset()
         source = state.dataset
         if isinstance(source, HeldBack) and not state.values:
@@ -73,10 +74,10 @@ class Branches:
             state.options.kept_float(q.float_model),
         )
         done = sum(1 for b in state.branches if b.quantized)
-        return PassResult(f"{done} of {len(state.branches)} bodies quantized{_shared(state)}")
+        shared = _saved(share_body_constants(state.model))
+        return PassResult(f"{done} of {len(state.branches)} bodies quantized{shared}")
 
 
-def _shared(state: State) -> str:
-    """Keep one copy of the constants the bodies repeat; what it saved, for the pass line."""
-    saved = share_body_constants(state.model)
+def _saved(saved: int) -> str:
+    """The bytes one copy of each repeated body constant saved, for the pass line."""
     return f"; {saved / 1024:.0f} KiB of repeated body constants kept once" if saved else ""
